@@ -1,0 +1,75 @@
+// The pipeline, in one list:
+//
+//   verify -> eliminate_dead_code -> eliminate_common_subexpressions -> build_plan
+//
+// Fusion, layout and memory planning join the list in their own passes. Each pass can be switched
+// off by name; with a debug directory, the IR is written before the first pass and after each one.
+#include "ember/compiler.h"
+
+#include "ember/error.h"
+#include "passes/passes.h"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+
+namespace ember {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+void dump(const CompileOptions& options, const std::string& stage, const std::string& text) {
+  if (options.debug_dir.empty()) return;
+  std::string path = options.debug_dir + "/" + options.graph_name + "." + stage;
+  std::ofstream f(path);
+  if (!f) throw Error("cannot write debug dump '" + path + "'");
+  f << text;
+}
+
+}  // namespace
+
+const std::vector<Pass>& default_passes() {
+  static const std::vector<Pass> passes = {
+      {"dce", eliminate_dead_code},
+      {"cse", eliminate_common_subexpressions},
+  };
+  return passes;
+}
+
+std::vector<std::pair<std::string, double>> run_passes(Graph& graph, const std::vector<Pass>& passes,
+                                                       PassContext& ctx) {
+  std::vector<std::pair<std::string, double>> timings;
+  const auto& disabled = ctx.options.disabled_passes;
+  int index = 0;
+  for (const Pass& pass : passes) {
+    ++index;
+    if (std::find(disabled.begin(), disabled.end(), pass.name) != disabled.end()) continue;
+    auto t0 = Clock::now();
+    pass.run(graph, ctx);
+    timings.emplace_back(pass.name, ms_since(t0));
+    graph.verify();
+    dump(ctx.options, std::to_string(index) + "_after_" + pass.name + ".ir", print(graph));
+  }
+  return timings;
+}
+
+std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std::string, at::Tensor>& constants,
+                                       const CompileOptions& options) {
+  graph.verify();
+  dump(options, "0_input.ir", print(graph));
+  PassContext ctx{options};
+  auto timings = run_passes(graph, default_passes(), ctx);
+  auto t0 = Clock::now();
+  Plan plan = build_plan(graph, constants);
+  timings.emplace_back("plan", ms_since(t0));
+  auto compiled = std::make_shared<CompiledGraph>(std::move(graph), std::move(plan));
+  compiled->timings = std::move(timings);
+  dump(options, "plan.txt", compiled->describe());
+  return compiled;
+}
+
+}  // namespace ember

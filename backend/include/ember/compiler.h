@@ -1,0 +1,42 @@
+// The compile pipeline: IR in, a runnable CompiledGraph out. Passes are named and each can be
+// switched off by name; with a debug directory set, the IR is written before and after each pass.
+#pragma once
+
+#include "ember/ir.h"
+#include "ember/runtime.h"
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace ember {
+
+struct CompileOptions {
+  std::vector<std::string> disabled_passes;  // by name: "dce", "cse", ...
+  std::string debug_dir;                     // empty: write nothing
+  std::string graph_name = "graph";          // file prefix for debug dumps
+};
+
+struct PassContext {
+  const CompileOptions& options;
+};
+
+struct Pass {
+  const char* name;
+  void (*run)(Graph&, PassContext&);
+};
+
+// The default pipeline, in order.
+const std::vector<Pass>& default_passes();
+
+// Runs `passes` over `graph`, skipping disabled ones and dumping IR when asked. Returns the time
+// each pass took, in milliseconds, in pipeline order.
+std::vector<std::pair<std::string, double>> run_passes(Graph& graph, const std::vector<Pass>& passes,
+                                                       PassContext& ctx);
+
+// Parses nothing, owns nothing of the caller's: `constants` are the tensors prim::constant nodes name.
+std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std::string, at::Tensor>& constants,
+                                       const CompileOptions& options);
+
+}  // namespace ember

@@ -1,0 +1,42 @@
+// The op table: for each op name in the IR, its traits and (for ATen ops) the dispatcher handle,
+// resolved once at compile time and cached for the life of the process. Traits come from the op's
+// schema and tags (pointwise, reduction, nondeterministic_seeded, ...) plus a short list of ember's
+// own decisions (which ops stay extern, which sync with the host), so every pass reads one table.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace c10 {
+class OperatorHandle;
+}
+
+namespace ember {
+
+enum OpTrait : uint32_t {
+  kPointwise = 1u << 0,
+  kReduction = 1u << 1,
+  kView = 1u << 2,         // an output aliases an input without writing it
+  kRandom = 1u << 3,       // draws from a generator: never merged, never folded
+  kMutates = 1u << 4,      // writes one of its inputs
+  kExternOnly = 1u << 5,   // stays a library call (matmul, conv, attention)
+  kCpuSync = 1u << 6,      // the host waits on the device (.item(), nonzero)
+  kDynamicShape = 1u << 7, // output shape depends on data
+  kCapturable = 1u << 8,   // may run inside a CUDA graph
+  kPrim = 1u << 9,         // an ember primitive executed by the runtime itself
+};
+
+struct OpInfo {
+  std::string name;
+  uint32_t traits = 0;
+  const c10::OperatorHandle* handle = nullptr;  // null for prim ops
+  bool has(OpTrait t) const { return (traits & t) != 0; }
+};
+
+// Throws ember::Error naming the op when neither the dispatcher nor ember knows it.
+const OpInfo& op_info(const std::string& name);
+
+// Splits "aten::add.Tensor" into ("aten::add", "Tensor"); a missing overload is "".
+std::pair<std::string, std::string> split_op_name(const std::string& name);
+
+}  // namespace ember

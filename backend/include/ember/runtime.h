@@ -1,0 +1,93 @@
+// The runtime: a Plan is a flat list of steps over a buffer table, built once from a Graph with every
+// operator handle resolved, every argument stack laid out and every buffer's last use known. Running
+// it does no hashing, no string work and no Python: it fills argument slots, calls kernels and frees
+// buffers after their last use.
+#pragma once
+
+#include "ember/ir.h"
+
+#include <ATen/core/ivalue.h>
+
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace c10 {
+class OperatorHandle;
+}
+
+namespace ember {
+
+// Runtime primitives: shape queries and SymInt arithmetic evaluated in place.
+enum class PrimOp : uint8_t {
+  None, SymSize, SymStride, SymNumel, SymStorageOffset, Add, Sub, Mul, FloorDiv, Mod, TrueDiv, Neg, Pow,
+  Eq, Ne, Lt, Le, Gt, Ge, SymFloat, SymInt, SymMax, SymMin, SymNot,
+};
+
+// A list argument with some elements read from buffers (Tensor[], int[] with SymInt values, ...).
+struct ListSlot {
+  enum class Elem : uint8_t { Int, Float, Bool, Tensor, OptionalTensor };
+  uint32_t slot = 0;
+  Elem elem = Elem::Int;
+  std::vector<c10::IValue> items;    // constant items (placeholders where item_buffer is set)
+  std::vector<int32_t> item_buffer;  // per item: the buffer it reads, or -1 for a constant
+};
+
+// Builds the list a ListSlot describes, reading value items from `buffers` (may be null when the
+// list is all constants).
+c10::IValue assemble_list(const ListSlot& list, const std::vector<c10::IValue>* buffers);
+
+struct Step {
+  const c10::OperatorHandle* op = nullptr;  // null for a prim step
+  PrimOp prim = PrimOp::None;
+  std::vector<c10::IValue> stack;                         // arguments with constants in place
+  std::vector<std::pair<uint32_t, uint32_t>> from_buffer; // (stack slot, buffer)
+  std::vector<ListSlot> lists;
+  std::vector<int32_t> outputs;  // buffer for each return; -1 drops it
+  bool expand_list = false;      // the op returns one Tensor[] spread over `outputs`
+  std::vector<uint32_t> frees;   // buffers whose last use is this step
+  const Node* node = nullptr;    // for error messages only; valid while the owning Graph lives
+};
+
+struct PlanOutput {
+  int32_t buffer = -1;  // -1: `constant`
+  c10::IValue constant;
+};
+
+struct Plan {
+  size_t num_buffers = 0;
+  size_t num_inputs = 0;  // inputs occupy buffers [0, num_inputs)
+  std::vector<std::pair<uint32_t, c10::IValue>> constants;  // graph constants, set before the first step
+  std::vector<uint32_t> unused_inputs;                       // freed before the first step
+  std::vector<Step> steps;
+  std::vector<PlanOutput> outputs;
+};
+
+class CompiledGraph {
+ public:
+  CompiledGraph(Graph graph, Plan plan) : graph_(std::move(graph)), plan_(std::move(plan)) {}
+
+  // Runs the plan. Inputs are taken by value and released after their last use, so a caller that
+  // moves them in lets their memory go early (AOTAutograd's boxed calling convention).
+  std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) const;
+
+  const Graph& graph() const { return graph_; }
+  const Plan& plan() const { return plan_; }
+  size_t num_inputs() const { return plan_.num_inputs; }
+  // One line per step: what runs, reading and writing which buffers, freeing which.
+  std::string describe() const;
+
+  // Compile-time breakdown in milliseconds: each pass, then "plan".
+  std::vector<std::pair<std::string, double>> timings;
+
+ private:
+  Graph graph_;  // the optimized IR the plan was built from (kept for describe() and debugging)
+  Plan plan_;
+};
+
+// Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind
+// (unknown op, argument that does not fit the schema, missing constant).
+Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants);
+
+}  // namespace ember

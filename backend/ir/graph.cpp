@@ -1,0 +1,77 @@
+// Graph construction, use rewriting and the verifier.
+#include "ember/error.h"
+#include "ember/ir.h"
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace ember {
+
+Value* Graph::add_input(std::string name, Type type) {
+  auto v = std::make_unique<Value>();
+  v->name = std::move(name);
+  v->type = std::move(type);
+  inputs_.push_back(v.get());
+  values_.push_back(std::move(v));
+  return inputs_.back();
+}
+
+Node* Graph::add_node(std::string op, std::vector<Arg> args, std::vector<std::pair<std::string, Arg>> kwargs,
+                      std::vector<std::pair<std::string, Type>> outputs) {
+  auto n = std::make_unique<Node>();
+  n->op = std::move(op);
+  n->args = std::move(args);
+  n->kwargs = std::move(kwargs);
+  int index = 0;
+  for (auto& [name, type] : outputs) {
+    auto v = std::make_unique<Value>();
+    v->name = std::move(name);
+    v->type = std::move(type);
+    v->producer = n.get();
+    v->output_index = index++;
+    n->outputs.push_back(v.get());
+    values_.push_back(std::move(v));
+  }
+  nodes_.push_back(std::move(n));
+  return nodes_.back().get();
+}
+
+void Graph::replace_uses(const std::vector<std::pair<const Value*, Value*>>& map) {
+  if (map.empty()) return;
+  std::unordered_map<const Value*, Value*> m(map.begin(), map.end());
+  auto rewrite = [&](Value*& v) {
+    auto it = m.find(v);
+    while (it != m.end()) {  // follow chains a -> b -> c
+      v = it->second;
+      it = m.find(v);
+    }
+  };
+  for (auto& n : nodes_) n->for_each_input(rewrite);
+  for (Arg& a : outputs_) a.for_each_value(rewrite);
+}
+
+void Graph::verify() const {
+  std::unordered_set<const Value*> defined;
+  std::unordered_set<std::string> names;
+  auto define = [&](const Value* v) {
+    if (!names.insert(v->name).second) throw Error("IR verify: value %" + v->name + " is defined twice");
+    defined.insert(v);
+  };
+  for (const Value* v : inputs_) define(v);
+  for (const auto& n : nodes_) {
+    n->for_each_input([&](const Value* v) {
+      if (!defined.count(v))
+        throw Error("IR verify: " + n->op + " uses %" + v->name + " before it is defined");
+    });
+    for (const Value* v : n->outputs) {
+      if (v->producer != n.get()) throw Error("IR verify: %" + v->name + " has the wrong producer");
+      define(v);
+    }
+  }
+  for (const Arg& a : outputs_)
+    a.for_each_value([&](const Value* v) {
+      if (!defined.count(v)) throw Error("IR verify: graph output %" + v->name + " is not defined");
+    });
+}
+
+}  // namespace ember

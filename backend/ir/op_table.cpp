@@ -1,0 +1,96 @@
+// Op traits, read from the dispatcher's schema and tags and cached per op name.
+#include "ember/op_table.h"
+
+#include "ember/error.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+namespace ember {
+namespace {
+
+// ember's primitives: graph constants, shape queries and SymInt arithmetic that the runtime evaluates
+// without a dispatcher round trip.
+constexpr const char* kPrimOps[] = {
+    "prim::constant", "prim::add",  "prim::sub", "prim::mul", "prim::floordiv", "prim::mod",
+    "prim::truediv",  "prim::neg",  "prim::pow", "prim::eq",  "prim::ne",       "prim::lt",
+    "prim::le",       "prim::gt",   "prim::ge",  "prim::sym_float", "prim::sym_int", "prim::sym_max",
+    "prim::sym_min",  "prim::sym_not", "aten::sym_size.int", "aten::sym_stride.int", "aten::sym_numel",
+    "aten::sym_storage_offset",
+};
+
+// Ops that stay library calls even once fusion exists: vendor libraries beat generated code here.
+constexpr const char* kExternOps[] = {
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution",
+    "aten::convolution_backward", "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention", "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_flash_attention_backward",
+    "aten::_scaled_dot_product_efficient_attention_backward",
+    "aten::_scaled_dot_product_cudnn_attention_backward",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::_addmm_activation",
+};
+
+// Ops whose result the host must read before going on.
+constexpr const char* kCpuSyncOps[] = {
+    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
+    "aten::unique_consecutive", "aten::_unique2", "aten::equal", "aten::is_nonzero",
+};
+
+bool listed(const char* const* begin, const char* const* end, const std::string& s) {
+  for (auto it = begin; it != end; ++it)
+    if (s == *it) return true;
+  return false;
+}
+
+std::unique_ptr<OpInfo> resolve(const std::string& name) {
+  auto info = std::make_unique<OpInfo>();
+  info->name = name;
+  if (listed(std::begin(kPrimOps), std::end(kPrimOps), name)) {
+    info->traits = kPrim | kCapturable;
+    return info;
+  }
+  auto [base, overload] = split_op_name(name);
+  auto handle = c10::Dispatcher::singleton().findSchema({base, overload});
+  if (!handle.has_value())
+    throw Error("op '" + name + "' is not registered with the dispatcher (ember can only run ops it can resolve)");
+  info->handle = new c10::OperatorHandle(*handle);  // lives as long as the table
+  const c10::FunctionSchema& schema = handle->schema();
+  uint32_t t = 0;
+  if (handle->hasTag(at::Tag::pointwise)) t |= kPointwise;
+  if (handle->hasTag(at::Tag::reduction)) t |= kReduction;
+  if (handle->hasTag(at::Tag::nondeterministic_seeded)) t |= kRandom;
+  if (handle->hasTag(at::Tag::dynamic_output_shape) || handle->hasTag(at::Tag::data_dependent_output))
+    t |= kDynamicShape;
+  for (const auto& arg : schema.arguments())
+    if (arg.alias_info() && arg.alias_info()->isWrite()) t |= kMutates;
+  for (const auto& ret : schema.returns())
+    if (ret.alias_info() && !ret.alias_info()->isWrite()) t |= kView;
+  if (listed(std::begin(kExternOps), std::end(kExternOps), base)) t |= kExternOnly;
+  if (listed(std::begin(kCpuSyncOps), std::end(kCpuSyncOps), base)) t |= kCpuSync;
+  if (!(t & (kCpuSync | kDynamicShape)) && !handle->hasTag(at::Tag::cudagraph_unsafe)) t |= kCapturable;
+  info->traits = t;
+  return info;
+}
+
+}  // namespace
+
+std::pair<std::string, std::string> split_op_name(const std::string& name) {
+  size_t ns = name.find("::");
+  size_t dot = name.find('.', ns == std::string::npos ? 0 : ns + 2);
+  if (dot == std::string::npos) return {name, ""};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+const OpInfo& op_info(const std::string& name) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, std::unique_ptr<OpInfo>> table;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = table.find(name);
+  if (it != table.end()) return *it->second;
+  return *table.emplace(name, resolve(name)).first->second;
+}
+
+}  // namespace ember

@@ -1,0 +1,170 @@
+// CompiledGraph::run, the per-call path: fill argument slots from the buffer table, call the kernel
+// through its resolved OperatorHandle, store results, release dead buffers. Nothing here allocates
+// beyond the argument stack and what the kernels themselves allocate.
+//
+// Kernels run below the autograd and ADInplaceOrView dispatch keys: AOTAutograd has already split
+// forward from backward, so the graph's ops must not record autograd history, and skipping those keys
+// removes their per-op cost.
+#include "ember/error.h"
+#include "ember/runtime.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <cmath>
+
+namespace ember {
+
+namespace {
+
+bool is_floating(const c10::IValue& v) { return v.isDouble(); }
+
+double as_double(const c10::IValue& v) {
+  if (v.isDouble()) return v.toDouble();
+  if (v.isBool()) return v.toBool() ? 1.0 : 0.0;
+  return static_cast<double>(v.toInt());
+}
+
+int64_t floordiv(int64_t a, int64_t b) {
+  TORCH_CHECK(b != 0, "ember: integer division by zero");
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+int64_t py_mod(int64_t a, int64_t b) {
+  TORCH_CHECK(b != 0, "ember: integer modulo by zero");
+  int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+template <class IntOp, class FloatOp>
+c10::IValue arith(const c10::IValue& a, const c10::IValue& b, IntOp iop, FloatOp fop) {
+  if (is_floating(a) || is_floating(b)) return c10::IValue(fop(as_double(a), as_double(b)));
+  return c10::IValue(iop(a.toInt(), b.toInt()));
+}
+
+template <class Cmp>
+c10::IValue compare(const c10::IValue& a, const c10::IValue& b, Cmp cmp) {
+  if (is_floating(a) || is_floating(b)) return c10::IValue(cmp(as_double(a), as_double(b)));
+  return c10::IValue(cmp(a.toInt(), b.toInt()));
+}
+
+c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
+  switch (op) {
+    case PrimOp::SymSize: return c10::IValue(s[0].toTensor().size(s[1].toInt()));
+    case PrimOp::SymStride: return c10::IValue(s[0].toTensor().stride(s[1].toInt()));
+    case PrimOp::SymNumel: return c10::IValue(s[0].toTensor().numel());
+    case PrimOp::SymStorageOffset: return c10::IValue(s[0].toTensor().storage_offset());
+    case PrimOp::Add: return arith(s[0], s[1], std::plus<int64_t>(), std::plus<double>());
+    case PrimOp::Sub: return arith(s[0], s[1], std::minus<int64_t>(), std::minus<double>());
+    case PrimOp::Mul: return arith(s[0], s[1], std::multiplies<int64_t>(), std::multiplies<double>());
+    case PrimOp::FloorDiv:
+      return arith(s[0], s[1], floordiv, [](double a, double b) { return std::floor(a / b); });
+    case PrimOp::Mod:
+      return arith(s[0], s[1], py_mod, [](double a, double b) { return a - std::floor(a / b) * b; });
+    case PrimOp::TrueDiv: return c10::IValue(as_double(s[0]) / as_double(s[1]));
+    case PrimOp::Neg: return is_floating(s[0]) ? c10::IValue(-s[0].toDouble()) : c10::IValue(-s[0].toInt());
+    case PrimOp::Pow:
+      if (!is_floating(s[0]) && !is_floating(s[1]) && s[1].toInt() >= 0) {
+        int64_t r = 1, b = s[0].toInt();
+        for (int64_t e = s[1].toInt(); e > 0; --e) r *= b;
+        return c10::IValue(r);
+      }
+      return c10::IValue(std::pow(as_double(s[0]), as_double(s[1])));
+    case PrimOp::Eq: return compare(s[0], s[1], std::equal_to<>());
+    case PrimOp::Ne: return compare(s[0], s[1], std::not_equal_to<>());
+    case PrimOp::Lt: return compare(s[0], s[1], std::less<>());
+    case PrimOp::Le: return compare(s[0], s[1], std::less_equal<>());
+    case PrimOp::Gt: return compare(s[0], s[1], std::greater<>());
+    case PrimOp::Ge: return compare(s[0], s[1], std::greater_equal<>());
+    case PrimOp::SymFloat: return c10::IValue(as_double(s[0]));
+    case PrimOp::SymInt:
+      return s[0].isDouble() ? c10::IValue(static_cast<int64_t>(s[0].toDouble())) : c10::IValue(s[0].toInt());
+    case PrimOp::SymMax:
+      return arith(s[0], s[1], [](int64_t a, int64_t b) { return std::max(a, b); },
+                   [](double a, double b) { return std::max(a, b); });
+    case PrimOp::SymMin:
+      return arith(s[0], s[1], [](int64_t a, int64_t b) { return std::min(a, b); },
+                   [](double a, double b) { return std::min(a, b); });
+    case PrimOp::SymNot: return c10::IValue(!s[0].toBool());
+    case PrimOp::None: break;
+  }
+  throw Error("internal: unknown prim op");
+}
+
+}  // namespace
+
+std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) const {
+  const Plan& plan = plan_;
+  if (inputs.size() != plan.num_inputs)
+    throw Error("compiled graph expects " + std::to_string(plan.num_inputs) + " inputs, got " +
+                std::to_string(inputs.size()));
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+
+  std::vector<c10::IValue> buffers(plan.num_buffers);
+  for (size_t i = 0; i < inputs.size(); ++i) buffers[i] = std::move(inputs[i]);
+  for (const auto& [buf, value] : plan.constants) buffers[buf] = value;
+  for (uint32_t b : plan.unused_inputs) buffers[b] = c10::IValue();
+
+  std::vector<c10::IValue> stack;
+  for (const Step& step : plan.steps) {
+    stack.assign(step.stack.begin(), step.stack.end());
+    for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];
+    for (const ListSlot& l : step.lists) stack[l.slot] = assemble_list(l, &buffers);
+    try {
+      if (step.op) {
+        step.op->callBoxed(stack);
+      } else {
+        c10::IValue r = run_prim(step.prim, stack);
+        stack.clear();
+        stack.push_back(std::move(r));
+      }
+    } catch (const c10::Error& e) {
+      std::string where = step.node->outputs.empty() ? step.node->op
+                                                     : "%" + step.node->outputs[0]->name + " = " + step.node->op;
+      throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
+    }
+    if (step.expand_list) {
+      c10::List<c10::IValue> list = stack[0].toList();
+      size_t n = std::min(list.size(), step.outputs.size());
+      for (size_t i = 0; i < n; ++i) buffers[step.outputs[i]] = list.get(i);
+    } else {
+      for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i)
+        if (step.outputs[i] >= 0) buffers[step.outputs[i]] = std::move(stack[i]);
+    }
+    for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+  }
+
+  std::vector<c10::IValue> outputs;
+  outputs.reserve(plan.outputs.size());
+  for (const PlanOutput& o : plan.outputs) outputs.push_back(o.buffer >= 0 ? buffers[o.buffer] : o.constant);
+  return outputs;
+}
+
+std::string CompiledGraph::describe() const {
+  std::string out;
+  auto list = [](const std::vector<uint32_t>& v) {
+    std::string s;
+    for (uint32_t b : v) s += (s.empty() ? "" : ",") + std::to_string(b);
+    return s;
+  };
+  out += "plan: " + std::to_string(plan_.num_inputs) + " inputs, " + std::to_string(plan_.num_buffers) +
+         " buffers, " + std::to_string(plan_.steps.size()) + " steps\n";
+  for (size_t s = 0; s < plan_.steps.size(); ++s) {
+    const Step& st = plan_.steps[s];
+    std::vector<uint32_t> reads;
+    for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
+    for (const ListSlot& l : st.lists)
+      for (int32_t buf : l.item_buffer)
+        if (buf >= 0) reads.push_back(static_cast<uint32_t>(buf));
+    std::string writes;
+    for (int32_t b : st.outputs) writes += (writes.empty() ? "" : ",") + std::to_string(b);
+    out += "  " + std::to_string(s) + ": " + (st.op ? "aten " : "prim ") + st.node->op + " reads [" + list(reads) +
+           "] writes [" + writes + "]";
+    if (!st.frees.empty()) out += " frees [" + list(st.frees) + "]";
+    out += "\n";
+  }
+  return out;
+}
+
+}  // namespace ember

@@ -1,0 +1,321 @@
+// build_plan: binds every node of a Graph to a Step.
+//  1. Each ATen node gets its OperatorHandle and a full argument stack laid out by the schema:
+//     positional arguments, then keywords by name, then the schema's defaults; literals are converted
+//     to the exact IValue kind the schema asks for (an int literal for a float argument is a double).
+//  2. Values live in a buffer table: inputs first, then one buffer per defined value.
+//  3. Every buffer that is not a graph output is released right after the step that reads it last.
+#include "ember/error.h"
+#include "ember/op_table.h"
+#include "ember/runtime.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <unordered_map>
+
+namespace ember {
+namespace {
+
+PrimOp prim_of(const std::string& op) {
+  static const std::unordered_map<std::string, PrimOp> table = {
+      {"aten::sym_size.int", PrimOp::SymSize}, {"aten::sym_stride.int", PrimOp::SymStride},
+      {"aten::sym_numel", PrimOp::SymNumel},   {"aten::sym_storage_offset", PrimOp::SymStorageOffset},
+      {"prim::add", PrimOp::Add},             {"prim::sub", PrimOp::Sub},
+      {"prim::mul", PrimOp::Mul},             {"prim::floordiv", PrimOp::FloorDiv},
+      {"prim::mod", PrimOp::Mod},             {"prim::truediv", PrimOp::TrueDiv},
+      {"prim::neg", PrimOp::Neg},             {"prim::pow", PrimOp::Pow},
+      {"prim::eq", PrimOp::Eq},               {"prim::ne", PrimOp::Ne},
+      {"prim::lt", PrimOp::Lt},               {"prim::le", PrimOp::Le},
+      {"prim::gt", PrimOp::Gt},               {"prim::ge", PrimOp::Ge},
+      {"prim::sym_float", PrimOp::SymFloat},  {"prim::sym_int", PrimOp::SymInt},
+      {"prim::sym_max", PrimOp::SymMax},      {"prim::sym_min", PrimOp::SymMin},
+      {"prim::sym_not", PrimOp::SymNot},
+  };
+  auto it = table.find(op);
+  return it == table.end() ? PrimOp::None : it->second;
+}
+
+c10::IValue literal(const Arg& a) {
+  switch (a.kind) {
+    case Arg::Kind::None: return c10::IValue();
+    case Arg::Kind::Bool: return c10::IValue(a.b);
+    case Arg::Kind::Int: return c10::IValue(a.i);
+    case Arg::Kind::Float: return c10::IValue(a.f);
+    case Arg::Kind::String: return c10::IValue(a.s);
+    case Arg::Kind::Dtype:
+    case Arg::Kind::Layout:
+    case Arg::Kind::MemoryFormat: return c10::IValue(a.i);
+    case Arg::Kind::Device: return c10::IValue(a.device);
+    case Arg::Kind::Value:
+    case Arg::Kind::List: break;
+  }
+  throw Error("internal: literal() on a value or list");
+}
+
+class PlanBuilder {
+ public:
+  PlanBuilder(const Graph& g, const std::unordered_map<std::string, at::Tensor>& constants)
+      : graph_(g), constants_(constants) {}
+
+  Plan build() {
+    plan_.num_inputs = graph_.inputs().size();
+    for (const Value* v : graph_.inputs()) buffer_of(v);
+    for (const auto& n : graph_.nodes()) {
+      node_ = n.get();
+      if (n->op == "prim::constant") {
+        bind_constant(*n);
+        continue;
+      }
+      plan_.steps.push_back(bind(*n));
+    }
+    for (const Arg& a : graph_.outputs()) {
+      PlanOutput out;
+      if (a.is_value()) out.buffer = static_cast<int32_t>(buffer_of(a.value));
+      else if (a.kind == Arg::Kind::List) throw Error("graph outputs must be values or literals, not lists");
+      else out.constant = literal(a);
+      plan_.outputs.push_back(std::move(out));
+    }
+    plan_.num_buffers = buffers_.size();
+    schedule_frees();
+    return std::move(plan_);
+  }
+
+ private:
+  uint32_t buffer_of(const Value* v) {
+    auto [it, inserted] = buffers_.emplace(v, static_cast<uint32_t>(buffers_.size()));
+    return it->second;
+  }
+
+  [[noreturn]] void fail(const std::string& msg) const {
+    std::string where = node_ ? " at node " + describe_node(*node_) : std::string();
+    throw Error(msg + where);
+  }
+  static std::string describe_node(const Node& n) {
+    std::string s = n.outputs.empty() ? std::string() : "%" + n.outputs[0]->name + " = ";
+    return s + n.op;
+  }
+
+  void bind_constant(const Node& n) {
+    if (n.args.size() != 1 || n.args[0].kind != Arg::Kind::String || n.outputs.size() != 1)
+      fail("prim::constant takes one string naming the constant");
+    auto it = constants_.find(n.args[0].s);
+    if (it == constants_.end()) fail("constant '" + n.args[0].s + "' was not provided");
+    plan_.constants.emplace_back(buffer_of(n.outputs[0]), c10::IValue(it->second));
+  }
+
+  Step bind(const Node& n) {
+    Step step;
+    step.node = &n;
+    const OpInfo& info = op_info(n.op);  // throws for unknown ops
+    step.prim = prim_of(n.op);
+    if (step.prim != PrimOp::None) {
+      if (!n.kwargs.empty()) fail("keyword arguments are not accepted by " + n.op);
+      for (size_t i = 0; i < n.args.size(); ++i) {
+        const Arg& a = n.args[i];
+        if (a.is_value()) {
+          step.stack.emplace_back();
+          step.from_buffer.emplace_back(static_cast<uint32_t>(i), buffer_of(a.value));
+        } else if (a.kind == Arg::Kind::List) {
+          fail("list argument to " + n.op);
+        } else {
+          step.stack.push_back(literal(a));
+        }
+      }
+    } else {
+      if (info.handle == nullptr) fail("no runtime implementation for " + n.op);
+      step.op = info.handle;
+      bind_schema(n, step);
+    }
+    bind_outputs(n, step);
+    return step;
+  }
+
+  void bind_schema(const Node& n, Step& step) {
+    const c10::FunctionSchema& schema = step.op->schema();
+    const auto& params = schema.arguments();
+    if (n.args.size() > params.size())
+      fail("too many arguments (" + std::to_string(n.args.size()) + ") for " + schema.name());
+    std::vector<const Arg*> bound(params.size(), nullptr);
+    for (size_t i = 0; i < n.args.size(); ++i) bound[i] = &n.args[i];
+    for (const auto& [name, arg] : n.kwargs) {
+      auto idx = schema.argumentIndexWithName(name);
+      if (!idx) fail("unknown keyword argument '" + name + "' for " + n.op);
+      if (bound[*idx]) fail("argument '" + name + "' given twice");
+      bound[*idx] = &arg;
+    }
+    step.stack.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const c10::Argument& p = params[i];
+      if (!bound[i]) {
+        if (!p.default_value()) fail("missing argument '" + p.name() + "' for " + n.op);
+        step.stack[i] = *p.default_value();
+        continue;
+      }
+      bind_arg(*bound[i], p, static_cast<uint32_t>(i), step);
+    }
+  }
+
+  void bind_arg(const Arg& a, const c10::Argument& param, uint32_t slot, Step& step) {
+    c10::TypePtr type = param.real_type();
+    if (auto opt = type->cast<c10::OptionalType>()) {
+      if (a.kind == Arg::Kind::None) {
+        step.stack[slot] = c10::IValue();
+        return;
+      }
+      type = opt->getElementType();
+    }
+    if (a.is_value()) {
+      step.from_buffer.emplace_back(slot, buffer_of(a.value));
+      return;
+    }
+    if (auto list = type->cast<c10::ListType>()) {
+      bind_list(a, param, list->getElementType(), slot, step);
+      return;
+    }
+    if (a.kind == Arg::Kind::List) fail("list given for non-list argument '" + param.name() + "'");
+    c10::IValue v = literal(a);
+    if (type->kind() == c10::TypeKind::FloatType && v.isInt()) v = c10::IValue(static_cast<double>(v.toInt()));
+    step.stack[slot] = std::move(v);
+  }
+
+  void bind_list(const Arg& a, const c10::Argument& param, const c10::TypePtr& elem_type, uint32_t slot,
+                 Step& step) {
+    ListSlot list;
+    list.slot = slot;
+    c10::TypePtr elem = elem_type;
+    if (auto opt = elem->cast<c10::OptionalType>()) {
+      if (opt->getElementType()->kind() != c10::TypeKind::TensorType) fail("unsupported list type for " + param.name());
+      list.elem = ListSlot::Elem::OptionalTensor;
+    } else {
+      switch (elem->kind()) {
+        case c10::TypeKind::IntType:
+        case c10::TypeKind::SymIntType: list.elem = ListSlot::Elem::Int; break;
+        case c10::TypeKind::FloatType: list.elem = ListSlot::Elem::Float; break;
+        case c10::TypeKind::BoolType: list.elem = ListSlot::Elem::Bool; break;
+        case c10::TypeKind::TensorType: list.elem = ListSlot::Elem::Tensor; break;
+        default: fail("unsupported list element type " + elem->str() + " for '" + param.name() + "'");
+      }
+    }
+    std::vector<Arg> items;
+    if (a.kind == Arg::Kind::List) {
+      items = a.list;
+    } else if (list.elem == ListSlot::Elem::Int && a.kind == Arg::Kind::Int) {
+      items.assign(param.N().value_or(1), a);  // int[2] stride=1 means [1, 1]
+    } else {
+      fail("expected a list for '" + param.name() + "'");
+    }
+    bool has_values = false;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Arg& item = items[i];
+      if (item.is_value()) {
+        list.items.emplace_back();
+        list.item_buffer.push_back(static_cast<int32_t>(buffer_of(item.value)));
+        has_values = true;
+      } else if (item.kind == Arg::Kind::List) {
+        fail("nested list in '" + param.name() + "'");
+      } else {
+        c10::IValue v = literal(item);
+        if (list.elem == ListSlot::Elem::Float && v.isInt()) v = c10::IValue(static_cast<double>(v.toInt()));
+        list.items.push_back(std::move(v));
+        list.item_buffer.push_back(-1);
+      }
+    }
+    if (!has_values) {
+      step.stack[slot] = assemble_list(list, nullptr);  // fully constant: build once now
+      return;
+    }
+    step.lists.push_back(std::move(list));
+  }
+
+  void bind_outputs(const Node& n, Step& step) {
+    size_t returns = step.op ? step.op->schema().returns().size() : 1;
+    if (step.op && returns == 1 && step.op->schema().returns()[0].type()->kind() == c10::TypeKind::ListType) {
+      step.expand_list = true;
+    } else if (n.outputs.size() != returns) {
+      fail("node has " + std::to_string(n.outputs.size()) + " outputs but the op returns " + std::to_string(returns));
+    }
+    for (const Value* v : n.outputs) step.outputs.push_back(static_cast<int32_t>(buffer_of(v)));
+    if (step.outputs.empty() && returns > 0 && !step.expand_list) step.outputs.assign(returns, -1);
+  }
+
+  // Releases each buffer after the last step that reads it, unless a graph output holds it.
+  void schedule_frees() {
+    std::vector<int64_t> last_use(buffers_.size(), -1);  // -1: never read
+    std::vector<bool> is_output(buffers_.size(), false);
+    for (const PlanOutput& o : plan_.outputs)
+      if (o.buffer >= 0) is_output[o.buffer] = true;
+    for (size_t s = 0; s < plan_.steps.size(); ++s) {
+      const Step& step = plan_.steps[s];
+      for (auto [slot, buf] : step.from_buffer) last_use[buf] = static_cast<int64_t>(s);
+      for (const ListSlot& l : step.lists)
+        for (int32_t buf : l.item_buffer)
+          if (buf >= 0) last_use[buf] = static_cast<int64_t>(s);
+    }
+    for (size_t b = 0; b < buffers_.size(); ++b) {
+      if (is_output[b]) continue;
+      if (last_use[b] >= 0) plan_.steps[last_use[b]].frees.push_back(static_cast<uint32_t>(b));
+      else if (b < plan_.num_inputs) plan_.unused_inputs.push_back(static_cast<uint32_t>(b));
+    }
+    // Step outputs nobody reads are released right after their step.
+    for (size_t s = 0; s < plan_.steps.size(); ++s)
+      for (int32_t b : plan_.steps[s].outputs)
+        if (b >= 0 && last_use[b] < 0 && !is_output[b]) plan_.steps[s].frees.push_back(static_cast<uint32_t>(b));
+  }
+
+ private:
+  const Graph& graph_;
+  const std::unordered_map<std::string, at::Tensor>& constants_;
+  Plan plan_;
+  std::unordered_map<const Value*, uint32_t> buffers_;
+  const Node* node_ = nullptr;
+};
+
+}  // namespace
+
+Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants) {
+  return PlanBuilder(graph, constants).build();
+}
+
+c10::IValue assemble_list(const ListSlot& l, const std::vector<c10::IValue>* buffers) {
+  auto item = [&](size_t i) -> const c10::IValue& {
+    return l.item_buffer[i] >= 0 ? (*buffers)[l.item_buffer[i]] : l.items[i];
+  };
+  size_t n = l.items.size();
+  switch (l.elem) {
+    case ListSlot::Elem::Int: {
+      c10::List<int64_t> out;
+      out.reserve(n);
+      for (size_t i = 0; i < n; ++i) out.push_back(item(i).toInt());
+      return c10::IValue(std::move(out));
+    }
+    case ListSlot::Elem::Float: {
+      c10::List<double> out;
+      out.reserve(n);
+      for (size_t i = 0; i < n; ++i) out.push_back(item(i).toDouble());
+      return c10::IValue(std::move(out));
+    }
+    case ListSlot::Elem::Bool: {
+      c10::List<bool> out;
+      out.reserve(n);
+      for (size_t i = 0; i < n; ++i) out.push_back(item(i).toBool());
+      return c10::IValue(std::move(out));
+    }
+    case ListSlot::Elem::Tensor: {
+      c10::List<at::Tensor> out;
+      out.reserve(n);
+      for (size_t i = 0; i < n; ++i) out.push_back(item(i).toTensor());
+      return c10::IValue(std::move(out));
+    }
+    case ListSlot::Elem::OptionalTensor: {
+      c10::List<std::optional<at::Tensor>> out;
+      out.reserve(n);
+      for (size_t i = 0; i < n; ++i) {
+        const c10::IValue& v = item(i);
+        out.push_back(v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor()));
+      }
+      return c10::IValue(std::move(out));
+    }
+  }
+  return c10::IValue();
+}
+
+}  // namespace ember

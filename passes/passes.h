@@ -1,0 +1,11 @@
+// Every graph-to-graph pass, one per file in this folder.
+#pragma once
+
+#include "ember/compiler.h"
+
+namespace ember {
+
+void eliminate_dead_code(Graph& graph, PassContext& ctx);
+void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
+
+}  // namespace ember

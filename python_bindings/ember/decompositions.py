@@ -1,0 +1,70 @@
+"""ember's decomposition table: torch's core ATen decompositions, minus the ops ember keeps whole.
+
+Kept whole, and why:
+- Attention (scaled_dot_product_attention and its CPU flash kernel): the fused library kernels
+  (flash / memory-efficient / cuDNN on the GPU, the flash CPU kernel) beat any decomposition.
+- Matmul-like and conv ops are not decomposed by the core table anyway; they stay extern calls.
+- Normalization backwards (layer/batch/group norm), softmax/log_softmax backwards, dropout backward,
+  embedding backward, loss forwards/backwards and activation backwards (gelu, silu, hardswish, mish):
+  while a node runs as one ATen kernel, one fused ATen kernel beats the 5-20 pointwise and reduction
+  nodes its decomposition produces. The fusion pass may lower these itself once it can generate
+  kernels that beat ATen's.
+- Activations (silu, hardswish, mish), logsumexp, var/std(_mean), upsampling and pooling: the same
+  reason.
+"""
+
+import functools
+
+KEEP_WHOLE = (
+    "scaled_dot_product_attention.default",
+    "_scaled_dot_product_flash_attention_for_cpu.default",
+    "native_layer_norm_backward.default",
+    "native_batch_norm_backward.default",
+    "native_group_norm_backward.default",
+    "_softmax_backward_data.default",
+    "_log_softmax_backward_data.default",
+    "native_dropout_backward.default",
+    "embedding_dense_backward.default",
+    "nll_loss_forward.default",
+    "nll_loss_backward.default",
+    "nll_loss2d_forward.default",
+    "nll_loss2d_backward.default",
+    "mse_loss.default",
+    "mse_loss_backward.default",
+    "binary_cross_entropy.default",
+    "binary_cross_entropy_backward.default",
+    "binary_cross_entropy_with_logits.default",
+    "gelu_backward.default",
+    "silu.default",
+    "silu_backward.default",
+    "hardswish.default",
+    "hardswish_backward.default",
+    "mish.default",
+    "mish_backward.default",
+    "logsumexp.default",
+    "var_mean.correction",
+    "var.correction",
+    "std.correction",
+    "std_mean.correction",
+    "upsample_nearest2d.default",
+    "upsample_nearest2d.vec",
+    "upsample_bilinear2d.vec",
+    "adaptive_avg_pool2d.default",
+    "max_pool2d.default",
+    "_fused_rms_norm.default",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table():
+    """The table handed to AOTAutograd; built once, on first compile."""
+    import torch
+    from torch._decomp import core_aten_decompositions
+
+    keep = set()
+    for name in KEEP_WHOLE:
+        packet, _, overload = name.partition(".")
+        op = getattr(torch.ops.aten, packet, None)
+        if op is not None and hasattr(op, overload):
+            keep.add(getattr(op, overload))
+    return {op: fn for op, fn in core_aten_decompositions().items() if op not in keep}

@@ -1,0 +1,232 @@
+"""FX -> ember IR text, in one pass over the nodes of an AOTAutograd graph.
+
+Every node becomes one IR line (getitem on a multi-output op becomes a reference to that op's output).
+Every argument kind FX produces has a spelling in the IR text: value references, None, bools, ints,
+floats, strings, dtypes, devices, layouts, memory formats and lists of these. Anything else is an
+EmberError naming the node, so the caller can fall back instead of crashing.
+"""
+
+import math
+import operator
+
+import torch
+import torch.fx
+
+from .errors import EmberError
+
+_DTYPES = {
+    torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+    torch.float16: "f16", torch.float32: "f32", torch.float64: "f64", torch.complex32: "c32",
+    torch.complex64: "c64", torch.complex128: "c128", torch.bool: "b8", torch.bfloat16: "bf16",
+    torch.uint16: "u16", torch.uint32: "u32", torch.uint64: "u64",
+    torch.float8_e4m3fn: "f8e4m3fn", torch.float8_e5m2: "f8e5m2",
+}
+_LAYOUTS = {
+    torch.strided: "strided", torch.sparse_coo: "sparse_coo", torch.sparse_csr: "sparse_csr",
+    torch.sparse_csc: "sparse_csc", torch.sparse_bsr: "sparse_bsr", torch.sparse_bsc: "sparse_bsc",
+    torch._mkldnn: "_mkldnn", torch.jagged: "jagged",
+}
+_MEMORY_FORMATS = {
+    torch.contiguous_format: "contiguous_format", torch.preserve_format: "preserve_format",
+    torch.channels_last: "channels_last", torch.channels_last_3d: "channels_last_3d",
+}
+# Python-level functions that appear in graphs over SymInts, and the prim ops that run them in C++.
+_PRIMS = {
+    operator.add: "prim::add", operator.sub: "prim::sub", operator.mul: "prim::mul",
+    operator.floordiv: "prim::floordiv", operator.mod: "prim::mod", operator.truediv: "prim::truediv",
+    operator.neg: "prim::neg", operator.pow: "prim::pow", operator.eq: "prim::eq", operator.ne: "prim::ne",
+    operator.lt: "prim::lt", operator.le: "prim::le", operator.gt: "prim::gt", operator.ge: "prim::ge",
+    torch.sym_float: "prim::sym_float", torch.sym_int: "prim::sym_int", torch.sym_max: "prim::sym_max",
+    torch.sym_min: "prim::sym_min", torch.sym_not: "prim::sym_not",
+}
+
+
+def op_name(target):
+    """'aten::add.Tensor' for torch.ops.aten.add.Tensor; the default overload has no suffix."""
+    schema = target._schema
+    return schema.name + ("." + schema.overload_name if schema.overload_name else "")
+
+
+def dim_text(d):
+    if isinstance(d, torch.SymInt):
+        expr = d.node.expr
+        if getattr(expr, "is_number", False):
+            return str(int(expr))
+        return str(expr).replace(" ", "")
+    return str(int(d))
+
+
+def type_text(val):
+    if isinstance(val, torch.Tensor):
+        if val.layout != torch.strided:
+            raise EmberError(f"tensors of layout {val.layout} are not supported")
+        dtype = _DTYPES.get(val.dtype)
+        if dtype is None:
+            raise EmberError(f"dtype {val.dtype} is not supported")
+        sizes = ", ".join(dim_text(s) for s in val.shape)
+        strides = ", ".join(dim_text(s) for s in val.stride())
+        return f"{dtype}[{sizes}]{{{strides}}}@{val.device}"
+    if isinstance(val, (bool, torch.SymBool)):
+        return "bool"
+    if isinstance(val, (int, torch.SymInt)):
+        return "int"
+    if isinstance(val, (float, torch.SymFloat)):
+        return "float"
+    if val is None:
+        return "none"
+    raise EmberError(f"values of type {type(val).__name__} are not supported")
+
+
+def float_text(x):
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    r = repr(x)
+    return r if any(c in r for c in ".e") else r + ".0"
+
+
+def string_text(s):
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+class _Lowering:
+    def __init__(self, gm):
+        self.gm = gm
+        self.names = {}  # fx.Node -> IR value name, or list of names for multi-output nodes
+        self.lines = []
+        self.constants = {}
+        self.inputs = []
+
+    def value(self, node, where):
+        name = self.names.get(node)
+        if name is None:
+            raise EmberError(f"node {where.name}: argument {node.name} has no single value")
+        if isinstance(name, list):
+            raise EmberError(f"node {where.name}: uses all outputs of {node.name} at once")
+        return "%" + name
+
+    def literal(self, x, node):
+        if isinstance(x, torch.fx.Node):
+            return self.value(x, node)
+        if x is None:
+            return "None"
+        if isinstance(x, bool):
+            return "true" if x else "false"
+        if isinstance(x, int):
+            return str(x)
+        if isinstance(x, float):
+            return float_text(x)
+        if isinstance(x, str):
+            return string_text(x)
+        if isinstance(x, torch.dtype):
+            if x not in _DTYPES:
+                raise EmberError(f"node {node.name}: dtype {x} is not supported")
+            return _DTYPES[x]
+        if isinstance(x, torch.device):
+            return str(x)
+        if isinstance(x, torch.layout):
+            return _LAYOUTS[x]
+        if isinstance(x, torch.memory_format):
+            return _MEMORY_FORMATS[x]
+        if isinstance(x, (list, tuple)):
+            return "[" + ", ".join(self.literal(i, node) for i in x) + "]"
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and x.node.is_constant():
+            return self.literal(x.node.maybe_as_int() if isinstance(x, torch.SymInt) else x.node.constant, node)
+        raise EmberError(
+            f"node {node.name} ({node.target}): argument of unsupported kind {type(x).__name__}")
+
+    def val_of(self, node):
+        if "val" in node.meta:
+            return node.meta["val"]
+        if "example_value" in node.meta:
+            return node.meta["example_value"]
+        raise EmberError(f"node {node.name} ({node.target}) has no shape metadata")
+
+    def decl(self, name, val):
+        return f"%{name}: {type_text(val)}"
+
+    def placeholder(self, node):
+        self.names[node] = node.name
+        self.inputs.append(self.decl(node.name, self.val_of(node)))
+
+    def get_attr(self, node):
+        obj = self.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        if not isinstance(obj, torch.Tensor):
+            raise EmberError(f"node {node.name}: attribute {node.target} is a {type(obj).__name__}, not a tensor")
+        self.constants[node.target] = obj
+        self.names[node] = node.name
+        self.lines.append(f"  {self.decl(node.name, obj)} = prim::constant({string_text(node.target)})")
+
+    def call_args(self, node):
+        parts = [self.literal(a, node) for a in node.args]
+        parts += [f"{k}={self.literal(v, node)}" for k, v in node.kwargs.items()]
+        return ", ".join(parts)
+
+    def call_function(self, node):
+        target = node.target
+        if target is operator.getitem:
+            return self.getitem(node)
+        if isinstance(target, torch._ops.OpOverload):
+            return self.aten(node)
+        if target in _PRIMS:
+            self.names[node] = node.name
+            line = f"  {self.decl(node.name, self.val_of(node))} = {_PRIMS[target]}({self.call_args(node)})"
+            self.lines.append(line)
+            return
+        raise EmberError(f"node {node.name}: unsupported call target {getattr(target, '__name__', target)}")
+
+    def aten(self, node):
+        schema = node.target._schema
+        returns = schema.returns
+        name = op_name(node.target)
+        call = f"{name}({self.call_args(node)})"
+        if not returns:
+            self.names[node] = node.name
+            self.lines.append(f"  {call}")
+            return
+        val = self.val_of(node)
+        single_list = len(returns) == 1 and isinstance(returns[0].type, torch.ListType)
+        if len(returns) == 1 and not single_list:
+            self.names[node] = node.name
+            self.lines.append(f"  {self.decl(node.name, val)} = {call}")
+            return
+        # Several outputs (or one list): name each after the getitem that reads it, if any.
+        vals = list(val)
+        names = [f"{node.name}_{i}" for i in range(len(vals))]
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+                names[user.args[1]] = user.name
+        self.names[node] = names
+        decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
+        self.lines.append(f"  {decls} = {call}")
+
+    def getitem(self, node):
+        source, index = node.args
+        names = self.names.get(source)
+        if not isinstance(names, list) or not isinstance(index, int):
+            raise EmberError(f"node {node.name}: getitem on {source} is not supported")
+        self.names[node] = names[index]
+
+    def output(self, node):
+        (outs,) = node.args
+        if not isinstance(outs, (list, tuple)):
+            outs = (outs,)
+        parts = [self.literal(o, node) for o in outs]
+        self.lines.append("  return (" + ", ".join(parts) + ")")
+
+    def run(self):
+        for node in self.gm.graph.nodes:
+            handler = getattr(self, node.op, None)
+            if handler is None:
+                raise EmberError(f"node {node.name}: FX op kind {node.op} is not supported")
+            handler(node)
+        header = "graph(" + ", ".join(self.inputs) + "):"
+        return "\n".join([header, *self.lines]) + "\n", self.constants
+
+
+def lower(gm):
+    """Returns (IR text, {constant name: tensor}) for an AOTAutograd FX graph module."""
+    return _Lowering(gm).run()

@@ -1,0 +1,107 @@
+// ember._C: the boundary between Python and the C++ compiler and runtime.
+//
+// The object handed to AOTAutograd is a CompiledGraph itself: its __call__ is this file's `call`, a C++
+// function that unpacks the boxed argument list (tensors by pointer, no copies), clears the list so
+// inputs can be freed early, runs the plan with the GIL released and wraps the results.
+#include "ember/compiler.h"
+#include "ember/error.h"
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace py = pybind11;
+
+namespace ember {
+namespace {
+
+c10::IValue to_ivalue(PyObject* obj, size_t index) {
+  if (THPVariable_Check(obj)) return c10::IValue(THPVariable_Unpack(obj));
+  if (obj == Py_None) return c10::IValue();
+  if (PyBool_Check(obj)) return c10::IValue(obj == Py_True);
+  if (PyLong_Check(obj)) return c10::IValue(static_cast<int64_t>(PyLong_AsLongLong(obj)));
+  if (PyFloat_Check(obj)) return c10::IValue(PyFloat_AS_DOUBLE(obj));
+  throw Error("input " + std::to_string(index) + " has unsupported type " + Py_TYPE(obj)->tp_name);
+}
+
+PyObject* to_python(c10::IValue&& v) {
+  if (v.isTensor()) return THPVariable_Wrap(std::move(v).toTensor());
+  if (v.isNone()) Py_RETURN_NONE;
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  throw Error(std::string("graph output of unsupported kind ") + v.tagKind());
+}
+
+py::list call(CompiledGraph& graph, py::handle args) {
+  std::vector<c10::IValue> inputs;
+  PyObject* seq = args.ptr();
+  if (PyList_Check(seq)) {
+    Py_ssize_t n = PyList_GET_SIZE(seq);
+    inputs.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyList_GET_ITEM(seq, i), i));
+    PyList_SetSlice(seq, 0, n, nullptr);  // boxed convention: the callee owns the inputs now
+  } else if (PyTuple_Check(seq)) {
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    inputs.reserve(n);
+    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyTuple_GET_ITEM(seq, i), i));
+  } else {
+    throw Error("compiled graph takes a list of inputs");
+  }
+  std::vector<c10::IValue> outputs;
+  {
+    py::gil_scoped_release no_gil;
+    outputs = graph.run(std::move(inputs));
+  }
+  py::list result(outputs.size());
+  for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
+  return result;
+}
+
+std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
+                                            std::vector<std::string> disabled_passes, std::string debug_dir,
+                                            std::string graph_name) {
+  CompileOptions options;
+  options.disabled_passes = std::move(disabled_passes);
+  options.debug_dir = std::move(debug_dir);
+  options.graph_name = std::move(graph_name);
+  return compile(parse(ir), constants, options);
+}
+
+}  // namespace
+}  // namespace ember
+
+PYBIND11_MODULE(_C, m) {
+  using namespace ember;
+  m.doc() = "ember's C++ compiler and runtime";
+
+  // ember::Error becomes the Python package's EmberError (defined in Python so that importing ember
+  // never needs this module).
+  py::object ember_error = py::module_::import("ember.errors").attr("EmberError");
+  static py::handle error_type = ember_error.release();
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(error_type.ptr(), e.what());
+    }
+  });
+
+  py::class_<CompiledGraph, std::shared_ptr<CompiledGraph>>(m, "CompiledGraph", py::dynamic_attr())
+      .def("__call__", &call, py::arg("args"))
+      .def("describe", &CompiledGraph::describe)
+      .def("ir", [](const CompiledGraph& g) { return print(g.graph()); })
+      .def_property_readonly("num_inputs", &CompiledGraph::num_inputs)
+      .def_property_readonly("num_steps", [](const CompiledGraph& g) { return g.plan().steps.size(); })
+      .def_readonly("timings", &CompiledGraph::timings);
+
+  m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
+        py::arg("debug_dir"), py::arg("graph_name"));
+  m.def("roundtrip", [](const std::string& text) { return print(parse(text)); },
+        "Parses IR text and prints it back (the canonical form).");
+  m.def("pass_names", [] {
+    std::vector<std::string> names;
+    for (const Pass& p : default_passes()) names.emplace_back(p.name);
+    return names;
+  });
+}
