@@ -44,6 +44,14 @@ std::vector<std::pair<std::string, double>> run_passes(Graph& graph, const std::
                                                        PassContext& ctx) {
   std::vector<std::pair<std::string, double>> timings;
   const auto& disabled = ctx.options.disabled_passes;
+  for (const std::string& name : disabled) {
+    bool known = std::any_of(passes.begin(), passes.end(), [&](const Pass& p) { return name == p.name; });
+    if (!known) {
+      std::string names;
+      for (const Pass& p : passes) names += std::string(names.empty() ? "" : ", ") + p.name;
+      throw Error("unknown pass '" + name + "' in disabled passes; the passes are: " + names);
+    }
+  }
   int index = 0;
   for (const Pass& pass : passes) {
     ++index;

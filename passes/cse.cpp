@@ -41,7 +41,12 @@ void eliminate_common_subexpressions(Graph& graph, PassContext&) {
     if (info.has(kView))
       for (const Value* out : n->outputs)
         n->for_each_input([&](const Value* in) { aliases.join(out, in); });
-    if (info.has(kMutates)) n->for_each_input([&](const Value* in) { written.push_back(in); });
+    if (!info.has(kMutates)) continue;
+    for (size_t i = 0; i < n->args.size(); ++i)
+      if (info.writes(static_cast<int>(i), ""))
+        n->args[i].for_each_value([&](const Value* in) { written.push_back(in); });
+    for (const auto& [name, arg] : n->kwargs)
+      if (info.writes(-1, name)) arg.for_each_value([&](const Value* in) { written.push_back(in); });
   }
   std::unordered_map<const Value*, bool> mutated_class;
   for (const Value* v : written) mutated_class[aliases.find(v)] = true;

@@ -64,8 +64,13 @@ std::unique_ptr<OpInfo> resolve(const std::string& name) {
   if (handle->hasTag(at::Tag::nondeterministic_seeded)) t |= kRandom;
   if (handle->hasTag(at::Tag::dynamic_output_shape) || handle->hasTag(at::Tag::data_dependent_output))
     t |= kDynamicShape;
-  for (const auto& arg : schema.arguments())
-    if (arg.alias_info() && arg.alias_info()->isWrite()) t |= kMutates;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const auto& arg = schema.arguments()[i];
+    if (arg.alias_info() && arg.alias_info()->isWrite()) {
+      t |= kMutates;
+      info->written_args.emplace_back(static_cast<int>(i), arg.name());
+    }
+  }
   for (const auto& ret : schema.returns())
     if (ret.alias_info() && !ret.alias_info()->isWrite()) t |= kView;
   if (listed(std::begin(kExternOps), std::end(kExternOps), base)) t |= kExternOnly;

@@ -110,6 +110,7 @@ std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) con
   for (const Step& step : plan.steps) {
     stack.assign(step.stack.begin(), step.stack.end());
     for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];
+    for (auto [slot, buf] : step.scalar_from_buffer) stack[slot] = wrap_scalar(buffers[buf]);
     for (const ListSlot& l : step.lists) stack[l.slot] = assemble_list(l, &buffers);
     try {
       if (step.op) {
@@ -154,6 +155,7 @@ std::string CompiledGraph::describe() const {
     const Step& st = plan_.steps[s];
     std::vector<uint32_t> reads;
     for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
+    for (auto [slot, buf] : st.scalar_from_buffer) reads.push_back(buf);
     for (const ListSlot& l : st.lists)
       for (int32_t buf : l.item_buffer)
         if (buf >= 0) reads.push_back(static_cast<uint32_t>(buf));

@@ -9,6 +9,7 @@
 #include "ember/runtime.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/scalar_tensor.h>
 
 #include <unordered_map>
 
@@ -164,7 +165,8 @@ class PlanBuilder {
       type = opt->getElementType();
     }
     if (a.is_value()) {
-      step.from_buffer.emplace_back(slot, buffer_of(a.value));
+      bool scalar_into_tensor = type->kind() == c10::TypeKind::TensorType && !a.value->type.is_tensor();
+      (scalar_into_tensor ? step.scalar_from_buffer : step.from_buffer).emplace_back(slot, buffer_of(a.value));
       return;
     }
     if (auto list = type->cast<c10::ListType>()) {
@@ -174,6 +176,7 @@ class PlanBuilder {
     if (a.kind == Arg::Kind::List) fail("list given for non-list argument '" + param.name() + "'");
     c10::IValue v = literal(a);
     if (type->kind() == c10::TypeKind::FloatType && v.isInt()) v = c10::IValue(static_cast<double>(v.toInt()));
+    if (type->kind() == c10::TypeKind::TensorType && (v.isInt() || v.isDouble() || v.isBool())) v = wrap_scalar(v);
     step.stack[slot] = std::move(v);
   }
 
@@ -246,6 +249,7 @@ class PlanBuilder {
     for (size_t s = 0; s < plan_.steps.size(); ++s) {
       const Step& step = plan_.steps[s];
       for (auto [slot, buf] : step.from_buffer) last_use[buf] = static_cast<int64_t>(s);
+      for (auto [slot, buf] : step.scalar_from_buffer) last_use[buf] = static_cast<int64_t>(s);
       for (const ListSlot& l : step.lists)
         for (int32_t buf : l.item_buffer)
           if (buf >= 0) last_use[buf] = static_cast<int64_t>(s);
@@ -273,6 +277,15 @@ class PlanBuilder {
 
 Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants) {
   return PlanBuilder(graph, constants).build();
+}
+
+at::Tensor wrap_scalar(const c10::IValue& v) {
+  at::Tensor t;
+  if (v.isBool()) t = at::scalar_tensor(v.toBool(), at::TensorOptions().dtype(at::kBool));
+  else if (v.isInt()) t = at::scalar_tensor(v.toInt(), at::TensorOptions().dtype(at::kLong));
+  else t = at::scalar_tensor(v.toDouble(), at::TensorOptions().dtype(at::kDouble));
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
 }
 
 c10::IValue assemble_list(const ListSlot& l, const std::vector<c10::IValue>* buffers) {

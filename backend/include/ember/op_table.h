@@ -6,6 +6,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace c10 {
 class OperatorHandle;
@@ -30,7 +32,14 @@ struct OpInfo {
   std::string name;
   uint32_t traits = 0;
   const c10::OperatorHandle* handle = nullptr;  // null for prim ops
+  // The arguments the op writes (schema `Tensor(a!)`), by position and by name.
+  std::vector<std::pair<int, std::string>> written_args;
   bool has(OpTrait t) const { return (traits & t) != 0; }
+  bool writes(int position, const std::string& name) const {
+    for (const auto& [p, n] : written_args)
+      if (p == position || n == name) return true;
+    return false;
+  }
 };
 
 // Throws ember::Error naming the op when neither the dispatcher nor ember knows it.

@@ -34,6 +34,10 @@ struct ListSlot {
   std::vector<int32_t> item_buffer;  // per item: the buffer it reads, or -1 for a constant
 };
 
+// A Python number in a Tensor argument (add.Tensor(x, 1)) becomes a 0-dim "wrapped number" tensor,
+// which type promotion treats as a scalar, as the Python argument parser does.
+at::Tensor wrap_scalar(const c10::IValue& v);
+
 // Builds the list a ListSlot describes, reading value items from `buffers` (may be null when the
 // list is all constants).
 c10::IValue assemble_list(const ListSlot& list, const std::vector<c10::IValue>* buffers);
@@ -43,6 +47,7 @@ struct Step {
   PrimOp prim = PrimOp::None;
   std::vector<c10::IValue> stack;                         // arguments with constants in place
   std::vector<std::pair<uint32_t, uint32_t>> from_buffer; // (stack slot, buffer)
+  std::vector<std::pair<uint32_t, uint32_t>> scalar_from_buffer;  // a SymInt/float value feeding a Tensor slot
   std::vector<ListSlot> lists;
   std::vector<int32_t> outputs;  // buffer for each return; -1 drops it
   bool expand_list = false;      // the op returns one Tensor[] spread over `outputs`
