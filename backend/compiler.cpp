@@ -1,12 +1,15 @@
 // The pipeline, in one list:
 //
-//   verify -> eliminate_dead_code -> eliminate_common_subexpressions -> build_plan
+//   verify -> eliminate_dead_code -> eliminate_common_subexpressions -> fuse     (passes)
+//          -> generate_kernels (one kernel per fusion group)                   (codegen)
+//          -> build_plan                                                       (runtime)
 //
-// Fusion, layout and memory planning join the list in their own passes. Each pass can be switched
+// Layout and memory planning join the list in their own passes. Each pass can be switched
 // off by name; with a debug directory, the IR is written before the first pass and after each one.
 #include "ember/compiler.h"
 
 #include "ember/error.h"
+#include "kernels/kernels.h"
 #include "passes/passes.h"
 
 #include <algorithm>
@@ -36,6 +39,7 @@ const std::vector<Pass>& default_passes() {
   static const std::vector<Pass> passes = {
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
+      {"fuse", fuse},
   };
   return passes;
 }
@@ -72,7 +76,12 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   PassContext ctx{options};
   auto timings = run_passes(graph, default_passes(), ctx);
   auto t0 = Clock::now();
-  Plan plan = build_plan(graph, constants);
+  std::string listing, declined;
+  auto kernels = generate_kernels(graph, options, &listing, &declined);
+  timings.emplace_back("codegen", ms_since(t0));
+  dump(options, "kernels.txt", listing + (declined.empty() ? "" : "declined:\n" + declined));
+  t0 = Clock::now();
+  Plan plan = build_plan(graph, constants, kernels);
   timings.emplace_back("plan", ms_since(t0));
   auto compiled = std::make_shared<CompiledGraph>(std::move(graph), std::move(plan));
   compiled->timings = std::move(timings);

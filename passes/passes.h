@@ -7,5 +7,6 @@ namespace ember {
 
 void eliminate_dead_code(Graph& graph, PassContext& ctx);
 void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
+void fuse(Graph& graph, PassContext& ctx);
 
 }  // namespace ember

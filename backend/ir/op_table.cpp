@@ -33,6 +33,24 @@ constexpr const char* kExternOps[] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::_addmm_activation",
 };
 
+// Ops ember's generated kernels implement (kernels/cpu, kernels/cuda). Pointwise ones fuse in any
+// chain; the reductions fuse when they reduce over the last dimension only (the fuse pass checks).
+constexpr const char* kFusibleOps[] = {
+    "aten::add.Tensor", "aten::add.Scalar", "aten::sub.Tensor", "aten::sub.Scalar", "aten::rsub.Scalar",
+    "aten::mul.Tensor", "aten::mul.Scalar", "aten::div.Tensor", "aten::div.Scalar", "aten::neg", "aten::exp",
+    "aten::log", "aten::log1p", "aten::expm1", "aten::sin", "aten::cos", "aten::tanh", "aten::sigmoid",
+    "aten::relu", "aten::gelu", "aten::silu", "aten::sqrt", "aten::rsqrt", "aten::abs", "aten::reciprocal",
+    "aten::pow.Tensor_Scalar", "aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::maximum",
+    "aten::minimum", "aten::where.self", "aten::erf", "aten::leaky_relu", "aten::threshold_backward",
+    "aten::sigmoid_backward", "aten::tanh_backward", "aten::gelu_backward", "aten::gt.Scalar", "aten::gt.Tensor",
+    "aten::lt.Scalar", "aten::lt.Tensor", "aten::ge.Scalar", "aten::ge.Tensor", "aten::le.Scalar",
+    "aten::le.Tensor", "aten::eq.Scalar", "aten::eq.Tensor", "aten::ne.Scalar", "aten::ne.Tensor",
+    "aten::_to_copy", "aten::hardtanh", "aten::logical_not",
+    // reductions over the last dimension
+    "aten::sum.dim_IntList", "aten::mean.dim", "aten::amax", "aten::amin", "aten::_softmax",
+    "aten::_log_softmax", "aten::native_layer_norm",
+};
+
 // Ops whose result the host must read before going on.
 constexpr const char* kCpuSyncOps[] = {
     "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
@@ -75,6 +93,8 @@ std::unique_ptr<OpInfo> resolve(const std::string& name) {
     if (ret.alias_info() && !ret.alias_info()->isWrite()) t |= kView;
   if (listed(std::begin(kExternOps), std::end(kExternOps), base)) t |= kExternOnly;
   if (listed(std::begin(kCpuSyncOps), std::end(kCpuSyncOps), base)) t |= kCpuSync;
+  if (listed(std::begin(kFusibleOps), std::end(kFusibleOps), name)) t |= kFusible;
+  if (name == "aten::_softmax" || name == "aten::_log_softmax" || name == "aten::native_layer_norm") t |= kReduction;
   if (!(t & (kCpuSync | kDynamicShape)) && !handle->hasTag(at::Tag::cudagraph_unsafe)) t |= kCapturable;
   info->traits = t;
   return info;

@@ -4,6 +4,7 @@
 //     %y: f32[s0, 8]{8, 1}@cpu = aten::add.Tensor(%x, 1.0)
 //     %m: f32[s0]{1}@cpu, %i: i64[s0]{1}@cpu = aten::max.dim(%y, 1)
 //     aten::_foreach_zero_([%x])
+//     %z: f32[s0, 8]{8, 1}@cpu = aten::exp(%y) #0          (member of fusion group 0)
 //     return (%y, %s0, None)
 //
 // Guarantees: print() is canonical and parse(print(g)) prints identically; literals keep their kind
@@ -215,8 +216,15 @@ class Parser {
       } while (try_consume(','));
       expect(')');
     }
+    int group = -1;
+    if (try_consume('#')) {
+      Arg id = parse_number();
+      if (id.kind != Arg::Kind::Int || id.i < 0) fail("fusion group must be a non-negative integer");
+      group = static_cast<int>(id.i);
+    }
     end_line();
     Node* n = g_.add_node(op, std::move(args), std::move(kwargs), std::move(outs));
+    n->group = group;
     for (Value* v : n->outputs) define(v->name, v);
   }
 
@@ -447,6 +455,7 @@ std::string print(const Graph& g) {
     }
     if (!n->outputs.empty()) out += " = ";
     out += print_call(*n);
+    if (n->group >= 0) out += " #" + std::to_string(n->group);
     out += '\n';
   }
   out += "  return (";

@@ -108,6 +108,11 @@ std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) con
 
   std::vector<c10::IValue> stack;
   for (const Step& step : plan.steps) {
+    if (step.kernel) {
+      step.kernel->run(buffers, step.reads, step.writes);
+      for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+      continue;
+    }
     stack.assign(step.stack.begin(), step.stack.end());
     for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];
     for (auto [slot, buf] : step.scalar_from_buffer) stack[slot] = wrap_scalar(buffers[buf]);
@@ -153,7 +158,7 @@ std::string CompiledGraph::describe() const {
          " buffers, " + std::to_string(plan_.steps.size()) + " steps\n";
   for (size_t s = 0; s < plan_.steps.size(); ++s) {
     const Step& st = plan_.steps[s];
-    std::vector<uint32_t> reads;
+    std::vector<uint32_t> reads = st.reads;
     for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
     for (auto [slot, buf] : st.scalar_from_buffer) reads.push_back(buf);
     for (const ListSlot& l : st.lists)
@@ -161,7 +166,8 @@ std::string CompiledGraph::describe() const {
         if (buf >= 0) reads.push_back(static_cast<uint32_t>(buf));
     std::string writes;
     for (int32_t b : st.outputs) writes += (writes.empty() ? "" : ",") + std::to_string(b);
-    out += "  " + std::to_string(s) + ": " + (st.op ? "aten " : "prim ") + st.node->op + " reads [" + list(reads) +
+    std::string what = st.kernel ? st.kernel->describe() : (st.op ? "aten " : "prim ") + st.node->op;
+    out += "  " + std::to_string(s) + ": " + what + " reads [" + list(reads) +
            "] writes [" + writes + "]";
     if (!st.frees.empty()) out += " frees [" + list(st.frees) + "]";
     out += "\n";

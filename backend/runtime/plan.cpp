@@ -10,8 +10,10 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <unordered_map>
+#include <unordered_set>
 
 namespace ember {
 namespace {
@@ -54,8 +56,9 @@ c10::IValue literal(const Arg& a) {
 
 class PlanBuilder {
  public:
-  PlanBuilder(const Graph& g, const std::unordered_map<std::string, at::Tensor>& constants)
-      : graph_(g), constants_(constants) {}
+  PlanBuilder(const Graph& g, const std::unordered_map<std::string, at::Tensor>& constants,
+              const std::unordered_map<int, GroupKernel>& kernels)
+      : graph_(g), constants_(constants), kernels_(kernels) {}
 
   Plan build() {
     plan_.num_inputs = graph_.inputs().size();
@@ -64,6 +67,11 @@ class PlanBuilder {
       node_ = n.get();
       if (n->op == "prim::constant") {
         bind_constant(*n);
+        continue;
+      }
+      if (n->group >= 0 && kernels_.count(n->group)) {
+        // The whole group runs as one kernel where its first member stands.
+        if (emitted_groups_.insert(n->group).second) plan_.steps.push_back(bind_kernel(*n, kernels_.at(n->group)));
         continue;
       }
       plan_.steps.push_back(bind(*n));
@@ -101,6 +109,16 @@ class PlanBuilder {
     auto it = constants_.find(n.args[0].s);
     if (it == constants_.end()) fail("constant '" + n.args[0].s + "' was not provided");
     plan_.constants.emplace_back(buffer_of(n.outputs[0]), c10::IValue(it->second));
+  }
+
+  Step bind_kernel(const Node& first, const GroupKernel& gk) {
+    Step step;
+    step.node = &first;
+    step.kernel = gk.kernel;
+    for (const Value* v : gk.reads) step.reads.push_back(buffer_of(v));
+    for (const Value* v : gk.writes) step.writes.push_back(buffer_of(v));
+    for (uint32_t b : step.writes) step.outputs.push_back(static_cast<int32_t>(b));
+    return step;
   }
 
   Step bind(const Node& n) {
@@ -250,6 +268,7 @@ class PlanBuilder {
       const Step& step = plan_.steps[s];
       for (auto [slot, buf] : step.from_buffer) last_use[buf] = static_cast<int64_t>(s);
       for (auto [slot, buf] : step.scalar_from_buffer) last_use[buf] = static_cast<int64_t>(s);
+      for (uint32_t buf : step.reads) last_use[buf] = static_cast<int64_t>(s);
       for (const ListSlot& l : step.lists)
         for (int32_t buf : l.item_buffer)
           if (buf >= 0) last_use[buf] = static_cast<int64_t>(s);
@@ -268,6 +287,8 @@ class PlanBuilder {
  private:
   const Graph& graph_;
   const std::unordered_map<std::string, at::Tensor>& constants_;
+  const std::unordered_map<int, GroupKernel>& kernels_;
+  std::unordered_set<int> emitted_groups_;
   Plan plan_;
   std::unordered_map<const Value*, uint32_t> buffers_;
   const Node* node_ = nullptr;
@@ -275,8 +296,13 @@ class PlanBuilder {
 
 }  // namespace
 
-Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants) {
-  return PlanBuilder(graph, constants).build();
+Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
+                const std::unordered_map<int, GroupKernel>& kernels) {
+  // Tensors made here (wrapped scalars) must be real even when the caller traces under a fake or other
+  // Python dispatch mode, as AOTAutograd does while it calls its compilers.
+  c10::impl::ExcludeDispatchKeyGuard no_python(
+      c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+  return PlanBuilder(graph, constants, kernels).build();
 }
 
 at::Tensor wrap_scalar(const c10::IValue& v) {

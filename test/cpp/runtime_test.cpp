@@ -9,9 +9,12 @@
 namespace ember {
 namespace {
 
+// Fusion is off here: these tests check the node-by-node runtime (fusion has its own tests).
 std::shared_ptr<CompiledGraph> compile_text(const std::string& text,
                                             const std::unordered_map<std::string, at::Tensor>& constants = {}) {
-  return compile(parse(text), constants, CompileOptions{});
+  CompileOptions options;
+  options.disabled_passes = {"fuse"};
+  return compile(parse(text), constants, options);
 }
 
 at::Tensor t(const c10::IValue& v) { return v.toTensor(); }

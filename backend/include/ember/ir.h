@@ -107,6 +107,7 @@ class Node {
   std::vector<Arg> args;
   std::vector<std::pair<std::string, Arg>> kwargs;
   std::vector<Value*> outputs;
+  int group = -1;  // fusion group set by the fuse pass ("#3" in the text form); -1: none
 
   template <class F> void for_each_input(F&& f) {
     for (Arg& a : args) a.for_each_value(f);
@@ -162,7 +163,7 @@ class Graph {
 // with a line number on anything else).
 std::string print(const Graph& g);
 Graph parse(const std::string& text);
-// The right-hand side of one node's line: "aten::add.Tensor(%x, 1.0)".
+// The right-hand side of one node's line without its group: "aten::add.Tensor(%x, 1.0)".
 std::string print_call(const Node& n);
 
 // Short dtype names used by the text form ("f32", "bf16", "i64", "b8", ...).

@@ -26,6 +26,7 @@ enum OpTrait : uint32_t {
   kDynamicShape = 1u << 7, // output shape depends on data
   kCapturable = 1u << 8,   // may run inside a CUDA graph
   kPrim = 1u << 9,         // an ember primitive executed by the runtime itself
+  kFusible = 1u << 10,     // ember's kernels implement it: pointwise, or a reduction over the last dim
 };
 
 struct OpInfo {

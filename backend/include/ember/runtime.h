@@ -42,8 +42,27 @@ at::Tensor wrap_scalar(const c10::IValue& v);
 // list is all constants).
 c10::IValue assemble_list(const ListSlot& list, const std::vector<c10::IValue>* buffers);
 
+// A generated kernel: reads buffers, writes buffers. The plan hands it the buffer indices of the
+// values it declared (GroupKernel::reads / writes), in that order.
+class Kernel {
+ public:
+  virtual ~Kernel() = default;
+  virtual void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                   const std::vector<uint32_t>& writes) const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// What code generation hands the plan for one fusion group: the kernel and the values it reads and writes.
+struct GroupKernel {
+  std::shared_ptr<const Kernel> kernel;
+  std::vector<const Value*> reads;
+  std::vector<const Value*> writes;
+};
+
 struct Step {
-  const c10::OperatorHandle* op = nullptr;  // null for a prim step
+  const c10::OperatorHandle* op = nullptr;  // null for a prim or kernel step
+  std::shared_ptr<const Kernel> kernel;     // a generated kernel replacing a whole fusion group
+  std::vector<uint32_t> reads, writes;      // kernel steps: buffers, in the kernel's declared order
   PrimOp prim = PrimOp::None;
   std::vector<c10::IValue> stack;                         // arguments with constants in place
   std::vector<std::pair<uint32_t, uint32_t>> from_buffer; // (stack slot, buffer)
@@ -93,6 +112,8 @@ class CompiledGraph {
 
 // Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind
 // (unknown op, argument that does not fit the schema, missing constant).
-Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants);
+// `kernels` maps fusion group ids to generated kernels; groups without one run node by node.
+Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
+                const std::unordered_map<int, GroupKernel>& kernels = {});
 
 }  // namespace ember

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (device tool): build, C++ tests, pytest, benchmarks; logs under $OUT.
+# GoogleTest travels as Debian's .deb in .carry/ (the machine has no registries):
+#   mkdir -p .carry && (cd .carry && apt-get download libgtest-dev)   # here, once
+# then run with carry=[".carry"]:  bash .ci/gpu_check.sh [pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ember_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .carry/libgtest-dev_*.deb >/dev/null 2>&1; then
+  dpkg -x .carry/libgtest-dev_*.deb /tmp/gtest && export GTest_ROOT=/tmp/gtest/usr
+fi
+{ nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
+start=$(date +%s)
+bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+./build/py/test/cpp/ember_tests --gtest_brief=1 2>&1 | tee "$OUT/gtest.log" | tail -3
+(cd test/python && python3 -m pytest -q -rs -p no:cacheprovider "$@" . 2>&1) | tee "$OUT/pytest.log" | tail -25
+for script in ${EMBER_GPU_BENCH:-}; do
+  echo "== $script"
+  timeout 300 python3 $script 2>&1 | tee -a "$OUT/bench.log" | tail -40
+done

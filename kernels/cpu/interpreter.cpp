@@ -1,0 +1,457 @@
+// The CPU kernel for a fusion group: a vectorized block interpreter over its Program.
+//
+// Why an interpreter: TorchInductor compiles generated C++ with g++ and waits seconds per graph; ember's
+// first call must not wait for a compiler. Interpreting a Program costs one switch per instruction per
+// block of elements (a 2048-element tile, or one row for groups with a reduction), so the dispatch is
+// amortized over thousands of vectorized operations: inner loops are AVX2 Vectorized<float> code
+// compiled ahead of time, and the "compile" of a group is the Program lowering, well under a millisecond.
+//
+// Per tile, each register is either a pointer to n floats or one uniform value (constants, row values,
+// broadcast inputs), so broadcasts cost nothing and an instruction on uniform operands runs once.
+// Contiguous float32 inputs are read in place; other dtypes, strides and broadcasts are gathered.
+// Tiles run in parallel with at::parallel_for.
+#include "kernels/cpu/cpu_kernel.h"
+
+#include "ember/error.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+
+#include <cmath>
+#include <limits>
+
+namespace ember::cpu {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kTile = 2048;
+constexpr int64_t kMaxRank = 12;
+
+struct Reg {
+  const float* p = nullptr;  // n values, or null: uniform value s
+  float s = 0.f;
+};
+
+Vec load(const Reg& r, int64_t i) { return r.p ? Vec::loadu(r.p + i) : Vec(r.s); }
+Vec load(const Reg& r, int64_t i, int64_t count) { return r.p ? Vec::loadu(r.p + i, count) : Vec(r.s); }
+
+Vec round_lanes_half(const Vec& a) {
+  float v[Vec::size()];
+  a.store(v);
+  for (float& x : v) x = static_cast<float>(static_cast<c10::Half>(x));
+  return Vec::loadu(v);
+}
+
+Vec round_lanes_bfloat16(const Vec& a) {
+  float v[Vec::size()];
+  a.store(v);
+  for (float& x : v) x = static_cast<float>(static_cast<c10::BFloat16>(x));
+  return Vec::loadu(v);
+}
+
+// Every elementwise opcode once, as an expression over Vec a, b, c.
+#define EMBER_ELEMENTWISE_OPS(X)                                 \
+  X(Copy, a)                                                     \
+  X(Neg, a.neg())                                                \
+  X(Exp, a.exp())                                                \
+  X(Log, a.log())                                                \
+  X(Log1p, a.log1p())                                            \
+  X(Expm1, a.expm1())                                            \
+  X(Sin, a.sin())                                                \
+  X(Cos, a.cos())                                                \
+  X(Tanh, a.tanh())                                              \
+  X(Sigmoid, Vec(1.f) / (Vec(1.f) + a.neg().exp()))              \
+  X(Relu, at::vec::maximum(a, Vec(0.f)))                         \
+  X(Sqrt, a.sqrt())                                              \
+  X(Rsqrt, a.rsqrt())                                            \
+  X(Abs, a.abs())                                                \
+  X(Reciprocal, a.reciprocal())                                  \
+  X(Erf, a.erf())                                                \
+  X(RoundHalf, round_lanes_half(a))                              \
+  X(RoundBFloat16, round_lanes_bfloat16(a))                      \
+  X(ToBool, a.ne(Vec(0.f)))                                      \
+  X(Add, a + b)                                                  \
+  X(Sub, a - b)                                                  \
+  X(Mul, a * b)                                                  \
+  X(Div, a / b)                                                  \
+  X(Max, at::vec::maximum(a, b))                                 \
+  X(Min, at::vec::minimum(a, b))                                 \
+  X(Pow, a.pow(b))                                               \
+  X(Gt, a.gt(b))                                                 \
+  X(Lt, a.lt(b))                                                 \
+  X(Ge, a.ge(b))                                                 \
+  X(Le, a.le(b))                                                 \
+  X(Eq, a.eq(b))                                                 \
+  X(Ne, a.ne(b))                                                 \
+  X(Where, Vec::blendv(c, b, a != Vec(0.f)))
+
+// The loop for one instruction: the op is a template argument, so it is inlined into the loop.
+template <class F>
+void map_n(const F& f, const Reg& a, const Reg& b, const Reg& c, float* out, int64_t n) {
+  constexpr int64_t w = Vec::size();
+  int64_t i = 0;
+  for (; i + w <= n; i += w) f(load(a, i), load(b, i), load(c, i)).store(out + i);
+  if (i < n) f(load(a, i, n - i), load(b, i, n - i), load(c, i, n - i)).store(out + i, n - i);
+}
+
+void apply_n(OpCode op, const Reg& ra, const Reg& rb, const Reg& rc, float* out, int64_t n) {
+  switch (op) {
+#define EMBER_CASE(OP, EXPR)                                                                    \
+  case OpCode::OP:                                                                              \
+    map_n([](const Vec& a, const Vec& b, const Vec& c) -> Vec { return EXPR; }, ra, rb, rc, out, n); \
+    return;
+    EMBER_ELEMENTWISE_OPS(EMBER_CASE)
+#undef EMBER_CASE
+    default: break;
+  }
+  throw Error("internal: row op in apply_n()");
+}
+
+float apply_scalar(OpCode op, float a, float b, float c) {
+  float out[Vec::size()];
+  Reg ra{nullptr, a}, rb{nullptr, b}, rc{nullptr, c};
+  apply_n(op, ra, rb, rc, out, 1);
+  return out[0];
+}
+
+float reduce(OpCode op, const Reg& r, int64_t n) {
+  if (!r.p) {
+    if (op == OpCode::RowSum) return r.s * static_cast<float>(n);
+    if (op == OpCode::RowMean) return n ? r.s : std::numeric_limits<float>::quiet_NaN();
+    return n ? r.s : (op == OpCode::RowMax ? -INFINITY : INFINITY);
+  }
+  if (op == OpCode::RowSum || op == OpCode::RowMean) {
+    float s = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r.p, n);
+    return op == OpCode::RowSum ? s : s / static_cast<float>(n);
+  }
+  if (n == 0) return op == OpCode::RowMax ? -INFINITY : INFINITY;
+  // maximum/minimum propagate NaN, as amax/amin do.
+  if (op == OpCode::RowMax) return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r.p, n);
+  return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::minimum(x, y); }, r.p, n);
+}
+
+// One strided tensor operand seen through the iteration space: strides aligned to it (0 = broadcast).
+struct View {
+  const char* data = nullptr;
+  c10::ScalarType dtype = c10::kFloat;
+  int64_t itemsize = 4;
+  int64_t strides[kMaxRank] = {};  // in elements, aligned to the full shape (or the row shape)
+  bool dense = false;              // contiguous over the whole full shape
+};
+
+float load_one(const View& v, int64_t offset) {
+  const char* p = v.data + offset * v.itemsize;
+  switch (v.dtype) {
+    case c10::kFloat: return *reinterpret_cast<const float*>(p);
+    case c10::kHalf: return static_cast<float>(*reinterpret_cast<const c10::Half*>(p));
+    case c10::kBFloat16: return static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p));
+    case c10::kBool: return *reinterpret_cast<const bool*>(p) ? 1.f : 0.f;
+    case c10::kDouble: return static_cast<float>(*reinterpret_cast<const double*>(p));
+    case c10::kLong: return static_cast<float>(*reinterpret_cast<const int64_t*>(p));
+    case c10::kInt: return static_cast<float>(*reinterpret_cast<const int32_t*>(p));
+    case c10::kByte: return static_cast<float>(*reinterpret_cast<const uint8_t*>(p));
+    case c10::kChar: return static_cast<float>(*reinterpret_cast<const int8_t*>(p));
+    case c10::kShort: return static_cast<float>(*reinterpret_cast<const int16_t*>(p));
+    default: break;
+  }
+  throw Error(std::string("fused CPU kernel: unsupported input dtype ") + c10::toString(v.dtype));
+}
+
+void store_n(const float* src, const Reg& r, int64_t n, c10::ScalarType dtype, char* out) {
+  auto value = [&](int64_t i) { return src ? src[i] : r.s; };
+  switch (dtype) {
+    case c10::kFloat:
+      if (src) std::memcpy(out, src, n * sizeof(float));
+      else std::fill_n(reinterpret_cast<float*>(out), n, r.s);
+      return;
+    case c10::kHalf:
+      for (int64_t i = 0; i < n; ++i) reinterpret_cast<c10::Half*>(out)[i] = static_cast<c10::Half>(value(i));
+      return;
+    case c10::kBFloat16:
+      for (int64_t i = 0; i < n; ++i) reinterpret_cast<c10::BFloat16*>(out)[i] = static_cast<c10::BFloat16>(value(i));
+      return;
+    case c10::kBool:
+      for (int64_t i = 0; i < n; ++i) reinterpret_cast<bool*>(out)[i] = value(i) != 0.f;
+      return;
+    default: break;
+  }
+  throw Error(std::string("fused CPU kernel: unsupported output dtype ") + c10::toString(dtype));
+}
+
+class FusedCpuKernel final : public Kernel {
+ public:
+  explicit FusedCpuKernel(Program program) : p_(std::move(program)) {
+    for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
+  }
+
+  std::string describe() const override {
+    return "cpu fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) + " instructions" +
+           (p_.has_reduction ? ", row reductions" : "") + ")";
+  }
+
+  void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+           const std::vector<uint32_t>& writes) const override {
+    const size_t n_in = p_.inputs.size();
+    // The full shape: the broadcast of every input read in full.
+    std::vector<int64_t> full;
+    for (size_t i = 0; i < n_in; ++i) {
+      if (p_.inputs[i].row) continue;
+      const at::Tensor& t = buffers[reads[i]].toTensor();
+      broadcast_into(full, t.sizes());
+    }
+    if (full.size() < p_.rank) full.insert(full.begin(), p_.rank - full.size(), 1);
+    if (full.size() > static_cast<size_t>(kMaxRank)) throw Error("fused CPU kernel: rank above 12");
+    int64_t numel = 1;
+    for (int64_t s : full) numel *= s;
+    const int64_t cols = p_.has_reduction ? full.back() : numel;
+    std::vector<int64_t> row_shape(full.begin(), full.end() - (p_.has_reduction ? 1 : 0));
+    int64_t rows = 1;
+    for (int64_t s : row_shape) rows *= s;
+
+    std::vector<View> views(n_in);
+    for (size_t i = 0; i < n_in; ++i) views[i] = make_view(buffers[reads[i]].toTensor(), p_.inputs[i].row ? row_shape : full, numel);
+    std::vector<float> scalars(p_.scalars.size());
+    for (size_t s = 0; s < scalars.size(); ++s) {
+      const c10::IValue& v = buffers[reads[n_in + s]];
+      scalars[s] = v.isDouble() ? static_cast<float>(v.toDouble()) : v.isBool() ? float(v.toBool()) : float(v.toInt());
+    }
+    std::vector<at::Tensor> outs;
+    outs.reserve(p_.outputs.size());
+    for (size_t o = 0; o < p_.outputs.size(); ++o) {
+      std::vector<int64_t> shape = full;
+      if (p_.outputs[o].row) {
+        shape = row_shape;
+        if (p_.outputs[o].keepdim) shape.push_back(1);
+      }
+      outs.push_back(at::empty(shape, at::TensorOptions().dtype(out_dtypes_[o])));
+    }
+
+    if (numel > 0 || (p_.has_reduction && rows > 0)) {
+      if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
+      else run_flat(views, scalars, outs, full, numel);
+    }
+    for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
+  }
+
+ private:
+  static void broadcast_into(std::vector<int64_t>& shape, at::IntArrayRef sizes) {
+    if (sizes.size() > shape.size()) shape.insert(shape.begin(), sizes.size() - shape.size(), 1);
+    size_t off = shape.size() - sizes.size();
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      int64_t& s = shape[off + d];
+      if (s == 1) s = sizes[d];
+      else if (sizes[d] != 1 && sizes[d] != s) throw Error("fused CPU kernel: inputs do not broadcast");
+    }
+  }
+
+  // Aligns `t` to `space` (trailing dimensions; a keepdim [..., 1] row input drops its last dim).
+  static View make_view(const at::Tensor& t, const std::vector<int64_t>& space, int64_t full_numel) {
+    View v;
+    v.data = static_cast<const char*>(t.data_ptr());
+    v.dtype = t.scalar_type();
+    v.itemsize = t.element_size();
+    int64_t rank = t.dim();
+    if (rank > static_cast<int64_t>(space.size())) rank = static_cast<int64_t>(space.size());  // keepdim row input
+    int64_t off = static_cast<int64_t>(space.size()) - rank;
+    for (int64_t d = 0; d < rank; ++d) {
+      int64_t size = t.size(d);
+      v.strides[off + d] = size == 1 && space[off + d] != 1 ? 0 : t.stride(d);
+    }
+    v.dense = t.is_contiguous() && t.numel() == full_numel && t.dim() >= 0 && static_cast<int64_t>(space.size()) == t.dim();
+    return v;
+  }
+
+  struct Scratch {
+    std::vector<float> data;
+    std::vector<Reg> regs;
+  };
+  static Scratch& scratch(size_t regs, int64_t tile) {
+    thread_local Scratch s;
+    if (s.data.size() < regs * tile) s.data.resize(regs * tile);
+    s.regs.assign(regs, Reg{});
+    return s;
+  }
+
+  // Loads input i for positions [start, start + n) of `space`, given the offset of `start`.
+  static void load_input(const View& v, Reg& r, float* buf, int64_t n, int64_t base, int64_t inner_stride) {
+    if (inner_stride == 0) {
+      r.p = nullptr;
+      r.s = load_one(v, base);
+      return;
+    }
+    if (inner_stride == 1 && v.dtype == c10::kFloat) {
+      r.p = reinterpret_cast<const float*>(v.data) + base;
+      return;
+    }
+    for (int64_t k = 0; k < n; ++k) buf[k] = load_one(v, base + k * inner_stride);
+    r.p = buf;
+  }
+
+  // General strided gather over a flat range of the full shape.
+  static void gather(const View& v, const std::vector<int64_t>& shape, int64_t start, int64_t n, float* buf) {
+    int64_t rank = static_cast<int64_t>(shape.size());
+    int64_t idx[kMaxRank];
+    int64_t rest = start, off = 0;
+    for (int64_t d = rank - 1; d >= 0; --d) {
+      idx[d] = rest % shape[d];
+      rest /= shape[d];
+      off += idx[d] * v.strides[d];
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      buf[k] = load_one(v, off);
+      for (int64_t d = rank - 1; d >= 0; --d) {
+        off += v.strides[d];
+        if (++idx[d] < shape[d]) break;
+        off -= idx[d] * v.strides[d];
+        idx[d] = 0;
+      }
+    }
+  }
+
+  void execute(std::vector<Reg>& regs, float* data, int64_t tile, int64_t n, const std::vector<float>& scalars) const {
+    auto operand = [&](const Operand& o) -> Reg {
+      switch (o.kind) {
+        case Operand::Kind::Reg: return regs[o.index];
+        case Operand::Kind::Imm: return Reg{nullptr, o.imm};
+        case Operand::Kind::Scalar: return Reg{nullptr, scalars[o.index]};
+        case Operand::Kind::None: break;
+      }
+      return Reg{};
+    };
+    for (const Instr& ins : p_.code) {
+      Reg a = operand(ins.a), b = operand(ins.b), c = operand(ins.c);
+      Reg& d = regs[ins.dst];
+      if (ins.op >= OpCode::RowSum) {
+        d = Reg{nullptr, reduce(ins.op, a, n)};
+        continue;
+      }
+      if (!a.p && !b.p && !c.p) {
+        d = Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
+        continue;
+      }
+      float* out = data + static_cast<int64_t>(ins.dst) * tile;
+      apply_n(ins.op, a, b, c, out, n);
+      d = Reg{out, 0.f};
+    }
+  }
+
+  // Groups without reductions. When every input is dense or a single value, tiles are flat ranges of
+  // kTile elements. Otherwise, if rows are long enough, tiles are pieces of one row of the last
+  // dimension, so each input is read in place, as one value, or with a fixed stride; short rows with
+  // broadcasting fall back to a general gather.
+  void run_flat(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
+                const std::vector<int64_t>& full, int64_t numel) const {
+    const size_t nregs = p_.reg_is_row.size();
+    const int64_t rank = static_cast<int64_t>(full.size());
+    std::vector<char> uniform(views.size());
+    bool all_simple = true;
+    for (size_t i = 0; i < views.size(); ++i) {
+      bool u = true;
+      for (int64_t d = 0; d < rank; ++d) u = u && (views[i].strides[d] == 0 || full[d] == 1);
+      uniform[i] = u;
+      all_simple = all_simple && (u || views[i].dense);
+    }
+    const int64_t cols = rank ? full.back() : 1;
+    const bool by_rows = !all_simple && cols >= 64;
+    const int64_t chunks_per_row = by_rows ? (cols + kTile - 1) / kTile : 1;
+    const int64_t tiles = by_rows ? (numel / cols) * chunks_per_row : (numel + kTile - 1) / kTile;
+    at::parallel_for(0, tiles, std::max<int64_t>(1, 32768 / kTile), [&](int64_t begin, int64_t end) {
+      Scratch& s = scratch(nregs, kTile);
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t start, n, row = 0, col = 0;
+        if (by_rows) {
+          row = t / chunks_per_row;
+          col = (t % chunks_per_row) * kTile;
+          start = row * cols + col;
+          n = std::min(kTile, cols - col);
+        } else {
+          start = t * kTile;
+          n = std::min(kTile, numel - start);
+        }
+        for (size_t i = 0; i < views.size(); ++i) {
+          const View& v = views[i];
+          Reg& r = s.regs[p_.inputs[i].reg];
+          float* buf = s.data.data() + static_cast<int64_t>(p_.inputs[i].reg) * kTile;
+          if (uniform[i]) {
+            load_input(v, r, buf, n, 0, 0);
+          } else if (v.dense) {
+            load_input(v, r, buf, n, start, 1);
+          } else if (by_rows) {
+            int64_t base = col * v.strides[rank - 1], rest = row;
+            for (int64_t d = rank - 2; d >= 0; --d) {
+              base += (rest % full[d]) * v.strides[d];
+              rest /= full[d];
+            }
+            load_input(v, r, buf, n, base, v.strides[rank - 1]);
+          } else {
+            gather(v, full, start, n, buf);
+            r.p = buf;
+          }
+        }
+        execute(s.regs, s.data.data(), kTile, n, scalars);
+        for (size_t o = 0; o < outs.size(); ++o) {
+          const Reg& r = s.regs[p_.outputs[o].reg];
+          char* dst = static_cast<char*>(outs[o].data_ptr()) + start * outs[o].element_size();
+          store_n(r.p, r, n, out_dtypes_[o], dst);
+        }
+      }
+    });
+  }
+
+  void run_rows(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
+                const std::vector<int64_t>& full, int64_t rows, int64_t cols) const {
+    const size_t nregs = p_.reg_is_row.size();
+    const int64_t lead = static_cast<int64_t>(full.size()) - 1;
+    const int64_t tile = std::max<int64_t>(cols, 1);
+    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / tile), [&](int64_t begin, int64_t end) {
+      Scratch& s = scratch(nregs, tile);
+      for (int64_t row = begin; row < end; ++row) {
+        int64_t idx[kMaxRank];
+        int64_t rest = row;
+        for (int64_t d = lead - 1; d >= 0; --d) {
+          idx[d] = rest % full[d];
+          rest /= full[d];
+        }
+        for (size_t i = 0; i < views.size(); ++i) {
+          const View& v = views[i];
+          int64_t base = 0;
+          for (int64_t d = 0; d < lead; ++d) base += idx[d] * v.strides[d];
+          Reg& r = s.regs[p_.inputs[i].reg];
+          float* buf = s.data.data() + static_cast<int64_t>(p_.inputs[i].reg) * tile;
+          if (p_.inputs[i].row) load_input(v, r, buf, 1, base, 0);
+          else load_input(v, r, buf, cols, base, cols == 1 ? 0 : v.strides[lead]);
+        }
+        execute(s.regs, s.data.data(), tile, cols, scalars);
+        for (size_t o = 0; o < outs.size(); ++o) {
+          const ProgramOutput& po = p_.outputs[o];
+          const Reg& r = s.regs[po.reg];
+          int64_t count = po.row ? 1 : cols;
+          char* dst = static_cast<char*>(outs[o].data_ptr()) + row * count * outs[o].element_size();
+          store_n(po.row ? nullptr : r.p, r, count, out_dtypes_[o], dst);
+        }
+      }
+    });
+  }
+
+  Program p_;
+  std::vector<c10::ScalarType> out_dtypes_;
+};
+
+bool cpu_supported() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+}  // namespace
+
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not) {
+  if (!cpu_supported()) {
+    if (why_not) *why_not = "this CPU lacks AVX2/FMA";
+    return nullptr;
+  }
+  return std::make_shared<FusedCpuKernel>(std::move(program));
+}
+
+}  // namespace ember::cpu

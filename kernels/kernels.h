@@ -1,0 +1,15 @@
+// Code generation: one kernel per fusion group, from the generator for the group's device.
+#pragma once
+
+#include "ember/compiler.h"
+
+#include <unordered_map>
+
+namespace ember {
+
+// Kernels for the fusion groups of `graph` that a generator accepts. Declined groups are reported in
+// *declined (one line each: group and reason) and run node by node through ATen.
+std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const CompileOptions& options,
+                                                      std::string* listing, std::string* declined);
+
+}  // namespace ember

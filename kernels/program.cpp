@@ -1,0 +1,384 @@
+// lower_group: fusion group -> Program. One function per op family; each reads its arguments by
+// position or keyword, as the FX graph gave them.
+#include "kernels/program.h"
+
+#include "ember/error.h"
+
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <unordered_map>
+
+namespace ember {
+namespace {
+
+class Unsupported : public std::exception {
+ public:
+  explicit Unsupported(std::string why) : why_(std::move(why)) {}
+  const char* what() const noexcept override { return why_.c_str(); }
+
+ private:
+  std::string why_;
+};
+
+class Lowering {
+ public:
+  Lowering(const Graph& g, int group) : graph_(g) { program_.group = group; }
+
+  Program run() {
+    for (const auto& n : graph_.nodes())
+      if (n->group == program_.group) members_.push_back(n.get());
+    if (members_.empty()) throw Unsupported("empty group");
+    const Node& first = *members_.front();
+    program_.device = first.outputs[0]->type.tensor.device;
+    program_.has_reduction = false;
+    full_rank_ = 0;
+    for (const Node* n : members_) {
+      bool reduction = is_reduction(*n);
+      const auto& sizes = reduction ? n->args[0].value->type.tensor.sizes : n->outputs[0]->type.tensor.sizes;
+      if (reduction) program_.has_reduction = true;
+      full_rank_ = std::max(full_rank_, sizes.size());
+    }
+    program_.rank = full_rank_;
+    for (const Node* n : members_) lower(*n);
+    collect_outputs();
+    program_.members = members_;
+    return std::move(program_);
+  }
+
+ private:
+  static bool is_reduction(const Node& n) {
+    return n.op == "aten::sum.dim_IntList" || n.op == "aten::mean.dim" || n.op == "aten::amax" ||
+           n.op == "aten::amin" || n.op == "aten::_softmax" || n.op == "aten::_log_softmax" ||
+           n.op == "aten::native_layer_norm";
+  }
+
+  bool in_group(const Value* v) const { return v->producer && v->producer->group == program_.group; }
+
+  int new_reg(bool row) {
+    program_.reg_is_row.push_back(row);
+    return static_cast<int>(program_.reg_is_row.size()) - 1;
+  }
+
+  bool is_row(const Operand& o) const { return o.kind != Operand::Kind::Reg || program_.reg_is_row[o.index]; }
+
+  // The operand for an argument of `node`: a register, a loaded input, a runtime scalar or a constant.
+  Operand operand(const Arg& a, const Node& node) {
+    switch (a.kind) {
+      case Arg::Kind::Int: return Operand::constant(static_cast<float>(a.i));
+      case Arg::Kind::Float: return Operand::constant(static_cast<float>(a.f));
+      case Arg::Kind::Bool: return Operand::constant(a.b ? 1.f : 0.f);
+      case Arg::Kind::Value: break;
+      default: throw Unsupported("argument kind of " + node.op);
+    }
+    const Value* v = a.value;
+    if (!v->type.is_tensor()) {
+      auto it = scalar_index_.find(v);
+      if (it != scalar_index_.end()) return Operand::scalar(it->second);
+      program_.scalars.push_back(v);
+      int s = static_cast<int>(program_.scalars.size()) - 1;
+      scalar_index_[v] = s;
+      return Operand::scalar(s);
+    }
+    if (in_group(v)) return Operand::reg(reg_of_.at(v));
+    bool row = node_is_row(node);
+    auto key = std::make_pair(v, row);
+    auto it = input_reg_.find(key);
+    if (it != input_reg_.end()) return Operand::reg(it->second);
+    int r = new_reg(row);
+    program_.inputs.push_back({v, row, r});
+    input_reg_[key] = r;
+    return Operand::reg(r);
+  }
+
+  // A node is a row node when its output has fewer elements per row than the full shape: it follows
+  // a reduction and works on reduced values only.
+  bool node_is_row(const Node& n) const {
+    if (is_reduction(n) || !program_.has_reduction) return false;
+    const auto& sizes = n.outputs[0]->type.tensor.sizes;
+    if (sizes.size() < full_rank_) return true;
+    return !sizes.empty() && sizes.back().is_constant() && sizes.back().value == 1 && row_consumer(n);
+  }
+
+  // A keepdim-shaped ([..., 1]) pointwise node is a row node only when all its register inputs are rows.
+  bool row_consumer(const Node& n) const {
+    bool all_rows = true, any_reg = false;
+    n.for_each_input([&](const Value* v) {
+      if (!v->type.is_tensor() || !in_group(v)) return;
+      any_reg = true;
+      if (!program_.reg_is_row[reg_of_.at(v)]) all_rows = false;
+    });
+    return any_reg && all_rows;
+  }
+
+  const Arg* arg(const Node& n, size_t position, const char* name) const {
+    if (position < n.args.size()) return &n.args[position];
+    for (const auto& [k, v] : n.kwargs)
+      if (k == name) return &v;
+    return nullptr;
+  }
+  Operand arg_operand(const Node& n, size_t position, const char* name, float fallback) {
+    const Arg* a = arg(n, position, name);
+    if (!a || a->kind == Arg::Kind::None) return Operand::constant(fallback);
+    return operand(*a, n);
+  }
+  double arg_number(const Node& n, size_t position, const char* name, double fallback) const {
+    const Arg* a = arg(n, position, name);
+    if (!a || a->kind == Arg::Kind::None) return fallback;
+    if (a->kind == Arg::Kind::Int) return static_cast<double>(a->i);
+    if (a->kind == Arg::Kind::Float) return a->f;
+    throw Unsupported("non-constant argument '" + std::string(name) + "' of " + n.op);
+  }
+  std::string arg_string(const Node& n, size_t position, const char* name, const char* fallback) const {
+    const Arg* a = arg(n, position, name);
+    if (!a || a->kind == Arg::Kind::None) return fallback;
+    if (a->kind != Arg::Kind::String) throw Unsupported("argument '" + std::string(name) + "' of " + n.op);
+    return a->s;
+  }
+
+  Operand emit(OpCode op, Operand a, Operand b = {}, Operand c = {}, std::optional<bool> row = std::nullopt) {
+    bool r = row.value_or(is_row(a) && is_row(b) && is_row(c));
+    if (op == OpCode::RowSum || op == OpCode::RowMean || op == OpCode::RowMax || op == OpCode::RowMin) r = true;
+    int dst = new_reg(r);
+    program_.code.push_back({op, dst, a, b, c});
+    return Operand::reg(dst);
+  }
+
+  // Registers a node output; a constant operand is first materialized with Copy.
+  void define(const Value* v, Operand o) {
+    if (o.kind != Operand::Kind::Reg || program_.reg_is_row[o.index] != value_is_row(v)) o = emit(OpCode::Copy, o, {}, {}, value_is_row(v));
+    // A value stored at a lower precision is rounded once here, so that later members see what eager sees.
+    reg_of_[v] = o.index;
+  }
+  bool value_is_row(const Value* v) const {
+    return program_.has_reduction && (v->type.tensor.sizes.size() < full_rank_ ||
+                                      (v->producer && node_is_row(*v->producer)) || reduced_.count(v));
+  }
+
+  void lower(const Node& n) {
+    const std::string& op = n.op;
+    auto x = [&](size_t i, const char* name) { return operand(*arg(n, i, name), n); };
+    auto out = [&](Operand o) { define(n.outputs[0], o); };
+    static const std::unordered_map<std::string, OpCode> unary = {
+        {"aten::neg", OpCode::Neg},       {"aten::exp", OpCode::Exp},         {"aten::log", OpCode::Log},
+        {"aten::log1p", OpCode::Log1p},   {"aten::expm1", OpCode::Expm1},     {"aten::sin", OpCode::Sin},
+        {"aten::cos", OpCode::Cos},       {"aten::tanh", OpCode::Tanh},       {"aten::sigmoid", OpCode::Sigmoid},
+        {"aten::relu", OpCode::Relu},     {"aten::sqrt", OpCode::Sqrt},       {"aten::rsqrt", OpCode::Rsqrt},
+        {"aten::abs", OpCode::Abs},       {"aten::reciprocal", OpCode::Reciprocal}, {"aten::erf", OpCode::Erf},
+    };
+    static const std::unordered_map<std::string, OpCode> compare = {
+        {"aten::gt", OpCode::Gt}, {"aten::lt", OpCode::Lt}, {"aten::ge", OpCode::Ge},
+        {"aten::le", OpCode::Le}, {"aten::eq", OpCode::Eq}, {"aten::ne", OpCode::Ne},
+    };
+    if (auto it = unary.find(op); it != unary.end()) return out(emit(it->second, x(0, "self")));
+    std::string base = op.substr(0, op.find('.', 6));
+    if (auto it = compare.find(base); it != compare.end()) return out(emit(it->second, x(0, "self"), x(1, "other")));
+
+    if (op == "aten::add.Tensor" || op == "aten::add.Scalar" || op == "aten::sub.Tensor" || op == "aten::sub.Scalar") {
+      Operand b = x(1, "other");
+      double alpha = arg_number(n, 2, "alpha", 1.0);
+      if (alpha != 1.0) b = emit(OpCode::Mul, b, Operand::constant(static_cast<float>(alpha)));
+      return out(emit(op[6] == 'a' ? OpCode::Add : OpCode::Sub, x(0, "self"), b));
+    }
+    if (op == "aten::rsub.Scalar") {
+      Operand a = x(0, "self");
+      double alpha = arg_number(n, 2, "alpha", 1.0);
+      if (alpha != 1.0) a = emit(OpCode::Mul, a, Operand::constant(static_cast<float>(alpha)));
+      return out(emit(OpCode::Sub, x(1, "other"), a));
+    }
+    if (op == "aten::mul.Tensor" || op == "aten::mul.Scalar") return out(emit(OpCode::Mul, x(0, "self"), x(1, "other")));
+    if (op == "aten::div.Tensor" || op == "aten::div.Scalar") return out(emit(OpCode::Div, x(0, "self"), x(1, "other")));
+    if (op == "aten::maximum") return out(emit(OpCode::Max, x(0, "self"), x(1, "other")));
+    if (op == "aten::minimum") return out(emit(OpCode::Min, x(0, "self"), x(1, "other")));
+    if (op == "aten::where.self") return out(emit(OpCode::Where, x(0, "condition"), x(1, "self"), x(2, "other")));
+    if (op == "aten::logical_not") return out(emit(OpCode::Eq, x(0, "self"), Operand::constant(0.f)));
+    if (op == "aten::pow.Tensor_Scalar") {
+      Operand a = x(0, "self");
+      double e = arg_number(n, 1, "exponent", 1.0);
+      if (e == 2.0) return out(emit(OpCode::Mul, a, a));
+      if (e == 1.0) return out(a);
+      if (e == 0.5) return out(emit(OpCode::Sqrt, a));
+      if (e == -1.0) return out(emit(OpCode::Reciprocal, a));
+      if (e == 3.0) return out(emit(OpCode::Mul, emit(OpCode::Mul, a, a), a));
+      return out(emit(OpCode::Pow, a, Operand::constant(static_cast<float>(e))));
+    }
+    if (op == "aten::clamp" || op == "aten::hardtanh") {
+      bool hard = op == "aten::hardtanh";
+      Operand v = x(0, "self");
+      const Arg* lo = arg(n, 1, hard ? "min_val" : "min");
+      const Arg* hi = arg(n, 2, hard ? "max_val" : "max");
+      if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, v, lo ? operand(*lo, n) : Operand::constant(-1.f));
+      if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, v, hi ? operand(*hi, n) : Operand::constant(1.f));
+      return out(v);
+    }
+    if (op == "aten::clamp_min") return out(emit(OpCode::Max, x(0, "self"), x(1, "min")));
+    if (op == "aten::clamp_max") return out(emit(OpCode::Min, x(0, "self"), x(1, "max")));
+    if (op == "aten::leaky_relu") {
+      Operand v = x(0, "self");
+      Operand slope = arg_operand(n, 1, "negative_slope", 0.01f);
+      return out(emit(OpCode::Where, emit(OpCode::Gt, v, Operand::constant(0.f)), v, emit(OpCode::Mul, v, slope)));
+    }
+    if (op == "aten::silu") {
+      Operand v = x(0, "self");
+      return out(emit(OpCode::Mul, v, emit(OpCode::Sigmoid, v)));
+    }
+    if (op == "aten::gelu") return out(gelu(x(0, "self"), arg_string(n, 1, "approximate", "none")));
+    if (op == "aten::gelu_backward") {
+      if (arg_string(n, 2, "approximate", "none") != "none") throw Unsupported("tanh gelu_backward");
+      Operand g = x(0, "grad_output"), v = x(1, "self");
+      Operand cdf = emit(OpCode::Mul, emit(OpCode::Add, emit(OpCode::Erf, emit(OpCode::Mul, v, Operand::constant(float(M_SQRT1_2)))),
+                                           Operand::constant(1.f)), Operand::constant(0.5f));
+      Operand pdf = emit(OpCode::Mul, emit(OpCode::Exp, emit(OpCode::Mul, emit(OpCode::Mul, v, v), Operand::constant(-0.5f))),
+                         Operand::constant(float(0.5 * M_2_SQRTPI * M_SQRT1_2)));
+      return out(emit(OpCode::Mul, g, emit(OpCode::Add, cdf, emit(OpCode::Mul, v, pdf))));
+    }
+    if (op == "aten::threshold_backward") {
+      Operand mask = emit(OpCode::Le, x(1, "self"), x(2, "threshold"));
+      return out(emit(OpCode::Where, mask, Operand::constant(0.f), x(0, "grad_output")));
+    }
+    if (op == "aten::sigmoid_backward") {
+      Operand y = x(1, "output");
+      return out(emit(OpCode::Mul, x(0, "grad_output"), emit(OpCode::Mul, y, emit(OpCode::Sub, Operand::constant(1.f), y))));
+    }
+    if (op == "aten::tanh_backward") {
+      Operand y = x(1, "output");
+      return out(emit(OpCode::Mul, x(0, "grad_output"), emit(OpCode::Sub, Operand::constant(1.f), emit(OpCode::Mul, y, y))));
+    }
+    if (op == "aten::_to_copy") return out(round_to(x(0, "self"), n.outputs[0]->type.tensor.dtype));
+    if (is_reduction(n)) return lower_reduction(n);
+    throw Unsupported("no lowering for " + op);
+  }
+
+  Operand round_to(Operand v, c10::ScalarType t) {
+    if (t == c10::kHalf) return emit(OpCode::RoundHalf, v);
+    if (t == c10::kBFloat16) return emit(OpCode::RoundBFloat16, v);
+    if (t == c10::kBool) return emit(OpCode::ToBool, v);
+    if (t == c10::kFloat) return v.kind == Operand::Kind::Reg ? v : emit(OpCode::Copy, v);
+    throw Unsupported(std::string("conversion to ") + dtype_name(t));
+  }
+
+  Operand gelu(Operand v, const std::string& approximate) {
+    Operand half_x = emit(OpCode::Mul, v, Operand::constant(0.5f));
+    if (approximate == "tanh") {
+      Operand cube = emit(OpCode::Mul, emit(OpCode::Mul, v, v), v);
+      Operand inner = emit(OpCode::Mul, emit(OpCode::Add, v, emit(OpCode::Mul, cube, Operand::constant(0.044715f))),
+                           Operand::constant(float(M_2_SQRTPI * M_SQRT1_2)));
+      return emit(OpCode::Mul, half_x, emit(OpCode::Add, emit(OpCode::Tanh, inner), Operand::constant(1.f)));
+    }
+    if (approximate != "none") throw Unsupported("gelu approximate=" + approximate);
+    Operand e = emit(OpCode::Erf, emit(OpCode::Mul, v, Operand::constant(float(M_SQRT1_2))));
+    return emit(OpCode::Mul, half_x, emit(OpCode::Add, e, Operand::constant(1.f)));
+  }
+
+  void lower_reduction(const Node& n) {
+    Operand in = operand(n.args[0], n);
+    if (is_row(in)) throw Unsupported("reduction of a reduced value");
+    auto reduced = [&](const Value* v, Operand o) {
+      reduced_[v] = true;
+      define(v, o);
+    };
+    if (n.op == "aten::sum.dim_IntList") return reduced(n.outputs[0], emit(OpCode::RowSum, in));
+    if (n.op == "aten::mean.dim") return reduced(n.outputs[0], emit(OpCode::RowMean, in));
+    if (n.op == "aten::amax") return reduced(n.outputs[0], emit(OpCode::RowMax, in));
+    if (n.op == "aten::amin") return reduced(n.outputs[0], emit(OpCode::RowMin, in));
+    if (n.op == "aten::_softmax" || n.op == "aten::_log_softmax") {
+      Operand shifted = emit(OpCode::Sub, in, emit(OpCode::RowMax, in));
+      Operand e = emit(OpCode::Exp, shifted);
+      Operand sum = emit(OpCode::RowSum, e);
+      if (n.op == "aten::_softmax") return define(n.outputs[0], emit(OpCode::Div, e, sum));
+      return define(n.outputs[0], emit(OpCode::Sub, shifted, emit(OpCode::Log, sum)));
+    }
+    if (n.op == "aten::native_layer_norm") {
+      Operand mean = emit(OpCode::RowMean, in);
+      Operand d = emit(OpCode::Sub, in, mean);
+      Operand var = emit(OpCode::RowMean, emit(OpCode::Mul, d, d));
+      Operand eps = Operand::constant(static_cast<float>(arg_number(n, 4, "eps", 1e-5)));
+      Operand rstd = emit(OpCode::Rsqrt, emit(OpCode::Add, var, eps));
+      Operand y = emit(OpCode::Mul, d, rstd);
+      const Arg* w = arg(n, 2, "weight");
+      const Arg* b = arg(n, 3, "bias");
+      if (w && w->kind != Arg::Kind::None) y = emit(OpCode::Mul, y, operand(*w, n));
+      if (b && b->kind != Arg::Kind::None) y = emit(OpCode::Add, y, operand(*b, n));
+      define(n.outputs[0], y);
+      if (n.outputs.size() > 1) reduced(n.outputs[1], mean);
+      if (n.outputs.size() > 2) reduced(n.outputs[2], rstd);
+      return;
+    }
+    throw Unsupported("no lowering for " + n.op);
+  }
+
+  // Values made in the group and read outside it (or returned) are the group's outputs.
+  void collect_outputs() {
+    std::unordered_map<const Value*, bool> used_outside;
+    for (const auto& n : graph_.nodes()) {
+      if (n->group == program_.group) continue;
+      n->for_each_input([&](const Value* v) { if (in_group(v)) used_outside[v] = true; });
+    }
+    for (const Arg& a : graph_.outputs()) a.for_each_value([&](const Value* v) { if (in_group(v)) used_outside[v] = true; });
+    for (const Node* n : members_)
+      for (const Value* v : n->outputs) {
+        if (!used_outside.count(v)) continue;
+        int r = reg_of_.at(v);
+        bool row = program_.reg_is_row[r];
+        bool keepdim = row && v->type.tensor.sizes.size() == full_rank_;
+        program_.outputs.push_back({v, r, row, keepdim});
+      }
+  }
+
+  const Graph& graph_;
+  Program program_;
+  std::vector<const Node*> members_;
+  size_t full_rank_ = 0;
+  std::unordered_map<const Value*, int> reg_of_;
+  std::unordered_map<const Value*, int> scalar_index_;
+  std::unordered_map<const Value*, bool> reduced_;
+  std::map<std::pair<const Value*, bool>, int> input_reg_;
+};
+
+}  // namespace
+
+const char* opcode_name(OpCode op) {
+  static const char* names[] = {"copy", "neg", "exp", "log", "log1p", "expm1", "sin", "cos", "tanh", "sigmoid",
+                                "relu", "sqrt", "rsqrt", "abs", "reciprocal", "erf", "round_f16", "round_bf16",
+                                "to_bool", "add", "sub", "mul", "div", "max", "min", "pow", "gt", "lt", "ge", "le",
+                                "eq", "ne", "where", "row_sum", "row_mean", "row_max", "row_min"};
+  return names[static_cast<int>(op)];
+}
+
+std::string Program::text() const {
+  auto reg = [&](int r) { return std::string(reg_is_row[r] ? "r" : "f") + std::to_string(r); };
+  auto opnd = [&](const Operand& o) -> std::string {
+    switch (o.kind) {
+      case Operand::Kind::Reg: return reg(o.index);
+      case Operand::Kind::Imm: {
+        char buf[32];
+        std::snprintf(buf, sizeof(buf), "%g", o.imm);
+        return buf;
+      }
+      case Operand::Kind::Scalar: return "%" + scalars[o.index]->name;
+      case Operand::Kind::None: return "";
+    }
+    return "";
+  };
+  std::string s = "group " + std::to_string(group) + " on " + device.str() + (has_reduction ? " (rows)" : " (flat)") + "\n";
+  for (const ProgramInput& in : inputs) s += "  " + reg(in.reg) + " = load %" + in.value->name + (in.row ? " per row" : "") + "\n";
+  for (const Instr& i : code) {
+    s += "  " + reg(i.dst) + " = " + opcode_name(i.op) + " " + opnd(i.a);
+    if (i.b.kind != Operand::Kind::None) s += ", " + opnd(i.b);
+    if (i.c.kind != Operand::Kind::None) s += ", " + opnd(i.c);
+    s += "\n";
+  }
+  for (const ProgramOutput& o : outputs) s += "  store %" + o.value->name + " = " + reg(o.reg) + "\n";
+  return s;
+}
+
+std::optional<Program> lower_group(const Graph& graph, int group, std::string* why_not) {
+  try {
+    return Lowering(graph, group).run();
+  } catch (const Unsupported& e) {
+    if (why_not) *why_not = e.what();
+    return std::nullopt;
+  }
+}
+
+}  // namespace ember

@@ -1,0 +1,213 @@
+// fuse
+//  1. Marks fusion groups (Node::group): chains of fusible pointwise ops, and reductions over the last
+//     dimension together with the pointwise ops before and after them (softmax, layer norm, the entropy
+//     scorer), each become one group that a kernel generator may turn into one kernel.
+//  2. A group runs where its first node stands. A node joins a group only if each of its inputs is made
+//     inside the group or before the group's first node, so groups never form cycles and every value
+//     a group reads exists when it runs.
+//  3. Every member shares the group's iteration space: a "full" member has the group's shape; after a
+//     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
+//     without a trailing 1). Inputs may broadcast into either.
+//  4. Only floating-point (and bool) tensors on one device, with unit stride in the last dimension, are
+//     fused; a group of a single node is dissolved, since ATen's kernel is as good for one op.
+// The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
+#include "passes/passes.h"
+
+#include "ember/op_table.h"
+
+#include <unordered_map>
+
+namespace ember {
+namespace {
+
+bool fusible_dtype(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kHalf || t == c10::kBFloat16 || t == c10::kBool;
+}
+
+bool unit_last_stride(const TensorType& t) {
+  return t.sizes.empty() || (t.strides.back().is_constant() && t.strides.back().value == 1) ||
+         (t.sizes.back().is_constant() && t.sizes.back().value == 1);
+}
+
+bool same_dims(const std::vector<Dim>& a, const std::vector<Dim>& b) { return a == b; }
+
+std::vector<Dim> drop_last(const std::vector<Dim>& d) { return {d.begin(), d.end() - 1}; }
+
+std::vector<Dim> with_trailing_one(std::vector<Dim> d) {
+  d.push_back(Dim::constant(1));
+  return d;
+}
+
+const Arg* find_arg(const Node& n, size_t position, const char* name) {
+  if (position < n.args.size()) return &n.args[position];
+  for (const auto& [k, v] : n.kwargs)
+    if (k == name) return &v;
+  return nullptr;
+}
+
+// The last-dimension reduction a node performs, if it is one ember fuses.
+bool reduces_last_dim(const Node& n) {
+  const Value* in = n.args.empty() || !n.args[0].is_value() ? nullptr : n.args[0].value;
+  if (!in || !in->type.is_tensor() || in->type.tensor.sizes.empty()) return false;
+  int64_t last = static_cast<int64_t>(in->type.tensor.sizes.size()) - 1;
+  auto is_last = [&](const Arg* a) {
+    if (!a) return false;
+    if (a->kind == Arg::Kind::Int) return a->i == -1 || a->i == last;
+    if (a->kind == Arg::Kind::List && a->list.size() == 1 && a->list[0].kind == Arg::Kind::Int)
+      return a->list[0].i == -1 || a->list[0].i == last;
+    return false;
+  };
+  if (n.op == "aten::_softmax" || n.op == "aten::_log_softmax") return is_last(find_arg(n, 1, "dim"));
+  if (n.op == "aten::native_layer_norm") {
+    const Arg* shape = find_arg(n, 1, "normalized_shape");
+    return shape && shape->kind == Arg::Kind::List && shape->list.size() == 1;
+  }
+  if (n.op == "aten::sum.dim_IntList" || n.op == "aten::mean.dim") {
+    const Arg* dtype = find_arg(n, 3, "dtype");
+    if (dtype && dtype->kind != Arg::Kind::None) return false;
+  }
+  return is_last(find_arg(n, 1, "dim"));
+}
+
+struct Group {
+  int id = 0;
+  size_t first = 0;  // index of the first member in the node list
+  std::vector<Dim> full;
+  c10::Device device{c10::kCPU};
+  bool has_reduction = false;
+  int members = 0;
+};
+
+class Fuser {
+ public:
+  explicit Fuser(Graph& g) : graph_(g) {}
+
+  void run() {
+    const auto& nodes = graph_.nodes();
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      Node& n = *nodes[i];
+      n.group = -1;
+      for (const Value* v : n.outputs) position_[v] = i;
+      if (!eligible(n)) continue;
+      Group* g = pick_group(n, i);
+      if (!g) g = start_group(n, i);
+      join(n, *g);
+    }
+    dissolve_singletons();
+  }
+
+ private:
+  bool eligible(const Node& n) {
+    if (n.outputs.empty()) return false;
+    const OpInfo* info = nullptr;
+    try {
+      info = &op_info(n.op);
+    } catch (const std::exception&) {
+      return false;  // unknown ops fail later, in build_plan, with a clear error
+    }
+    if (!info->has(kFusible)) return false;
+    c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
+    for (const Value* v : n.outputs) {
+      if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || !unit_last_stride(v->type.tensor) ||
+          v->type.tensor.device != device)
+        return false;
+    }
+    bool ok = true;
+    n.for_each_input([&](const Value* v) {
+      if (v->type.is_tensor() && v->type.tensor.device != device && !v->type.tensor.sizes.empty()) ok = false;
+    });
+    if (!ok) return false;
+    if (n.op == "aten::_to_copy") {
+      for (const auto& [k, a] : n.kwargs)
+        if (k != "dtype" && a.kind != Arg::Kind::None && !(k == "device" && a.kind == Arg::Kind::Device && a.device == device) &&
+            !(k == "layout" && a.kind == Arg::Kind::Layout))
+          return false;
+    }
+    if (info->has(kReduction)) return reduces_last_dim(n);
+    return true;
+  }
+
+  bool is_reduction(const Node& n) const { return op_info(n.op).has(kReduction); }
+
+  // The shape a node iterates over: its reduced input for reductions, else its output.
+  static const std::vector<Dim>& space_of(const Node& n, bool reduction) {
+    return reduction ? n.args[0].value->type.tensor.sizes : n.outputs[0]->type.tensor.sizes;
+  }
+
+  Group* pick_group(const Node& n, size_t index) {
+    bool reduction = is_reduction(n);
+    Group* best = nullptr;
+    n.for_each_input([&](const Value* v) {
+      auto it = group_of_.find(v);
+      if (it == group_of_.end()) return;
+      Group* g = &groups_[it->second];
+      if (!best || g->first > best->first)
+        if (fits(n, *g, reduction)) best = g;
+    });
+    return best;
+  }
+
+  bool fits(const Node& n, const Group& g, bool reduction) const {
+    if (n.outputs[0]->type.tensor.device != g.device) return false;
+    const std::vector<Dim>& space = space_of(n, reduction);
+    bool full = same_dims(space, g.full);
+    bool row = !reduction && g.has_reduction && !g.full.empty() &&
+               (same_dims(space, drop_last(g.full)) || same_dims(space, with_trailing_one(drop_last(g.full))));
+    if (!full && !row) return false;
+    bool ok = true;
+    n.for_each_input([&](const Value* v) {
+      auto it = group_of_.find(v);
+      if (it != group_of_.end() && it->second == g.id) {
+        // A reduced value broadcasts over full rows only in its keepdim form ([..., 1]).
+        if (full && !reduction && row_values_.count(v) && !same_dims(v->type.tensor.sizes, with_trailing_one(drop_last(g.full))))
+          ok = false;
+        return;
+      }
+      auto pos = position_.find(v);
+      if (pos != position_.end() && pos->second >= g.first) ok = false;  // made after the group starts
+    });
+    return ok;
+  }
+
+  Group* start_group(const Node& n, size_t index) {
+    Group g;
+    g.id = static_cast<int>(groups_.size());
+    g.first = index;
+    g.full = space_of(n, is_reduction(n));
+    g.device = n.outputs[0]->type.tensor.device;
+    groups_.push_back(g);
+    return &groups_.back();
+  }
+
+  void join(Node& n, Group& g) {
+    n.group = g.id;
+    ++g.members;
+    bool reduction = is_reduction(n);
+    if (reduction) g.has_reduction = true;
+    for (const Value* v : n.outputs) {
+      group_of_[v] = g.id;
+      if (!same_dims(v->type.tensor.sizes, g.full)) row_values_[v] = true;
+    }
+  }
+
+  void dissolve_singletons() {
+    std::vector<int> renumber(groups_.size(), -1);
+    int next = 0;
+    for (const Group& g : groups_)
+      if (g.members > 1) renumber[g.id] = next++;
+    for (const auto& n : graph_.nodes())
+      if (n->group >= 0) n->group = renumber[n->group];
+  }
+
+  Graph& graph_;
+  std::vector<Group> groups_;
+  std::unordered_map<const Value*, int> group_of_;
+  std::unordered_map<const Value*, bool> row_values_;
+  std::unordered_map<const Value*, size_t> position_;
+};
+
+}  // namespace
+
+void fuse(Graph& graph, PassContext&) { Fuser(graph).run(); }
+
+}  // namespace ember

@@ -1,0 +1,208 @@
+// Fusion: the fuse pass as IR text in / IR text out, and fused CPU kernels against ATen on random
+// inputs: odd sizes, broadcast, non-contiguous, half/bfloat16, NaN and Inf, empty tensors.
+#include "ember/compiler.h"
+#include "passes/passes.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace ember {
+namespace {
+
+std::string fuse_text(const std::string& in) {
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse(g, ctx);
+  return print(g);
+}
+
+TEST(FusePass, PointwiseChainBecomesOneGroup) {
+  const std::string in =
+      "graph(%x: f32[4, 8]{8, 1}@cpu, %w: f32[8]{1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::sin(%x)\n"
+      "  %b: f32[4, 8]{8, 1}@cpu = aten::mul.Tensor(%a, %w)\n"
+      "  %c: f32[4, 8]{8, 1}@cpu = aten::exp(%b)\n"
+      "  return (%c)\n";
+  const std::string expected =
+      "graph(%x: f32[4, 8]{8, 1}@cpu, %w: f32[8]{1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::sin(%x) #0\n"
+      "  %b: f32[4, 8]{8, 1}@cpu = aten::mul.Tensor(%a, %w) #0\n"
+      "  %c: f32[4, 8]{8, 1}@cpu = aten::exp(%b) #0\n"
+      "  return (%c)\n";
+  EXPECT_EQ(fuse_text(in), expected);
+}
+
+TEST(FusePass, ReductionJoinsItsPrologueAndEpilogue) {
+  // The entropy scorer: softmax, log, multiply, row sum, negate: one group.
+  const std::string in =
+      "graph(%f: f32[6, 10]{10, 1}@cpu):\n"
+      "  %p: f32[6, 10]{10, 1}@cpu = aten::_softmax(%f, -1, false)\n"
+      "  %q: f32[6, 10]{10, 1}@cpu = aten::add.Tensor(%p, 1e-08)\n"
+      "  %l: f32[6, 10]{10, 1}@cpu = aten::log(%q)\n"
+      "  %m: f32[6, 10]{10, 1}@cpu = aten::mul.Tensor(%p, %l)\n"
+      "  %s: f32[6]{1}@cpu = aten::sum.dim_IntList(%m, [-1])\n"
+      "  %n: f32[6]{1}@cpu = aten::neg(%s)\n"
+      "  return (%n)\n";
+  std::string out = fuse_text(in);
+  EXPECT_NE(out.find("aten::_softmax(%f, -1, false) #0"), std::string::npos) << out;
+  EXPECT_NE(out.find("aten::neg(%s) #0"), std::string::npos) << out;
+}
+
+TEST(FusePass, BoundariesAtViewsExternOpsNonLastReductionsAndLateInputs) {
+  const std::string in =
+      "graph(%x: f32[4, 8]{8, 1}@cpu, %w: f32[8, 8]{8, 1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::sin(%x)\n"
+      "  %m: f32[4, 8]{8, 1}@cpu = aten::mm(%a, %w)\n"
+      "  %b: f32[4, 8]{8, 1}@cpu = aten::add.Tensor(%a, %m)\n"
+      "  %c: f32[4, 8]{8, 1}@cpu = aten::relu(%b)\n"
+      "  %s: f32[8]{1}@cpu = aten::sum.dim_IntList(%c, [0])\n"
+      "  %t: f32[8, 4]{1, 8}@cpu = aten::t(%c)\n"
+      "  %e: f32[8, 4]{1, 8}@cpu = aten::exp(%t)\n"
+      "  return (%s, %e)\n";
+  // %b reads %m, made after group 0 (%a) starts: %b starts group 1 with %c. The sum over dim 0 and
+  // the view stay out, and %e alone is no group.
+  const std::string expected =
+      "graph(%x: f32[4, 8]{8, 1}@cpu, %w: f32[8, 8]{8, 1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::sin(%x)\n"
+      "  %m: f32[4, 8]{8, 1}@cpu = aten::mm(%a, %w)\n"
+      "  %b: f32[4, 8]{8, 1}@cpu = aten::add.Tensor(%a, %m) #0\n"
+      "  %c: f32[4, 8]{8, 1}@cpu = aten::relu(%b) #0\n"
+      "  %s: f32[8]{1}@cpu = aten::sum.dim_IntList(%c, [0])\n"
+      "  %t: f32[8, 4]{1, 8}@cpu = aten::t(%c)\n"
+      "  %e: f32[8, 4]{1, 8}@cpu = aten::exp(%t)\n"
+      "  return (%s, %e)\n";
+  EXPECT_EQ(fuse_text(in), expected);
+  EXPECT_EQ(print(parse(expected)), expected);  // group marks round-trip
+}
+
+TEST(FusePass, IntegerAndDoubleOutputsAreNotFused) {
+  const std::string in =
+      "graph(%x: i64[5]{1}@cpu, %y: f64[5]{1}@cpu):\n"
+      "  %a: i64[5]{1}@cpu = aten::add.Tensor(%x, 1)\n"
+      "  %b: i64[5]{1}@cpu = aten::mul.Tensor(%a, 3)\n"
+      "  %c: f64[5]{1}@cpu = aten::exp(%y)\n"
+      "  %d: f64[5]{1}@cpu = aten::sin(%c)\n"
+      "  return (%b, %d)\n";
+  EXPECT_EQ(fuse_text(in), in);
+}
+
+// Runs `text` with and without fusion on the same inputs and expects matching outputs.
+void expect_fused_matches(const std::string& text, std::vector<c10::IValue> inputs, double tol = 1e-5,
+                          bool expect_kernel = true) {
+  CompileOptions off;
+  off.disabled_passes = {"fuse"};
+  auto plain = compile(parse(text), {}, off);
+  auto fused = compile(parse(text), {}, CompileOptions{});
+  if (expect_kernel) {
+    bool has_kernel = false;
+    for (const Step& s : fused->plan().steps) has_kernel = has_kernel || s.kernel != nullptr;
+    EXPECT_TRUE(has_kernel) << fused->describe();
+  }
+  std::vector<c10::IValue> a = inputs, b = inputs;
+  auto want = plain->run(a);
+  auto got = fused->run(b);
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    at::Tensor w = want[i].toTensor(), g = got[i].toTensor();
+    ASSERT_EQ(w.sizes(), g.sizes()) << "output " << i;
+    ASSERT_EQ(w.scalar_type(), g.scalar_type()) << "output " << i;
+    EXPECT_TRUE(at::allclose(g.to(at::kFloat), w.to(at::kFloat), tol, tol, /*equal_nan=*/true))
+        << "output " << i << " max diff " << (g.to(at::kFloat) - w.to(at::kFloat)).abs().nan_to_num(0).max().item<float>()
+        << "\n" << fused->describe();
+  }
+}
+
+TEST(FusedCpuKernel, PointwiseBroadcastOddSizesNonContiguous) {
+  const std::string text =
+      "graph(%x: f32[37, 129]{1, 37}@cpu, %w: f32[129]{1}@cpu, %c: f32[37, 1]{1, 1}@cpu):\n"
+      "  %a: f32[37, 129]{129, 1}@cpu = aten::mul.Tensor(%x, %w)\n"
+      "  %b: f32[37, 129]{129, 1}@cpu = aten::sub.Tensor(%a, %c, alpha=0.5)\n"
+      "  %g: f32[37, 129]{129, 1}@cpu = aten::gelu(%b)\n"
+      "  %t: f32[37, 129]{129, 1}@cpu = aten::gelu(%g, approximate=\"tanh\")\n"
+      "  %s: f32[37, 129]{129, 1}@cpu = aten::sigmoid(%t)\n"
+      "  %r: f32[37, 129]{129, 1}@cpu = aten::rsub.Scalar(%s, 2.0)\n"
+      "  %p: f32[37, 129]{129, 1}@cpu = aten::pow.Tensor_Scalar(%r, 3)\n"
+      "  %q: f32[37, 129]{129, 1}@cpu = aten::clamp(%p, -0.5, 4.0)\n"
+      "  return (%q, %a)\n";
+  at::Tensor x = at::randn({129, 37}).t();  // non-contiguous
+  expect_fused_matches(text, {x, at::randn({129}), at::randn({37, 1})});
+}
+
+TEST(FusedCpuKernel, ComparisonsWhereMasksAndBackwardOps) {
+  const std::string text =
+      "graph(%x: f32[3, 5, 70]{350, 70, 1}@cpu, %g: f32[3, 5, 70]{350, 70, 1}@cpu, %m: b8[5, 1]{1, 1}@cpu):\n"
+      "  %gt: b8[3, 5, 70]{350, 70, 1}@cpu = aten::gt.Scalar(%x, 0.25)\n"
+      "  %w: f32[3, 5, 70]{350, 70, 1}@cpu = aten::where.self(%m, %x, %g)\n"
+      "  %tb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::threshold_backward(%g, %w, 0)\n"
+      "  %sb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::sigmoid_backward(%tb, %x)\n"
+      "  %gb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::gelu_backward(%sb, %x)\n"
+      "  %lr: f32[3, 5, 70]{350, 70, 1}@cpu = aten::leaky_relu(%gb, 0.2)\n"
+      "  %mx: f32[3, 5, 70]{350, 70, 1}@cpu = aten::maximum(%lr, %g)\n"
+      "  return (%gt, %mx)\n";
+  expect_fused_matches(text, {at::randn({3, 5, 70}), at::randn({3, 5, 70}), at::rand({5, 1}) > 0.5});
+}
+
+TEST(FusedCpuKernel, HalfAndBFloat16InOut) {
+  const std::string text =
+      "graph(%x: f16[33, 65]{65, 1}@cpu, %y: bf16[65]{1}@cpu):\n"
+      "  %a: f32[33, 65]{65, 1}@cpu = aten::_to_copy(%x, dtype=f32)\n"
+      "  %b: f32[33, 65]{65, 1}@cpu = aten::add.Tensor(%a, %y)\n"
+      "  %c: f32[33, 65]{65, 1}@cpu = aten::tanh(%b)\n"
+      "  %d: bf16[33, 65]{65, 1}@cpu = aten::_to_copy(%c, dtype=bf16)\n"
+      "  %e: bf16[33, 65]{65, 1}@cpu = aten::mul.Tensor(%d, 3)\n"
+      "  return (%e)\n";
+  expect_fused_matches(text, {at::randn({33, 65}).to(at::kHalf), at::randn({65}).to(at::kBFloat16)}, 2e-2);
+}
+
+TEST(FusedCpuKernel, RowReductionsSoftmaxLayerNorm) {
+  const std::string text =
+      "graph(%x: f32[7, 3, 301]{903, 301, 1}@cpu, %w: f32[301]{1}@cpu, %b: f32[301]{1}@cpu):\n"
+      "  %e: f32[7, 3, 301]{903, 301, 1}@cpu = aten::exp(%x)\n"
+      "  %s: f32[7, 3]{3, 1}@cpu = aten::sum.dim_IntList(%e, [-1])\n"
+      "  %mx: f32[7, 3, 1]{3, 1, 1}@cpu = aten::amax(%x, [2], true)\n"
+      "  %mn: f32[7, 3]{3, 1}@cpu = aten::amin(%x, [-1])\n"
+      "  %me: f32[7, 3, 1]{3, 1, 1}@cpu = aten::mean.dim(%x, [-1], true)\n"
+      "  %d: f32[7, 3, 301]{903, 301, 1}@cpu = aten::sub.Tensor(%x, %mx)\n"
+      "  %sm: f32[7, 3, 301]{903, 301, 1}@cpu = aten::_softmax(%d, -1, false)\n"
+      "  %ls: f32[7, 3, 301]{903, 301, 1}@cpu = aten::_log_softmax(%x, 2, false)\n"
+      "  %y: f32[7, 3, 301]{903, 301, 1}@cpu, %mu: f32[7, 3, 1]{3, 1, 1}@cpu, %rs: f32[7, 3, 1]{3, 1, 1}@cpu = "
+      "aten::native_layer_norm(%x, [301], %w, %b, 1e-05)\n"
+      "  %ns: f32[7, 3]{3, 1}@cpu = aten::neg(%s)\n"
+      "  %sc: f32[7, 3, 1]{3, 1, 1}@cpu = aten::mul.Tensor(%me, 2)\n"
+      "  return (%ns, %mn, %sm, %ls, %y, %mu, %rs, %sc)\n";
+  expect_fused_matches(text, {at::randn({7, 3, 301}), at::randn({301}), at::randn({301})}, 1e-4);
+}
+
+TEST(FusedCpuKernel, NanInfPropagateAndEmptyTensors) {
+  const std::string text =
+      "graph(%x: f32[4, 40]{40, 1}@cpu):\n"
+      "  %a: f32[4, 40]{40, 1}@cpu = aten::relu(%x)\n"
+      "  %b: f32[4, 40]{40, 1}@cpu = aten::mul.Tensor(%a, 2)\n"
+      "  %m: f32[4]{1}@cpu = aten::amax(%b, [-1])\n"
+      "  %s: f32[4]{1}@cpu = aten::sum.dim_IntList(%b, [-1])\n"
+      "  return (%b, %m, %s)\n";
+  at::Tensor x = at::randn({4, 40});
+  x[1][3] = NAN;
+  x[2][7] = INFINITY;
+  x[3][0] = -INFINITY;
+  expect_fused_matches(text, {x});
+  const std::string empty =
+      "graph(%x: f32[0, 9]{9, 1}@cpu):\n"
+      "  %a: f32[0, 9]{9, 1}@cpu = aten::sin(%x)\n"
+      "  %b: f32[0, 9]{9, 1}@cpu = aten::mul.Tensor(%a, 2)\n"
+      "  return (%b)\n";
+  expect_fused_matches(empty, {at::randn({0, 9})});
+}
+
+TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
+  const std::string text =
+      "graph(%x: f32[s0, 6]{6, 1}@cpu, %s0: int):\n"
+      "  %a: f32[s0, 6]{6, 1}@cpu = aten::mul.Tensor(%x, %s0)\n"
+      "  %b: f32[s0, 6]{6, 1}@cpu = aten::exp(%a)\n"
+      "  return (%b)\n";
+  for (int64_t n : {1, 5, 4099}) expect_fused_matches(text, {at::randn({n, 6}) * 0.01, c10::IValue(n)}, 1e-5);
+}
+
+}  // namespace
+}  // namespace ember

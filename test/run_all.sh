@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs every test: installs and builds what is missing, then GoogleTest (C++, no Python) and pytest
+# (through torch.compile). GPU tests skip themselves where no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash .ci/install.sh
+echo "== C++ tests (GoogleTest, libtorch only)"
+./build/py/test/cpp/ember_tests --gtest_brief=1
+echo "== Python tests (pytest, torch.compile(backend=\"ember\"))"
+cd test/python
+"$PY" -m pytest -q -p no:cacheprovider "$@" .
