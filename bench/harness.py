@@ -368,7 +368,8 @@ def fmt(value, spec, width):
 
 
 def print_table(results):
-    header = f"{'workload':<20} {'backend':<9} {'first call s':>12} {'latency ms':>11} {'speedup':>8} {'max rel err':>11} {'graphs':>6}  note"
+    header = (f"{'workload':<20} {'backend':<9} {'first call s':>12} {'latency ms':>11} {'speedup':>8} "
+              f"{'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:

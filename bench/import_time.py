@@ -64,10 +64,13 @@ def main(argv=None):
     med_both = statistics.median(with_ember)
     delta = med_both - med_torch
     inside = statistics.median(ember_alone)
-    print(f"import torch               median {med_torch:8.1f} ms  (min {min(torch_only):.1f}, max {max(torch_only):.1f}, n={args.repeat})")
-    print(f"import torch; import ember median {med_both:8.1f} ms  (min {min(with_ember):.1f}, max {max(with_ember):.1f}, n={args.repeat})")
+    def spread(values):
+        return f"(min {min(values):.1f}, max {max(values):.1f}, n={len(values)})"
+
+    print(f"import torch               median {med_torch:8.1f} ms  {spread(torch_only)}")
+    print(f"import torch; import ember median {med_both:8.1f} ms  {spread(with_ember)}")
     print(f"difference of medians             {delta:8.1f} ms")
-    print(f"import ember alone (after torch)  {inside:8.1f} ms  (median; min {min(ember_alone):.1f}, max {max(ember_alone):.1f})")
+    print(f"import ember alone (after torch)  {inside:8.1f} ms  median {spread(ember_alone)}")
     print(f"modules import ember loaded ({len(added)}): {', '.join(added)}")
     # The verdict uses the in-process figure: the difference of medians of two ~1 s imports carries their noise.
     verdict = "PASS" if inside <= args.target_ms else "FAIL"

@@ -10,7 +10,12 @@ inductor. Each backend runs the 100-node chain and a 1-node chain (x + b):
 
     per call (1 node)   the fixed cost of one call of a compiled graph (Dynamo guards, AOTAutograd's wrapper, ...)
     per node            (t(100 nodes) - t(1 node)) / 99, the cost each extra node adds
-    ember executor      the same graphs, calling ember's CompiledGraph directly (no Dynamo / AOTAutograd wrapper)
+
+Variants:
+    ember               ember's default passes (a fusion pass may turn the chain into one step)
+    ember-unfused       ember with its fusion passes disabled (options disable_passes), so the plan runs one
+                        step per node: this is the executor's per-node overhead
+    ... executor        the same CompiledGraph called directly (no Dynamo / AOTAutograd wrapper)
 
 Time per call is the median over --rounds rounds of --calls back-to-back calls (on CUDA synchronized at the
 end of each round, so it is the launch rate while the GPU keeps up). Every variant is compiled first, then
@@ -74,6 +79,16 @@ class CaptureEmberGraphs:
         ember.backend.compile_fx_graph = self._original
 
 
+def ember_fusion_passes():
+    """The names of ember's passes that merge nodes (disabled for the ember-unfused variant); [] if none."""
+    try:
+        from ember import _C
+
+        return [name for name in _C.pass_names() if "fus" in name]
+    except Exception:
+        return []
+
+
 def prepare(backend, nodes, inputs, device):
     """[(label, fn, args, info)] to time for one backend and chain length: the compiled function (first call
     done and checked against eager) and, for ember, its CompiledGraph called directly."""
@@ -81,11 +96,16 @@ def prepare(backend, nodes, inputs, device):
     expected = fn(*inputs)
     if backend == "eager":
         return [("eager", fn, inputs, {})]
+    is_ember = backend.startswith("ember")
     if backend == "inductor":
         compiled = torch.compile(fn, backend="inductor")
-    else:
+    elif backend == "ember":
         compiled = torch.compile(fn, backend="ember", options=EMBER_OPTIONS)
-    with CaptureEmberGraphs() if backend == "ember" else contextlib.nullcontext() as captured:
+    elif backend == "ember-unfused":
+        compiled = torch.compile(fn, backend="ember", options=dict(EMBER_OPTIONS, disable_passes=ember_fusion_passes()))
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    with CaptureEmberGraphs() if is_ember else contextlib.nullcontext() as captured:
         start = time.perf_counter()
         out = compiled(*inputs)
         sync(device)
@@ -94,7 +114,7 @@ def prepare(backend, nodes, inputs, device):
     if not info["max_abs_error"] <= 1e-4:
         raise RuntimeError(f"wrong result: max abs error {info['max_abs_error']:.2e} against eager")
     variants = [(backend, compiled, inputs, info)]
-    if backend == "ember":
+    if is_ember:
         if len(captured.graphs) != 1:
             raise RuntimeError(f"expected one ember graph, got {len(captured.graphs)}")
         graph = captured.graphs[0]
@@ -104,7 +124,11 @@ def prepare(backend, nodes, inputs, device):
         if (graph(graph_inputs)[0] - expected).abs().max().item() > 1e-4:
             raise RuntimeError("calling ember's CompiledGraph directly gave a different result")
         info["plan_steps"] = graph.num_steps
-        variants.append(("ember executor", lambda *args: graph(args), graph_inputs, {"plan_steps": graph.num_steps}))
+
+        def executor(*args):
+            return graph(args)
+
+        variants.append((backend + " executor", executor, graph_inputs, {"plan_steps": graph.num_steps}))
     return variants
 
 
@@ -164,24 +188,27 @@ def run_device(device, backends, calls, rounds):
 
 def print_table(device, results):
     print(f"\n{device}: chain of {NODES} pointwise ops on {SIZE}-element tensors (us = microseconds)")
-    header = (f"{'backend':<16} {'us/call 1 node':>14} {f'us/call {NODES} nodes':>17} {'us/node':>8} "
+    header = (f"{'backend':<23} {'us/call 1 node':>14} {f'us/call {NODES} nodes':>17} {'us/node':>8} "
               f"{'node vs eager':>13}  note")
     print(header)
     print("-" * len(header))
     for label, row in results.items():
         if "error" in row:
-            print(f"{label:<16} {row['error']}")
+            print(f"{label:<23} {row['error']}")
             continue
         ratio = f"{row['per_node_vs_eager']:.2f}x" if "per_node_vs_eager" in row else "-"
         note = ""
-        if label == "ember executor":
+        if label.endswith(" executor"):
             note = f"CompiledGraph called directly; plan of {row[f'{NODES}_nodes']['plan_steps']} steps"
         elif label != "eager":
             note = f"torch.compile'd; first call {row[f'{NODES}_nodes']['first_call_s']:.2f} s ({NODES} nodes)"
-        print(f"{label:<16} {row['us_per_call_1_node']:>14.2f} {row[f'us_per_call_{NODES}_nodes']:>17.2f} "
+        print(f"{label:<23} {row['us_per_call_1_node']:>14.2f} {row[f'us_per_call_{NODES}_nodes']:>17.2f} "
               f"{row['us_per_node']:>8.3f} {ratio:>13}  {note}")
-    if "per_node_vs_eager" in results.get("ember", {}):
-        print(f"ember's per-node overhead is {results['ember']['per_node_vs_eager']:.2f}x eager's")
+    for label in ("ember", "ember-unfused"):
+        if "per_node_vs_eager" in results.get(label, {}):
+            print(f"{label}: per-node overhead {results[label]['per_node_vs_eager']:.2f}x eager's, "
+                  f"fixed per-call overhead {results[label]['us_per_call_1_node']:.1f} us "
+                  f"(eager {results['eager']['us_per_call_1_node']:.1f} us)")
 
 
 def main(argv=None):
@@ -200,7 +227,8 @@ def main(argv=None):
         if args.device == "cuda":
             parser.error("--device cuda: CUDA is not available")
         devices = [d for d in devices if d != "cuda"]
-    backends = ["eager", "ember"] + ([] if args.no_inductor else ["inductor"])
+    backends = ["eager", "ember"] + (["ember-unfused"] if ember_fusion_passes() else [])
+    backends += [] if args.no_inductor else ["inductor"]
 
     torch._dynamo.config.suppress_errors = False
     made_cache_dir = disable_inductor_caches()
