@@ -1,0 +1,465 @@
+"""ember's benchmark harness: runs registered workloads under eager, inductor and ember in one process.
+
+    python bench/harness.py                          # every workload the machine can run, small CPU shapes on the CPU
+    python bench/harness.py --device cuda --repeat 50
+    python bench/harness.py --only mlp_b64,mlp_b1 --no-inductor
+    python bench/harness.py --list
+
+For each workload and backend it records
+    first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's caches off)
+    latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
+                    alternating call by call (on CUDA each call is bracketed by torch.cuda.synchronize())
+    speedup         eager latency / this backend's latency
+    max_rel_error   over all outputs: max |out - eager| / max |eager|, per tensor
+    graphs          how many graphs Dynamo compiled (more than 1 means graph breaks)
+A backend that fails on a workload gets an `error` string and the harness goes on.
+
+ember always runs with options={"fallback": "raise"}: a graph ember cannot compile is an error here, never an
+eager run timed as ember.
+
+Results: a table on stdout and JSON (default bench/results/harness_<device>.json; bench/results/ is ignored by git).
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+
+BACKENDS = ("eager", "inductor", "ember")
+EMBER_OPTIONS = {"fallback": "raise"}
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Workload registry
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    name: str
+    build: object  # build(device) -> (model_or_fn, example_inputs); picks the CPU variant when device == "cpu"
+    shape: str  # what it runs on a GPU
+    cpu_shape: str  # what it runs on the CPU (smaller where the full size takes too long on a few cores)
+    small_batch: bool = False  # tiny tensors: per-op overhead, not arithmetic, sets the time
+    needs: tuple = ()  # optional packages it needs: "torchvision", "transformers"
+    training: bool = False  # runs forward + backward (with grad enabled); others run under torch.no_grad()
+
+    def missing(self):
+        return [pkg for pkg in self.needs if importlib.util.find_spec(pkg) is None]
+
+    def describe(self, device):
+        return self.cpu_shape if device == "cpu" else self.shape
+
+
+WORKLOADS = {}
+
+
+def workload(name, shape, cpu_shape=None, small_batch=False, needs=(), training=False):
+    """Decorator that registers a builder under `name`."""
+
+    def register(build):
+        WORKLOADS[name] = Workload(name, build, shape, cpu_shape or shape, small_batch, tuple(needs), training)
+        return build
+
+    return register
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+@workload("sin_cos_exp", "x.sin().cos().exp(), x 1000x1000")
+def build_sin_cos_exp(device):
+    def fn(x):
+        return x.sin().cos().exp()
+
+    return fn, (torch.randn(1000, 1000, device=device),)
+
+
+@workload("entropy", "p=softmax(f,-1); -(p*log(p+1e-8)).sum(-1), f 32x196x768",
+          cpu_shape="p=softmax(f,-1); -(p*log(p+1e-8)).sum(-1), f 8x196x768")
+def build_entropy(device):
+    batch = 8 if device == "cpu" else 32
+
+    def fn(f):
+        p = torch.softmax(f, -1)
+        return -(p * torch.log(p + 1e-8)).sum(-1)
+
+    return fn, (torch.randn(batch, 196, 768, device=device),)
+
+
+@workload("matmul_softmax", "softmax(a @ b, -1), a, b 100x100", small_batch=True)
+def build_matmul_softmax(device):
+    def fn(a, b):
+        return torch.softmax(a @ b, -1)
+
+    return fn, (torch.randn(100, 100, device=device), torch.randn(100, 100, device=device))
+
+
+@workload("mlp_b64", "MLP 512-1024-1024-10 (ReLU), batch 64")
+def build_mlp_b64(device):
+    return mlp().to(device).eval(), (torch.randn(64, 512, device=device),)
+
+
+@workload("mlp_b1", "MLP 512-1024-1024-10 (ReLU), batch 1", small_batch=True)
+def build_mlp_b1(device):
+    return mlp().to(device).eval(), (torch.randn(1, 512, device=device),)
+
+
+@workload("linear20_b32", "20 x Linear(100,100), batch 32", small_batch=True)
+def build_linear20(device):
+    model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(20)])
+    return model.to(device).eval(), (torch.randn(32, 100, device=device),)
+
+
+@workload("ln_gelu_linear_ln", "LayerNorm-GELU-Linear(1024,1024)-LayerNorm, x 64x128x1024",
+          cpu_shape="LayerNorm-GELU-Linear(1024,1024)-LayerNorm, x 8x128x1024")
+def build_ln_gelu_linear_ln(device):
+    model = nn.Sequential(nn.LayerNorm(1024), nn.GELU(), nn.Linear(1024, 1024), nn.LayerNorm(1024))
+    batch = 8 if device == "cpu" else 64
+    return model.to(device).eval(), (torch.randn(batch, 128, 1024, device=device),)
+
+
+@workload("resnet18_b8", "torchvision resnet18 (random weights), 8x3x224x224",
+          cpu_shape="torchvision resnet18 (random weights), 2x3x224x224", needs=("torchvision",))
+def build_resnet18(device):
+    import torchvision
+
+    batch = 2 if device == "cpu" else 8
+    model = torchvision.models.resnet18(weights=None)
+    return model.to(device).eval(), (torch.randn(batch, 3, 224, 224, device=device),)
+
+
+@workload("bert_b8_s128", "BertModel(BertConfig()) (random weights), input_ids 8x128",
+          cpu_shape="BertModel(BertConfig()) (random weights), input_ids 1x64", needs=("transformers",))
+def build_bert(device):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig()
+    batch, seq = (1, 64) if device == "cpu" else (8, 128)
+    model = BertModel(config)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model.to(device).eval(), (ids,)
+
+
+@workload("gpt2_b4_s128", "GPT2LMHeadModel(GPT2Config()) (random weights, no KV cache), input_ids 4x128",
+          cpu_shape="GPT2LMHeadModel(GPT2Config()) (random weights, no KV cache), input_ids 1x64",
+          needs=("transformers",))
+def build_gpt2(device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(use_cache=False)
+    batch, seq = (1, 64) if device == "cpu" else (4, 128)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model.to(device).eval(), (ids,)
+
+
+@workload("mlp_train_b64", "MLP 512-1024-1024-10 training step: cross-entropy forward + backward, batch 64",
+          training=True)
+def build_mlp_train(device):
+    model = mlp().to(device)
+    params = list(model.parameters())
+
+    def train_step(x, target):
+        for p in params:
+            p.grad = None
+        loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in params]
+
+    return train_step, (torch.randn(64, 512, device=device), torch.randint(0, 10, (64,), device=device))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measuring
+# ----------------------------------------------------------------------------------------------------------
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed_call(fn, inputs, device):
+    """(seconds, output) of one call, the device synchronized on both sides."""
+    sync(device)
+    start = time.perf_counter()
+    out = fn(*inputs)
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def tensors_of(out):
+    """The tensors in a (nested) output: tensors, lists, tuples, dicts (Hugging Face outputs are dicts)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in tensors_of(item)]
+    return []
+
+
+def snapshot(out):
+    return [t.detach().clone() for t in tensors_of(out)]
+
+
+def max_rel_error(out, ref):
+    """max over tensors of max|out - ref| / max|ref| (0 where ref is all zeros and out equals it)."""
+    if len(out) != len(ref):
+        raise ValueError(f"{len(out)} output tensors, eager gave {len(ref)}")
+    worst = 0.0
+    for a, b in zip(out, ref):
+        if a.shape != b.shape:
+            raise ValueError(f"output shape {tuple(a.shape)}, eager gave {tuple(b.shape)}")
+        if b.numel() == 0:
+            continue
+        a, b = a.double(), b.double()
+        diff = (a - b).abs().max().item()
+        scale = b.abs().max().item()
+        err = diff / scale if scale > 0 else diff
+        if math.isnan(err):
+            return float("nan")
+        worst = max(worst, err)
+    return worst
+
+
+def disable_inductor_caches():
+    """Cold inductor compiles: no FX graph / autotune caches and, unless TORCHINDUCTOR_CACHE_DIR is set, a fresh
+    cache folder for this process (so compiled kernels of earlier runs are not reused). Returns the folder it
+    made (the caller removes it), or None."""
+    made = None
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        made = tempfile.mkdtemp(prefix="ember-bench-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = made
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(made, "triton"))
+    try:
+        import torch._inductor.config as config
+    except Exception:  # inductor missing: it will fail (and be reported) at compile time
+        return made
+    for name in ("fx_graph_cache", "autotune_local_cache", "fx_graph_remote_cache", "autotune_remote_cache"):
+        if hasattr(config, name):
+            setattr(config, name, False)
+    return made
+
+
+def compile_with(model, backend):
+    """The callable to time for `backend`: the model itself for eager, else torch.compile's wrapper."""
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model, backend="inductor")
+    if backend == "ember":
+        return torch.compile(model, backend="ember", options=EMBER_OPTIONS)
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+def error_text(e):
+    """One line: the exception's type and first line, and ember's note on the node it was running, if any."""
+    while getattr(e, "inner_exception", None) is not None:  # Dynamo's BackendCompilerFailed wraps the real one
+        e = e.inner_exception
+    lines = [line.strip() for line in str(e).strip().splitlines() if line.strip()]
+    text = f"{type(e).__name__}: {lines[0] if lines else ''}"
+    text += "".join(" " + line for line in lines[1:] if line.startswith("(ember:"))
+    return text[:400]
+
+
+def run_workload(w, device, backends, repeat, warmup):
+    """One result dict: the workload's description and a row per backend.
+
+    Phase 1, per backend from a clean Dynamo state (torch._dynamo.reset()): the first call, compile included,
+    and its error against eager's first call. Phase 2: the steady latency. Each reset dropped the code compiled
+    before it, so the backends that passed phase 1 are compiled once more (untimed; Dynamo keeps one entry per
+    backend) and then timed in alternation, one call of each per round, so that noise from other work on the
+    machine falls on all of them alike.
+    """
+    result = {"workload": w.name, "shape": w.describe(device), "small_batch": w.small_batch, "training": w.training,
+              "backends": {}}
+    missing = w.missing()
+    if missing:
+        result["skipped"] = f"needs {', '.join(missing)}"
+        return result
+    torch.manual_seed(0)
+    try:
+        model, inputs = w.build(device)
+    except Exception as e:
+        result["skipped"] = "build failed: " + error_text(e)
+        return result
+    rows = result["backends"]
+    grad_mode = torch.enable_grad if w.training else torch.no_grad
+    counters = torch._dynamo.utils.counters
+
+    # Phase 1: first call and correctness.
+    reference = None
+    passed = []
+    for backend in backends:
+        row = rows[backend] = {}
+        if backend != "eager" and reference is None:
+            row["error"] = "no eager reference"
+            continue
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            with grad_mode():
+                fn = compile_with(model, backend)
+                row["first_call_s"], out = timed_call(fn, inputs, device)
+                out = snapshot(out)
+            if backend == "eager":
+                reference = out
+            else:
+                row["graphs"] = counters["stats"]["unique_graphs"]
+                row["max_rel_error"] = max_rel_error(out, reference)
+            passed.append(backend)
+        except Exception as e:
+            row["error"] = error_text(e)
+
+    # Phase 2: steady latency, backends alternating.
+    torch._dynamo.reset()
+    fns = {}
+    samples = {}
+    with grad_mode():
+        for backend in passed:
+            try:
+                fn = compile_with(model, backend)
+                for _ in range(warmup):
+                    fn(*inputs)
+                fns[backend], samples[backend] = fn, []
+            except Exception as e:
+                rows[backend]["error"] = "when compiled again: " + error_text(e)
+        for _ in range(repeat):
+            for backend, fn in list(fns.items()):
+                try:
+                    samples[backend].append(timed_call(fn, inputs, device)[0])
+                except Exception as e:
+                    rows[backend]["error"] = "during timing: " + error_text(e)
+                    del fns[backend]
+    torch._dynamo.reset()
+    for backend in fns:
+        rows[backend]["latency_ms"] = 1e3 * statistics.median(samples[backend])
+    eager_ms = rows.get("eager", {}).get("latency_ms")
+    for row in rows.values():
+        if eager_ms and row.get("latency_ms"):
+            row["speedup"] = eager_ms / row["latency_ms"]
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reporting
+# ----------------------------------------------------------------------------------------------------------
+
+
+def fmt(value, spec, width):
+    return format("-" if value is None else format(value, spec), f">{width}")
+
+
+def print_table(results):
+    header = (f"{'workload':<20} {'backend':<9} {'first call s':>12} {'latency ms':>11} {'speedup':>8} "
+              f"{'max rel err':>11} {'graphs':>6}  note")
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        if "skipped" in r:
+            print(f"{r['workload']:<20} {'':<9} {'':>12} {'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
+            continue
+        for backend, row in r["backends"].items():
+            speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+            print(f"{r['workload']:<20} {backend:<9} {fmt(row.get('first_call_s'), '.3f', 12)} "
+                  f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
+                  f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
+
+
+def machine_info(device):
+    info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
+    try:
+        import ember
+
+        info["ember"] = ember.__version__
+    except Exception as e:
+        info["ember"] = "not importable: " + error_text(e)
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    else:
+        info["cpu"] = cpu_name()
+    return info
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--only", default="", help="comma-separated workload names (default: all)")
+    parser.add_argument("--repeat", type=int, default=20, help="timed calls per backend (median reported)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls after the first, before timing")
+    parser.add_argument("--out", default=None, help="JSON path (default bench/results/harness_<device>.json)")
+    parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile(backend='inductor')")
+    parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.list:
+        for w in WORKLOADS.values():
+            flags = [f for f, on in (("small_batch", w.small_batch), ("training", w.training)) if on]
+            flags += [f"needs {pkg}" for pkg in w.needs]
+            cpu = "" if w.cpu_shape == w.shape else f"\n{'':<20} on the CPU: {w.cpu_shape}"
+            print(f"{w.name:<20} {w.shape}{'  [' + ', '.join(flags) + ']' if flags else ''}{cpu}")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or list(WORKLOADS)
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    backends = [b for b in BACKENDS if not (b == "inductor" and args.no_inductor)]
+
+    torch._dynamo.config.suppress_errors = False  # a failing backend must raise, never fall back to eager
+    made_cache_dir = disable_inductor_caches()
+    results = []
+    try:
+        for name in names:
+            print(f"[harness] {name} ...", file=sys.stderr, flush=True)
+            results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup))
+    finally:
+        if made_cache_dir:
+            shutil.rmtree(made_cache_dir, ignore_errors=True)
+
+    print_table(results)
+    out = args.out or os.path.join(RESULTS_DIR, f"harness_{args.device}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"machine": machine_info(args.device), "repeat": args.repeat, "warmup": args.warmup,
+                   "results": results}, f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
