@@ -218,19 +218,15 @@ class Lowering {
       Operand slope = arg_operand(n, 1, "negative_slope", 0.01f);
       return out(emit(OpCode::Where, emit(OpCode::Gt, v, Operand::constant(0.f)), v, emit(OpCode::Mul, v, slope)));
     }
-    if (op == "aten::silu") {
-      Operand v = x(0, "self");
-      return out(emit(OpCode::Mul, v, emit(OpCode::Sigmoid, v)));
+    if (op == "aten::silu") return out(emit(OpCode::Silu, x(0, "self")));
+    if (op == "aten::gelu") {
+      std::string approximate = arg_string(n, 1, "approximate", "none");
+      if (approximate != "none" && approximate != "tanh") throw Unsupported("gelu approximate=" + approximate);
+      return out(emit(approximate == "tanh" ? OpCode::GeluTanh : OpCode::Gelu, x(0, "self")));
     }
-    if (op == "aten::gelu") return out(gelu(x(0, "self"), arg_string(n, 1, "approximate", "none")));
     if (op == "aten::gelu_backward") {
       if (arg_string(n, 2, "approximate", "none") != "none") throw Unsupported("tanh gelu_backward");
-      Operand g = x(0, "grad_output"), v = x(1, "self");
-      Operand cdf = emit(OpCode::Mul, emit(OpCode::Add, emit(OpCode::Erf, emit(OpCode::Mul, v, Operand::constant(float(M_SQRT1_2)))),
-                                           Operand::constant(1.f)), Operand::constant(0.5f));
-      Operand pdf = emit(OpCode::Mul, emit(OpCode::Exp, emit(OpCode::Mul, emit(OpCode::Mul, v, v), Operand::constant(-0.5f))),
-                         Operand::constant(float(0.5 * M_2_SQRTPI * M_SQRT1_2)));
-      return out(emit(OpCode::Mul, g, emit(OpCode::Add, cdf, emit(OpCode::Mul, v, pdf))));
+      return out(emit(OpCode::GeluBackward, x(0, "grad_output"), x(1, "self")));
     }
     if (op == "aten::threshold_backward") {
       Operand mask = emit(OpCode::Le, x(1, "self"), x(2, "threshold"));
@@ -255,19 +251,6 @@ class Lowering {
     if (t == c10::kBool) return emit(OpCode::ToBool, v);
     if (t == c10::kFloat) return v.kind == Operand::Kind::Reg ? v : emit(OpCode::Copy, v);
     throw Unsupported(std::string("conversion to ") + dtype_name(t));
-  }
-
-  Operand gelu(Operand v, const std::string& approximate) {
-    Operand half_x = emit(OpCode::Mul, v, Operand::constant(0.5f));
-    if (approximate == "tanh") {
-      Operand cube = emit(OpCode::Mul, emit(OpCode::Mul, v, v), v);
-      Operand inner = emit(OpCode::Mul, emit(OpCode::Add, v, emit(OpCode::Mul, cube, Operand::constant(0.044715f))),
-                           Operand::constant(float(M_2_SQRTPI * M_SQRT1_2)));
-      return emit(OpCode::Mul, half_x, emit(OpCode::Add, emit(OpCode::Tanh, inner), Operand::constant(1.f)));
-    }
-    if (approximate != "none") throw Unsupported("gelu approximate=" + approximate);
-    Operand e = emit(OpCode::Erf, emit(OpCode::Mul, v, Operand::constant(float(M_SQRT1_2))));
-    return emit(OpCode::Mul, half_x, emit(OpCode::Add, e, Operand::constant(1.f)));
   }
 
   void lower_reduction(const Node& n) {
@@ -297,8 +280,10 @@ class Lowering {
       Operand y = emit(OpCode::Mul, d, rstd);
       const Arg* w = arg(n, 2, "weight");
       const Arg* b = arg(n, 3, "bias");
-      if (w && w->kind != Arg::Kind::None) y = emit(OpCode::Mul, y, operand(*w, n));
-      if (b && b->kind != Arg::Kind::None) y = emit(OpCode::Add, y, operand(*b, n));
+      bool has_w = w && w->kind != Arg::Kind::None, has_b = b && b->kind != Arg::Kind::None;
+      if (has_w && has_b) y = emit(OpCode::MulAdd, y, operand(*w, n), operand(*b, n));
+      else if (has_w) y = emit(OpCode::Mul, y, operand(*w, n));
+      else if (has_b) y = emit(OpCode::Add, y, operand(*b, n));
       define(n.outputs[0], y);
       if (n.outputs.size() > 1) reduced(n.outputs[1], mean);
       if (n.outputs.size() > 2) reduced(n.outputs[2], rstd);
@@ -340,8 +325,9 @@ class Lowering {
 const char* opcode_name(OpCode op) {
   static const char* names[] = {"copy", "neg", "exp", "log", "log1p", "expm1", "sin", "cos", "tanh", "sigmoid",
                                 "relu", "sqrt", "rsqrt", "abs", "reciprocal", "erf", "round_f16", "round_bf16",
-                                "to_bool", "add", "sub", "mul", "div", "max", "min", "pow", "gt", "lt", "ge", "le",
-                                "eq", "ne", "where", "row_sum", "row_mean", "row_max", "row_min"};
+                                "to_bool", "gelu", "gelu_tanh", "silu", "add", "sub", "mul", "div", "max", "min",
+                                "pow", "gt", "lt", "ge", "le", "eq", "ne", "gelu_backward", "where", "mul_add",
+                                "row_sum", "row_mean", "row_max", "row_min"};
   return names[static_cast<int>(op)];
 }
 

@@ -18,11 +18,11 @@ namespace ember {
 enum class OpCode : uint8_t {
   // unary
   Copy, Neg, Exp, Log, Log1p, Expm1, Sin, Cos, Tanh, Sigmoid, Relu, Sqrt, Rsqrt, Abs, Reciprocal, Erf,
-  RoundHalf, RoundBFloat16, ToBool,
+  RoundHalf, RoundBFloat16, ToBool, Gelu, GeluTanh, Silu,
   // binary
-  Add, Sub, Mul, Div, Max, Min, Pow, Gt, Lt, Ge, Le, Eq, Ne,
-  // ternary: a != 0 ? b : c
-  Where,
+  Add, Sub, Mul, Div, Max, Min, Pow, Gt, Lt, Ge, Le, Eq, Ne, GeluBackward,
+  // ternary: a != 0 ? b : c;  a * b + c
+  Where, MulAdd,
   // reductions over a row: Full -> Row
   RowSum, RowMean, RowMax, RowMin,
 };

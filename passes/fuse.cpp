@@ -9,7 +9,8 @@
 //     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
 //     without a trailing 1). Inputs may broadcast into either.
 //  4. Only floating-point (and bool) tensors on one device, with unit stride in the last dimension, are
-//     fused; a group of a single node is dissolved, since ATen's kernel is as good for one op.
+//     fused; a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
+//     ATen CPU kernel beats ember's (kCpuKeepAten: gelu, tanh) are not fused on the CPU.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 #include "passes/passes.h"
 
@@ -107,6 +108,7 @@ class Fuser {
     }
     if (!info->has(kFusible)) return false;
     c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
+    if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
     for (const Value* v : n.outputs) {
       if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || !unit_last_stride(v->type.tensor) ||
           v->type.tensor.device != device)

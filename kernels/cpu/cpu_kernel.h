@@ -9,7 +9,7 @@
 
 namespace ember::cpu {
 
-// Null (with the reason in *why_not) when this CPU cannot run it.
+// Null (with the reason in *why_not) when this CPU cannot run it. Picks the widest instruction set.
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not);
 
 }  // namespace ember::cpu

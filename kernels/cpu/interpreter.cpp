@@ -22,11 +22,13 @@
 #include <cmath>
 #include <limits>
 
-namespace ember::cpu {
+// Built once per instruction set (CMake compiles this file for AVX2 and for AVX-512, with EMBER_CPU_ISA
+// naming the namespace); kernels/cpu/dispatch.cpp picks the widest the CPU runs.
+namespace ember::cpu::EMBER_CPU_ISA {
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kTile = 2048;
+constexpr int64_t kTile = 512;  // floats per register per tile: a few live registers stay in L1
 constexpr int64_t kMaxRank = 12;
 
 struct Reg {
@@ -51,6 +53,31 @@ Vec round_lanes_bfloat16(const Vec& a) {
   return Vec::loadu(v);
 }
 
+// tanh from exp: (e - 1) / (e + 1) with e = exp(2x), x clamped to +-9 (tanh(9) rounds to 1), and an
+// odd polynomial below |x| < 0.0625 where the quotient would cancel. Sleef's tanh is 3x slower.
+Vec fast_tanh(const Vec& x) {
+  Vec c = at::vec::clamp(x, Vec(-9.f), Vec(9.f));
+  Vec e = (c + c).exp();
+  Vec big = (e - Vec(1.f)) / (e + Vec(1.f));
+  Vec x2 = x * x;
+  Vec small = x * (Vec(1.f) + x2 * (Vec(-1.f / 3.f) + x2 * Vec(2.f / 15.f)));
+  return Vec::blendv(big, small, x.abs() < Vec(0.0625f));
+}
+
+Vec gelu_erf(const Vec& x) { return x * Vec(0.5f) * (Vec(1.f) + (x * Vec(float(M_SQRT1_2))).erf()); }
+
+Vec gelu_tanh(const Vec& x) {
+  const Vec k(float(M_2_SQRTPI * M_SQRT1_2));
+  return x * Vec(0.5f) * (Vec(1.f) + fast_tanh(k * (x + Vec(0.044715f) * x * x * x)));
+}
+
+// d/dx gelu(x) * grad: cdf(x) + x * pdf(x)
+Vec gelu_backward(const Vec& grad, const Vec& x) {
+  Vec cdf = Vec(0.5f) * (Vec(1.f) + (x * Vec(float(M_SQRT1_2))).erf());
+  Vec pdf = (x * x * Vec(-0.5f)).exp() * Vec(float(0.5 * M_2_SQRTPI * M_SQRT1_2));
+  return grad * (cdf + x * pdf);
+}
+
 // Every elementwise opcode once, as an expression over Vec a, b, c.
 #define EMBER_ELEMENTWISE_OPS(X)                                 \
   X(Copy, a)                                                     \
@@ -61,7 +88,7 @@ Vec round_lanes_bfloat16(const Vec& a) {
   X(Expm1, a.expm1())                                            \
   X(Sin, a.sin())                                                \
   X(Cos, a.cos())                                                \
-  X(Tanh, a.tanh())                                              \
+  X(Tanh, fast_tanh(a))                                          \
   X(Sigmoid, Vec(1.f) / (Vec(1.f) + a.neg().exp()))              \
   X(Relu, at::vec::maximum(a, Vec(0.f)))                         \
   X(Sqrt, a.sqrt())                                              \
@@ -72,6 +99,11 @@ Vec round_lanes_bfloat16(const Vec& a) {
   X(RoundHalf, round_lanes_half(a))                              \
   X(RoundBFloat16, round_lanes_bfloat16(a))                      \
   X(ToBool, a.ne(Vec(0.f)))                                      \
+  X(Gelu, gelu_erf(a))                                           \
+  X(GeluTanh, gelu_tanh(a))                                      \
+  X(Silu, a / (Vec(1.f) + a.neg().exp()))                        \
+  X(GeluBackward, gelu_backward(a, b))                           \
+  X(MulAdd, at::vec::fmadd(a, b, c))                             \
   X(Add, a + b)                                                  \
   X(Sub, a - b)                                                  \
   X(Mul, a * b)                                                  \
@@ -184,10 +216,11 @@ class FusedCpuKernel final : public Kernel {
  public:
   explicit FusedCpuKernel(Program program) : p_(std::move(program)) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
+    assign_slots();
   }
 
   std::string describe() const override {
-    return "cpu fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) + " instructions" +
+    return std::string("cpu fused group (" EMBER_CPU_ISA_NAME ") ") + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) + " instructions" +
            (p_.has_reduction ? ", row reductions" : "") + ")";
   }
 
@@ -267,10 +300,11 @@ class FusedCpuKernel final : public Kernel {
     std::vector<float> data;
     std::vector<Reg> regs;
   };
-  static Scratch& scratch(size_t regs, int64_t tile) {
+  Scratch& scratch(int64_t tile) const {
     thread_local Scratch s;
-    if (s.data.size() < regs * tile) s.data.resize(regs * tile);
-    s.regs.assign(regs, Reg{});
+    size_t need = static_cast<size_t>(num_slots_) * tile;
+    if (s.data.size() < need) s.data.resize(need);
+    s.regs.assign(p_.reg_is_row.size(), Reg{});
     return s;
   }
 
@@ -331,7 +365,7 @@ class FusedCpuKernel final : public Kernel {
         d = Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
         continue;
       }
-      float* out = data + static_cast<int64_t>(ins.dst) * tile;
+      float* out = data + static_cast<int64_t>(slot_[ins.dst]) * tile;
       apply_n(ins.op, a, b, c, out, n);
       d = Reg{out, 0.f};
     }
@@ -343,7 +377,6 @@ class FusedCpuKernel final : public Kernel {
   // broadcasting fall back to a general gather.
   void run_flat(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
                 const std::vector<int64_t>& full, int64_t numel) const {
-    const size_t nregs = p_.reg_is_row.size();
     const int64_t rank = static_cast<int64_t>(full.size());
     std::vector<char> uniform(views.size());
     bool all_simple = true;
@@ -358,7 +391,7 @@ class FusedCpuKernel final : public Kernel {
     const int64_t chunks_per_row = by_rows ? (cols + kTile - 1) / kTile : 1;
     const int64_t tiles = by_rows ? (numel / cols) * chunks_per_row : (numel + kTile - 1) / kTile;
     at::parallel_for(0, tiles, std::max<int64_t>(1, 32768 / kTile), [&](int64_t begin, int64_t end) {
-      Scratch& s = scratch(nregs, kTile);
+      Scratch& s = scratch(kTile);
       for (int64_t t = begin; t < end; ++t) {
         int64_t start, n, row = 0, col = 0;
         if (by_rows) {
@@ -373,7 +406,7 @@ class FusedCpuKernel final : public Kernel {
         for (size_t i = 0; i < views.size(); ++i) {
           const View& v = views[i];
           Reg& r = s.regs[p_.inputs[i].reg];
-          float* buf = s.data.data() + static_cast<int64_t>(p_.inputs[i].reg) * kTile;
+          float* buf = s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * kTile;
           if (uniform[i]) {
             load_input(v, r, buf, n, 0, 0);
           } else if (v.dense) {
@@ -402,11 +435,10 @@ class FusedCpuKernel final : public Kernel {
 
   void run_rows(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
                 const std::vector<int64_t>& full, int64_t rows, int64_t cols) const {
-    const size_t nregs = p_.reg_is_row.size();
     const int64_t lead = static_cast<int64_t>(full.size()) - 1;
     const int64_t tile = std::max<int64_t>(cols, 1);
     at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / tile), [&](int64_t begin, int64_t end) {
-      Scratch& s = scratch(nregs, tile);
+      Scratch& s = scratch(tile);
       for (int64_t row = begin; row < end; ++row) {
         int64_t idx[kMaxRank];
         int64_t rest = row;
@@ -419,7 +451,7 @@ class FusedCpuKernel final : public Kernel {
           int64_t base = 0;
           for (int64_t d = 0; d < lead; ++d) base += idx[d] * v.strides[d];
           Reg& r = s.regs[p_.inputs[i].reg];
-          float* buf = s.data.data() + static_cast<int64_t>(p_.inputs[i].reg) * tile;
+          float* buf = s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * tile;
           if (p_.inputs[i].row) load_input(v, r, buf, 1, base, 0);
           else load_input(v, r, buf, cols, base, cols == 1 ? 0 : v.strides[lead]);
         }
@@ -435,23 +467,54 @@ class FusedCpuKernel final : public Kernel {
     });
   }
 
+  // Registers whose lives do not overlap share a scratch slot, so the working set of a tile is the
+  // number of simultaneously live registers, not the number of instructions.
+  void assign_slots() {
+    const size_t nregs = p_.reg_is_row.size();
+    const int64_t end = static_cast<int64_t>(p_.code.size());
+    std::vector<int64_t> last_use(nregs, -1);
+    auto use = [&](const Operand& o, int64_t at) {
+      if (o.kind == Operand::Kind::Reg) last_use[o.index] = std::max(last_use[o.index], at);
+    };
+    for (int64_t i = 0; i < end; ++i) {
+      use(p_.code[i].a, i);
+      use(p_.code[i].b, i);
+      use(p_.code[i].c, i);
+    }
+    for (const ProgramOutput& o : p_.outputs) last_use[o.reg] = end;  // read by the stores
+    slot_.assign(nregs, -1);
+    std::vector<int> free_slots;
+    std::vector<std::vector<int>> release_at(end + 1);
+    int next = 0;
+    auto take = [&](int reg, int64_t at) {
+      if (!free_slots.empty()) {
+        slot_[reg] = free_slots.back();
+        free_slots.pop_back();
+      } else {
+        slot_[reg] = next++;
+      }
+      release_at[std::max<int64_t>(last_use[reg], at)].push_back(slot_[reg]);
+    };
+    for (const ProgramInput& in : p_.inputs) take(in.reg, 0);
+    for (int64_t i = 0; i < end; ++i) {
+      // Operands whose last use is this instruction free their slots for its result only after it
+      // runs (an instruction may read and write the same slot elementwise, which is safe).
+      take(p_.code[i].dst, i);
+      for (int s : release_at[i]) free_slots.push_back(s);
+    }
+    num_slots_ = std::max(next, 1);
+  }
+
   Program p_;
   std::vector<c10::ScalarType> out_dtypes_;
+  std::vector<int> slot_;  // scratch slot of each register
+  int num_slots_ = 1;
 };
-
-bool cpu_supported() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 
 }  // namespace
 
-std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not) {
-  if (!cpu_supported()) {
-    if (why_not) *why_not = "this CPU lacks AVX2/FMA";
-    return nullptr;
-  }
+std::shared_ptr<const Kernel> make_fused_kernel(Program program) {
   return std::make_shared<FusedCpuKernel>(std::move(program));
 }
 
-}  // namespace ember::cpu
+}  // namespace ember::cpu::EMBER_CPU_ISA

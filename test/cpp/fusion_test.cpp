@@ -113,6 +113,17 @@ void expect_fused_matches(const std::string& text, std::vector<c10::IValue> inpu
   }
 }
 
+TEST(FusePass, GeluAndTanhStayWithAtenOnCpu) {
+  const std::string in =
+      "graph(%x: f32[4, 8]{8, 1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::mul.Tensor(%x, 2)\n"
+      "  %g: f32[4, 8]{8, 1}@cpu = aten::gelu(%a)\n"
+      "  %t: f32[4, 8]{8, 1}@cpu = aten::tanh(%g)\n"
+      "  %b: f32[4, 8]{8, 1}@cpu = aten::add.Tensor(%t, 1)\n"
+      "  return (%b)\n";
+  EXPECT_EQ(fuse_text(in), in);
+}
+
 TEST(FusedCpuKernel, PointwiseBroadcastOddSizesNonContiguous) {
   const std::string text =
       "graph(%x: f32[37, 129]{1, 37}@cpu, %w: f32[129]{1}@cpu, %c: f32[37, 1]{1, 1}@cpu):\n"
@@ -202,6 +213,34 @@ TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
       "  %b: f32[s0, 6]{6, 1}@cpu = aten::exp(%a)\n"
       "  return (%b)\n";
   for (int64_t n : {1, 5, 4099}) expect_fused_matches(text, {at::randn({n, 6}) * 0.01, c10::IValue(n)}, 1e-5);
+}
+
+// Group marks in IR text reach the kernel generator even with the fuse pass off, so opcodes the CPU
+// pass never groups (gelu, tanh, gelu_backward) are still checked against ATen.
+TEST(FusedCpuKernel, PreMarkedGroupsWithFusePassOff) {
+  const std::string body =
+      "graph(%x: f32[9, 130]{130, 1}@cpu, %g: f32[9, 130]{130, 1}@cpu):\n"
+      "  %a: f32[9, 130]{130, 1}@cpu = aten::gelu(%x)@\n"
+      "  %b: f32[9, 130]{130, 1}@cpu = aten::gelu(%a, approximate=\"tanh\")@\n"
+      "  %c: f32[9, 130]{130, 1}@cpu = aten::tanh(%b)@\n"
+      "  %d: f32[9, 130]{130, 1}@cpu = aten::gelu_backward(%g, %x)@\n"
+      "  %e: f32[9, 130]{130, 1}@cpu = aten::silu(%d)@\n"
+      "  %f: f32[9, 130]{130, 1}@cpu = aten::add.Tensor(%c, %e)@\n"
+      "  return (%f)\n";
+  auto with = [&](const std::string& mark) {
+    std::string t = body;
+    for (size_t p = t.find(")@"); p != std::string::npos; p = t.find(")@")) t.replace(p, 2, ")" + mark);
+    return t;
+  };
+  CompileOptions off;
+  off.disabled_passes = {"fuse"};
+  auto plain = compile(parse(with("")), {}, off);
+  auto fused = compile(parse(with(" #0")), {}, off);
+  ASSERT_EQ(fused->plan().steps.size(), 1u) << fused->describe();
+  at::Tensor x = at::randn({9, 130}) * 3, g = at::randn({9, 130});
+  x[0][0] = 0.01f;  // tanh's small-argument branch
+  at::Tensor want = plain->run({x, g})[0].toTensor(), got = fused->run({x, g})[0].toTensor();
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << (got - want).abs().max().item<float>();
 }
 
 }  // namespace

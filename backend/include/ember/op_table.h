@@ -27,6 +27,7 @@ enum OpTrait : uint32_t {
   kCapturable = 1u << 8,   // may run inside a CUDA graph
   kPrim = 1u << 9,         // an ember primitive executed by the runtime itself
   kFusible = 1u << 10,     // ember's kernels implement it: pointwise, or a reduction over the last dim
+  kCpuKeepAten = 1u << 11, // fusible, but on the CPU ATen's kernel (oneDNN JIT, MKL VML) is faster
 };
 
 struct OpInfo {
