@@ -2,6 +2,7 @@
 breaks (print and .item() in the middle of a function)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -112,6 +113,49 @@ def test_captured_dynamic_output_shape_ops(device):
     with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
         compiled = compile_ember(fn, fullgraph=True)
         check(fn, torch.randn(5, 4, device=device), compiled=compiled)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["ceil", "floor", "int", "round"])
+@pytest.mark.xfail(strict=True, reason="ember bug: math.ceil / math.floor / int() / round() on SymInts in dynamic "
+                                       "graphs are 'unsupported call target's in lower.py (no prim op), so the graph "
+                                       "falls back to eager")
+def test_dynamic_python_math_on_sizes(device, op):
+    ops = {"ceil": lambda n: math.ceil(n / 4), "floor": lambda n: math.floor(n / 4), "int": lambda n: int(n / 4),
+           "round": lambda n: round(n / 4)}
+
+    def fn(x):
+        k = ops[op](x.shape[0])
+        return x * k, x[:k].sum(0)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 3, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_python_math_supported(device):
+    """The SymInt / SymFloat arithmetic ember's prim ops do cover."""
+
+    def fn(x):
+        n = x.shape[0]
+        return x * math.sqrt(n), x * max(n, 5), x * (n % 4), x * float(n) / (n ** 0.5), x * abs(-n) * (n // 2)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 3, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.xfail(strict=True, reason="ember bug: higher-order ops (torch.cond: a call to a HigherOrderOperator "
+                                       "and get_attr of its branch subgraphs) are not lowered")
+def test_torch_cond(device):
+    def fn(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,)) * 2
+
+    compiled = compile_ember(fn)
+    check(fn, torch.ones(4, device=device), compiled=compiled, grad=False)
+    check(fn, -torch.ones(4, device=device), compiled=compiled, grad=False, min_graphs=0)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -260,6 +260,18 @@ def test_exact_comparisons_of_wide_dtypes(device, dtype):
 
 
 @pytest.mark.parametrize("device", devices_with_cpu_bug(
+    "the fuse pass puts ops reading float8 / uint16 / uint32 tensors into fused groups, whose CPU kernel then "
+    "raises at run time ('fused CPU kernel: unsupported input dtype ...'), with no fallback"))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32],
+                         ids=["f8e4m3", "f8e5m2", "u16", "u32"])
+def test_inputs_of_dtypes_the_kernel_cannot_load(device, dtype):
+    def fn(x):
+        return x.to(dtype).to(torch.float32) * 2 + 1
+
+    check(fn, torch.rand(4, 8, device=device) * 5, grad=False)
+
+
+@pytest.mark.parametrize("device", devices_with_cpu_bug(
     "fused kernels keep fp16/bf16 intermediates in float32 instead of rounding each value to its storage dtype "
     "as eager does (the comment in kernels/program.cpp define() says they are rounded)"))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
