@@ -1,0 +1,41 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import helpers  # noqa: E402
+
+
+def pytest_configure(config):
+    # ember's fallback warning means a graph ran eagerly: never let a test pass through it.
+    config.addinivalue_line("filterwarnings", "error:ember could not compile:UserWarning")
+    config.addinivalue_line("markers", "slow: a test that takes more than a few seconds")
+
+
+@pytest.fixture(autouse=True)
+def _ember_test_env(monkeypatch):
+    """Fresh dynamo state, a fixed seed, no ember env vars from outside, and a count of ember's graphs."""
+    for var in ("EMBER_FALLBACK", "EMBER_DISABLE_PASSES", "EMBER_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+
+    import ember._C
+    import ember.backend
+
+    original = ember.backend.compile_fx_graph
+
+    def counting_compile_fx_graph(gm, config, kind):
+        compiled = original(gm, config, kind)
+        if isinstance(compiled, ember._C.CompiledGraph):
+            helpers.EMBER_GRAPHS.append((kind, compiled))
+        return compiled
+
+    monkeypatch.setattr(ember.backend, "compile_fx_graph", counting_compile_fx_graph)
+    helpers.EMBER_GRAPHS.clear()
+    yield
+    helpers.EMBER_GRAPHS.clear()
+    torch._dynamo.reset()

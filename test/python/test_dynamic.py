@@ -1,0 +1,197 @@
+"""Dynamic shapes (one compiled function over several batch sizes, forward and backward) and graph
+breaks (print and .item() in the middle of a function)."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import DEVICES, EMBER_GRAPHS, MATMUL_TOL, check, compile_ember
+
+BATCHES = [3, 7, 16]
+
+
+def kinds():
+    return sorted(kind for kind, _ in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_pointwise_and_reductions(device):
+    def fn(x, y):
+        z = torch.relu(x * y + 1)
+        return z.sum(0), z.mean(-1, keepdim=True) / x.shape[0], z.reshape(x.shape[0] * 2, -1)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 6, device=device), torch.randn(b, 6, device=device), compiled=compiled,
+              min_graphs=0 if i else 1)
+    # one forward and one backward graph serve every batch size
+    assert kinds() == ["backward", "forward"], kinds()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_mlp(device):
+    model = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 5)).to(device)
+    compiled = compile_ember(copy.deepcopy(model), dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(model, torch.randn(b, 12, device=device), compiled=compiled, min_graphs=0 if i else 1, **MATMUL_TOL)
+    assert kinds() == ["backward", "forward"], kinds()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_softmax_attention_over_sequence_length(device):
+    def fn(q, k, v):
+        att = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        return att.softmax(-1) @ v, F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, s in enumerate([5, 9, 16]):
+        q, k, v = (torch.randn(2, s, 8, device=device) for _ in range(3))
+        check(fn, q, k, v, compiled=compiled, min_graphs=0 if i else 1, **MATMUL_TOL)
+    assert len(EMBER_GRAPHS) <= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_automatic_dynamic_recompiles_at_most_once(device):
+    """Default dynamic=None: the first shape compiles static, the second recompiles dynamic, the third
+    reuses the dynamic graph."""
+
+    def fn(x):
+        return (x.sin() * x.shape[0]).sum(-1)
+
+    compiled = compile_ember(fn)
+    for b in BATCHES:
+        check(fn, torch.randn(b, 4, device=device), compiled=compiled, min_graphs=0)
+    forwards = [k for k in kinds() if k == "forward"]
+    assert 1 <= len(forwards) <= 2, kinds()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_view_and_cat_with_symbolic_sizes(device):
+    def fn(x):
+        n = x.shape[0]
+        half = x[: n // 2]
+        return torch.cat([half, x.flip(0)], 0).view(-1, 2), x.new_zeros(n + 1).sum()
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 4, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_symbolic_floats_and_sizes_in_tensor_arguments(device):
+    """SymInt / SymFloat values (not literals) feeding Tensor and Scalar arguments."""
+
+    def fn(x):
+        n = x.shape[0]
+        return x * (n / 3), torch.full((n,), n * 0.5, device=x.device), x.sum(0) / n, x + n
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 3, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_captured_item_unbacked_symbol(device):
+    def fn(x):
+        k = x.abs().sum().item()
+        return x * k + x.mean()
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = compile_ember(fn, fullgraph=True)
+        check(fn, torch.randn(4, 3, device=device), compiled=compiled)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_captured_dynamic_output_shape_ops(device):
+    def fn(x):
+        return x[x > 0].sum(), x.nonzero(), torch.masked_select(x, x < 0).exp()
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled = compile_ember(fn, fullgraph=True)
+        check(fn, torch.randn(5, 4, device=device), compiled=compiled)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["ceil", "floor", "int", "round"])
+@pytest.mark.xfail(strict=True, reason="ember bug: math.ceil / math.floor / int() / round() on SymInts in dynamic "
+                                       "graphs are 'unsupported call target's in lower.py (no prim op), so the graph "
+                                       "falls back to eager")
+def test_dynamic_python_math_on_sizes(device, op):
+    ops = {"ceil": lambda n: math.ceil(n / 4), "floor": lambda n: math.floor(n / 4), "int": lambda n: int(n / 4),
+           "round": lambda n: round(n / 4)}
+
+    def fn(x):
+        k = ops[op](x.shape[0])
+        return x * k, x[:k].sum(0)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 3, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_python_math_supported(device):
+    """The SymInt / SymFloat arithmetic ember's prim ops do cover."""
+
+    def fn(x):
+        n = x.shape[0]
+        return x * math.sqrt(n), x * max(n, 5), x * (n % 4), x * float(n) / (n ** 0.5), x * abs(-n) * (n // 2)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate(BATCHES):
+        check(fn, torch.randn(b, 3, device=device), compiled=compiled, min_graphs=0 if i else 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.xfail(strict=True, reason="ember bug: higher-order ops (torch.cond: a call to a HigherOrderOperator "
+                                       "and get_attr of its branch subgraphs) are not lowered")
+def test_torch_cond(device):
+    def fn(x):
+        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,)) * 2
+
+    compiled = compile_ember(fn)
+    check(fn, torch.ones(4, device=device), compiled=compiled, grad=False)
+    check(fn, -torch.ones(4, device=device), compiled=compiled, grad=False, min_graphs=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# graph breaks
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_break_print(device, capsys):
+    def fn(x, y):
+        a = torch.sin(x) * y
+        print("ember graph break", a.shape)
+        return (a + 1).relu() @ y.t()
+
+    check(fn, torch.randn(4, 5, device=device), torch.randn(4, 5, device=device), min_graphs=2, **MATMUL_TOL)
+    assert "ember graph break" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_break_item(device):
+    def fn(x):
+        s = x.abs().sum()
+        k = s.item()  # a graph break with default dynamo config
+        y = x * k if k > 1.0 else x - k
+        return y.softmax(-1), k
+
+    check(fn, torch.randn(3, 6, device=device), min_graphs=2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_data_dependent_python_branch(device):
+    def fn(x):
+        if x.sum() > 0:  # graph break on a tensor condition
+            return x.exp()
+        return x.cos()
+
+    compiled = compile_ember(fn)
+    check(fn, torch.ones(3, device=device), compiled=compiled)
+    check(fn, -torch.ones(3, device=device), compiled=compiled, min_graphs=0)

@@ -1,0 +1,99 @@
+"""matmul / bmm / addmm / linear / einsum and conv2d (stride, padding, dilation, groups, channels_last)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import DEVICES, MATMUL_TOL, Wrap, check
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_then_softmax(device):
+    check(lambda a, b: torch.softmax(a @ b, dim=-1), torch.randn(6, 9, device=device), torch.randn(9, 5, device=device),
+          **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((7,), (7,)), ((3, 7), (7,)), ((7,), (7, 4)), ((2, 3, 7), (7, 4)), ((2, 1, 3, 7), (5, 7, 2))],
+    ids=["dot", "mv", "vm", "batched_2d", "broadcast_batch"],
+)
+def test_matmul_shapes(device, a_shape, b_shape):
+    check(torch.matmul, torch.randn(a_shape, device=device), torch.randn(b_shape, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bmm_addmm_baddbmm(device):
+    def fn(a, b, bias, m1, m2, c):
+        return torch.bmm(a, b), torch.addmm(bias, m1, m2, beta=0.5, alpha=2.0), torch.baddbmm(c, a, b)
+
+    check(fn, torch.randn(3, 4, 5, device=device), torch.randn(3, 5, 6, device=device), torch.randn(6, device=device),
+          torch.randn(4, 7, device=device), torch.randn(7, 6, device=device), torch.randn(3, 4, 6, device=device),
+          **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_transposed_operands(device):
+    a = torch.randn(9, 4, device=device).t()
+    b = torch.randn(6, 9, device=device).t()
+    check(lambda a, b: (a @ b).relu(), a, b, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_linear(device, bias):
+    lin = nn.Linear(10, 7, bias=bias).to(device)
+    check(lin, torch.randn(2, 3, 10, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_einsum(device):
+    check(lambda a, b: torch.einsum("bij,bjk->bik", a, b).sum(-1), torch.randn(2, 3, 4, device=device),
+          torch.randn(2, 4, 5, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(stride=1, padding=0, groups=1),
+        dict(stride=2, padding=1, groups=1),
+        dict(stride=1, padding="same", groups=1, dilation=2),
+        dict(stride=2, padding=1, groups=4),
+        dict(stride=1, padding=1, groups=8),  # depthwise
+    ],
+    ids=["plain", "stride2_pad1", "same_dilated", "groups4", "depthwise"],
+)
+def test_conv2d(device, cfg):
+    conv = nn.Conv2d(8, 8, 3, **cfg).to(device)
+    check(conv, torch.randn(2, 8, 11, 10, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv2d_channels_last(device):
+    model = Wrap(lambda m, x: F.relu(m.conv(x)) + 1, conv=nn.Conv2d(4, 6, 3, padding=1)).to(device)
+    x = torch.randn(2, 4, 9, 9, device=device).to(memory_format=torch.channels_last)
+    assert x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    check(model, x, **MATMUL_TOL)
+
+    conv_cl = nn.Conv2d(4, 6, 3, padding=1).to(device).to(memory_format=torch.channels_last)
+    e, c = check(conv_cl, x, **MATMUL_TOL)
+    assert c.is_contiguous(memory_format=torch.channels_last) == e.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_pool_block(device):
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(8, 4, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+    ).to(device)
+    check(model, torch.randn(2, 3, 16, 16, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv1d_and_conv_transpose2d(device):
+    model = Wrap(lambda m, x, y: (m.c1(x), m.ct(y)),
+                 c1=nn.Conv1d(3, 5, 4, stride=2, padding=1), ct=nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1))
+    check(model.to(device), torch.randn(2, 3, 17, device=device), torch.randn(1, 3, 5, 6, device=device), **MATMUL_TOL)

@@ -1,0 +1,155 @@
+"""Normalizations (batch / layer / group norm, running stats included), softmax, attention, embedding,
+losses. Forward and backward against eager."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from helpers import DEVICES, MATMUL_TOL, Wrap, check
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batch_norm2d(device, train):
+    bn = nn.BatchNorm2d(6).to(device)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    bn.train(train)
+    # check() compares running_mean / running_var / num_batches_tracked after the call (state_dict).
+    check(bn, torch.randn(4, 6, 5, 5, device=device) * 2 + 1, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_norm_running_stats_over_steps(device):
+    """Several training steps through the same compiled module: running stats keep matching eager."""
+    from helpers import compile_ember
+
+    bn = nn.BatchNorm1d(5, momentum=0.3).to(device)
+    import copy
+
+    bn_c = copy.deepcopy(bn)
+    compiled = compile_ember(bn_c)
+    for step in range(3):
+        check(bn, torch.randn(8, 5, device=device) * (step + 1), compiled=compiled, min_graphs=0, **MATMUL_TOL)
+    assert bn.num_batches_tracked.item() == 3
+    torch.testing.assert_close(bn_c.running_mean, bn.running_mean)
+    torch.testing.assert_close(bn_c.running_var, bn.running_var)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_functional_batch_norm_without_running_stats(device):
+    check(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+          torch.randn(6, 3, 4, device=device), torch.rand(3, device=device) + 0.5, torch.randn(3, device=device),
+          **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_layer_norm(device, affine):
+    ln = nn.LayerNorm(24, elementwise_affine=affine).to(device)
+    if affine:
+        with torch.no_grad():
+            ln.weight.uniform_(0.5, 1.5)
+            ln.bias.uniform_(-0.5, 0.5)
+    check(ln, torch.randn(3, 7, 24, device=device) * 3 + 1, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_norm_multi_dim_and_rms_norm(device):
+    model = Wrap(lambda m, x: (m.ln(x), m.rms(x)), ln=nn.LayerNorm([5, 6]), rms=nn.RMSNorm(6)).to(device)
+    check(model, torch.randn(2, 3, 5, 6, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_norm(device):
+    gn = nn.GroupNorm(3, 12).to(device)
+    with torch.no_grad():
+        gn.weight.uniform_(0.5, 1.5)
+        gn.bias.uniform_(-0.5, 0.5)
+    check(gn, torch.randn(2, 12, 5, 3, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_softmax_log_softmax(device, dim):
+    check(lambda x: (torch.softmax(x, dim), F.log_softmax(x, dim)), torch.randn(4, 9, 5, device=device) * 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_fp16_input_fp32_output(device):
+    check(lambda x: torch.softmax(x, -1, dtype=torch.float32), torch.randn(3, 17, device=device).half(), atol=1e-3,
+          rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_entropy_scorer(device):
+    def entropy(f):
+        p = torch.softmax(f, -1)
+        return -(p * torch.log(p + 1e-8)).sum(-1)
+
+    check(entropy, torch.randn(16, 10, device=device) * 2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa(device, causal):
+    q, k, v = (torch.randn(2, 3, 7, 8, device=device) for _ in range(3))
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal), q, k, v, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_with_masks_and_cross_lengths(device):
+    q = torch.randn(2, 4, 5, 16, device=device)
+    k = torch.randn(2, 4, 9, 16, device=device)
+    v = torch.randn(2, 4, 9, 16, device=device)
+    bool_mask = torch.rand(2, 1, 5, 9, device=device) > 0.3
+    bool_mask[..., 0] = True  # every query sees at least one key
+    float_mask = torch.randn(5, 9, device=device)
+
+    def fn(q, k, v, bm, fm):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=bm)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=fm, scale=0.3)
+        return a, b
+
+    check(fn, q, k, v, bool_mask, float_mask, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_multihead_attention(device):
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)
+    model = Wrap(lambda m, x: m.mha(x, x, x, need_weights=False)[0], mha=mha)
+    check(model, torch.randn(2, 6, 16, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_embedding(device):
+    emb = nn.Embedding(20, 8, padding_idx=0).to(device)
+    idx = torch.randint(0, 20, (3, 5), device=device)
+    idx[0, 0] = 0
+    idx[1, 2] = idx[1, 3]  # repeated index: its gradient accumulates
+    check(emb, idx, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy(device):
+    def fn(logits, target, soft):
+        return (F.cross_entropy(logits, target), F.cross_entropy(logits, target, reduction="none", ignore_index=2),
+                F.cross_entropy(logits, target, label_smoothing=0.1), F.cross_entropy(logits, soft.softmax(-1)))
+
+    target = torch.randint(0, 6, (9,), device=device)
+    target[0] = 2
+    check(fn, torch.randn(9, 6, device=device), target, torch.randn(9, 6, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_other_losses(device):
+    def fn(x, y, t):
+        return (F.mse_loss(x, y), F.binary_cross_entropy_with_logits(x, t), F.binary_cross_entropy(x.sigmoid(), t),
+                F.nll_loss(F.log_softmax(x, -1), t.argmax(-1)), F.smooth_l1_loss(x, y), F.kl_div(x.log_softmax(-1), y.softmax(-1), reduction="batchmean"))
+
+    check(fn, torch.randn(5, 4, device=device), torch.randn(5, 4, device=device),
+          torch.rand(5, 4, device=device).round(), grad=[0, 1])

@@ -1,0 +1,181 @@
+"""Pointwise ops: the seed examples, type promotion, broadcasting, odd sizes, non-contiguous and empty
+inputs, NaN / Inf propagation. Forward and backward against eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import DEVICES, check
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sin_plus_cos(device):
+    check(lambda x, y: torch.sin(x) + torch.cos(y),
+          torch.randn(10, device=device), torch.randn(10, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_relu_of_sum(device):
+    check(lambda x, y: torch.relu(x + y), torch.randn(8, 33, device=device), torch.randn(8, 33, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sin_cos_exp_chain(device):
+    check(lambda x: x.sin().cos().exp(), torch.randn(5, 7, 3, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["gelu", "silu", "tanh", "sigmoid", "hardswish", "mish", "softplus", "elu", "leaky_relu"])
+def test_activations(device, act):
+    fn = getattr(F, act) if hasattr(F, act) else getattr(torch, act)
+    check(lambda x: fn(x) - x, torch.randn(4, 37, device=device) * 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "a_dtype,b_dtype",
+    [
+        (torch.int32, torch.float32),
+        (torch.int64, torch.float32),
+        (torch.bool, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.bfloat16),
+        (torch.int32, torch.int64),
+        (torch.bool, torch.int32),
+        (torch.int64, torch.float16),
+        (torch.float64, torch.float32),
+        (torch.float64, torch.int64),
+    ],
+    ids=lambda d: str(d).replace("torch.", ""),
+)
+def test_type_promotion(device, a_dtype, b_dtype):
+    def make(dtype):
+        x = torch.randn(6, 9, device=device) * 4
+        if dtype == torch.bool:
+            return x > 0
+        return x.to(dtype)
+
+    def fn(a, b):
+        s = a + b
+        p = a * b
+        return s, p, (s > 0.5), torch.where(a > 0, a, b)
+
+    check(fn, make(a_dtype), make(b_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_mask_times_float_and_scalar_promotion(device):
+    def fn(x, mask, i):
+        y = mask * x  # bool * float -> float
+        z = i * 0.5  # int tensor * python float -> default float dtype
+        w = i + 3  # int tensor + python int stays int
+        d = i / 2  # true division of ints -> float
+        f = torch.div(i, 2, rounding_mode="floor")
+        return y + z, w, d, f
+
+    x = torch.randn(5, 4, device=device)
+    check(fn, x, torch.rand(5, 4, device=device) > 0.5, torch.randint(-10, 10, (5, 4), device=device), grad=[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_low_precision(device, dtype):
+    def fn(x, y):
+        return (torch.tanh(x) * y + x.exp()).sigmoid(), (x * y).sum(-1)
+
+    check(fn, torch.randn(7, 33, device=device, dtype=dtype), torch.randn(7, 33, device=device, dtype=dtype),
+          atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcasting(device):
+    def fn(a, b, c):
+        return a * b + c, torch.maximum(a, c)
+
+    check(fn, torch.randn(3, 1, 5, device=device), torch.randn(4, 1, device=device), torch.randn(1, 4, 5, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, 3, 17, 1023])
+def test_odd_sizes(device, n):
+    check(lambda x, y: torch.addcmul(x, x, y, value=0.3).pow(2), torch.randn(n, device=device), torch.randn(n, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs(device):
+    a = torch.randn(8, 6, device=device).t()  # transposed
+    b = torch.randn(6, 16, device=device)[:, ::2]  # sliced with a step
+    c = torch.randn(6, 3, 8, device=device)[:, 1]  # a middle index
+    assert not a.is_contiguous() and not b.is_contiguous() and not c.is_contiguous()
+    check(lambda a, b, c: (a * b).sin() + c, a, b, c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_tensors(device):
+    def fn(x, y):
+        return x * 2 + y, x.sum(0), torch.cat([x, y.expand_as(x)], 0)
+
+    check(fn, torch.randn(0, 5, device=device), torch.randn(5, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_inf_propagation(device):
+    x = torch.randn(12, device=device)
+    x[1] = float("nan")
+    x[4] = float("inf")
+    x[7] = float("-inf")
+
+    def fn(x):
+        return x * 2, torch.exp(x), x - x, torch.clamp(x, -1, 1), torch.isnan(x), torch.isinf(x), torch.nan_to_num(x)
+
+    check(fn, x, grad=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_in_max_and_min(device):
+    x = torch.randn(4, 6, device=device)
+    x[1, 2] = float("nan")
+    check(lambda x, y: (torch.maximum(x, y), torch.minimum(x, y), x.amax(-1)), x, torch.randn(4, 6, device=device),
+          grad=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalar_tensor_and_python_scalars(device):
+    def fn(x, s):
+        return x * s + 1.5, x ** 2, 2 ** x, x.clamp(min=-0.5), (x * 3).floor(), x.sign()
+
+    check(fn, torch.randn(4, 5, device=device), torch.tensor(0.7, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_integer_ops(device):
+    def fn(a, b):
+        return a // b, a % b, a & b, a | b, a ^ b, a << 2, a.abs(), torch.bitwise_not(a), (a > b).sum()
+
+    a = torch.randint(-50, 50, (6, 7), device=device, dtype=torch.int32)
+    b = torch.randint(1, 9, (6, 7), device=device, dtype=torch.int32)
+    check(fn, a, b, grad=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_dtype_casts(device):
+    def fn(x):
+        h = x.half()
+        return h.float() * 2, x.to(torch.int32), (x > 0).to(torch.float32) * x, x.to(torch.bfloat16).sum()
+
+    check(fn, torch.randn(3, 11, device=device) * 10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_region(device):
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+
+    def fn(a, b):
+        with torch.autocast(device, dtype=dtype):
+            y = a @ b
+            z = torch.relu(y) + a.sum()
+        return y, z.float().softmax(-1)
+
+    e, c = check(fn, torch.randn(4, 5, device=device), torch.randn(5, 6, device=device), atol=2e-2, rtol=2e-2)
+    assert c[0].dtype == dtype
