@@ -144,10 +144,14 @@ class Lowering {
     return Operand::reg(dst);
   }
 
-  // Registers a node output; a constant operand is first materialized with Copy.
+  // Registers a node output; a constant operand is first materialized with Copy. A half or bfloat16
+  // value is rounded to its dtype here, so later members see what eager sees (overflow to inf too).
   void define(const Value* v, Operand o) {
     if (o.kind != Operand::Kind::Reg || program_.reg_is_row[o.index] != value_is_row(v)) o = emit(OpCode::Copy, o, {}, {}, value_is_row(v));
-    // A value stored at a lower precision is rounded once here, so that later members see what eager sees.
+    c10::ScalarType t = v->type.tensor.dtype;
+    if (t == c10::kHalf) o = emit(OpCode::RoundHalf, o, {}, {}, value_is_row(v));
+    if (t == c10::kBFloat16) o = emit(OpCode::RoundBFloat16, o, {}, {}, value_is_row(v));
+    if (t == c10::kBool) o = emit(OpCode::ToBool, o, {}, {}, value_is_row(v));
     reg_of_[v] = o.index;
   }
   bool value_is_row(const Value* v) const {
@@ -240,17 +244,9 @@ class Lowering {
       Operand y = x(1, "output");
       return out(emit(OpCode::Mul, x(0, "grad_output"), emit(OpCode::Sub, Operand::constant(1.f), emit(OpCode::Mul, y, y))));
     }
-    if (op == "aten::_to_copy") return out(round_to(x(0, "self"), n.outputs[0]->type.tensor.dtype));
+    if (op == "aten::_to_copy") return out(x(0, "self"));  // define() rounds to the output dtype
     if (is_reduction(n)) return lower_reduction(n);
     throw Unsupported("no lowering for " + op);
-  }
-
-  Operand round_to(Operand v, c10::ScalarType t) {
-    if (t == c10::kHalf) return emit(OpCode::RoundHalf, v);
-    if (t == c10::kBFloat16) return emit(OpCode::RoundBFloat16, v);
-    if (t == c10::kBool) return emit(OpCode::ToBool, v);
-    if (t == c10::kFloat) return v.kind == Operand::Kind::Reg ? v : emit(OpCode::Copy, v);
-    throw Unsupported(std::string("conversion to ") + dtype_name(t));
   }
 
   void lower_reduction(const Node& n) {

@@ -3,6 +3,8 @@
 //  2. Random ops, ops that write, ops with no outputs and prim::constant are never merged.
 //  3. A node that reads memory some op writes (anything in the alias class of a mutated value, views
 //     included) is never merged: the two reads may see different data.
+//  4. Two values that are both graph outputs are never merged: the caller gets distinct tensors and
+//     may mutate one without touching the other.
 #include "passes/passes.h"
 
 #include "ember/op_table.h"
@@ -51,6 +53,9 @@ void eliminate_common_subexpressions(Graph& graph, PassContext&) {
   std::unordered_map<const Value*, bool> mutated_class;
   for (const Value* v : written) mutated_class[aliases.find(v)] = true;
 
+  std::unordered_map<const Value*, bool> is_output;
+  for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { is_output[v] = true; });
+
   std::unordered_map<std::string, const Node*> seen;
   std::unordered_map<const Value*, Value*> replacement;
   std::vector<std::pair<const Value*, Value*>> replace;
@@ -68,7 +73,12 @@ void eliminate_common_subexpressions(Graph& graph, PassContext&) {
     if (reads_mutated) continue;
     auto [it, inserted] = seen.emplace(print_call(*n), n.get());
     if (inserted) continue;
+    bool both_outputs = false;
+    for (size_t i = 0; i < n->outputs.size(); ++i)
+      both_outputs = both_outputs || (is_output.count(n->outputs[i]) && is_output.count(it->second->outputs[i]));
+    if (both_outputs) continue;
     for (size_t i = 0; i < n->outputs.size(); ++i) {
+      if (is_output.count(n->outputs[i])) is_output[it->second->outputs[i]] = true;
       replacement[n->outputs[i]] = it->second->outputs[i];
       replace.emplace_back(n->outputs[i], it->second->outputs[i]);
     }

@@ -8,14 +8,16 @@
 //  3. Every member shares the group's iteration space: a "full" member has the group's shape; after a
 //     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
 //     without a trailing 1). Inputs may broadcast into either.
-//  4. Only floating-point (and bool) tensors on one device, with unit stride in the last dimension, are
-//     fused; a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
+//  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
+//     row-major contiguous (eager's layout for them, which fused kernels write); a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
 //     ATen CPU kernel beats ember's (kCpuKeepAten: gelu, tanh) are not fused on the CPU.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 #include "passes/passes.h"
 
 #include "ember/op_table.h"
 
+#include <algorithm>
+#include <cctype>
 #include <unordered_map>
 
 namespace ember {
@@ -25,9 +27,44 @@ bool fusible_dtype(c10::ScalarType t) {
   return t == c10::kFloat || t == c10::kHalf || t == c10::kBFloat16 || t == c10::kBool;
 }
 
-bool unit_last_stride(const TensorType& t) {
-  return t.sizes.empty() || (t.strides.back().is_constant() && t.strides.back().value == 1) ||
-         (t.sizes.back().is_constant() && t.sizes.back().value == 1);
+// Float32 computation represents these exactly enough to match eager; int64/int32 (above 2**24),
+// float64 and the float8/unsigned types do not, so their tensors keep groups away.
+bool fusible_input_dtype(c10::ScalarType t) { return fusible_dtype(t); }
+
+// "s1*s2" style product text, factors sorted as sympy prints them: the integer first, then symbols.
+std::string product_text(int64_t constant, std::vector<std::string> factors) {
+  std::sort(factors.begin(), factors.end());
+  std::string out = constant != 1 || factors.empty() ? std::to_string(constant) : std::string();
+  for (const std::string& f : factors) out += (out.empty() ? "" : "*") + f;
+  return out;
+}
+
+// Row-major contiguity, proven from the type: constant strides compare exactly, symbolic ones by
+// their canonical product text. Unprovable means no (the node simply stays unfused).
+bool contiguous(const TensorType& t) {
+  int64_t constant = 1;
+  std::vector<std::string> factors;
+  for (size_t i = t.sizes.size(); i-- > 0;) {
+    const Dim& size = t.sizes[i];
+    const Dim& stride = t.strides[i];
+    if (size.is_constant() && size.value == 1) continue;  // any stride is fine for a size-1 dim
+    bool ok = factors.empty() ? (stride.is_constant() && stride.value == constant)
+                              : (!stride.is_constant() && stride.expr == product_text(constant, factors));
+    if (!ok) return false;
+    if (size.is_constant()) constant *= size.value;
+    else if (size.expr.find_first_of("+-/()") == std::string::npos) {
+      for (size_t a = 0, b; a <= size.expr.size(); a = b + 1) {  // "2*s0" splits into its factors
+        b = size.expr.find('*', a);
+        if (b == std::string::npos) b = size.expr.size();
+        std::string f = size.expr.substr(a, b - a);
+        if (!f.empty() && std::isdigit(static_cast<unsigned char>(f[0]))) constant *= std::stoll(f);
+        else factors.push_back(f);
+      }
+    } else {
+      factors.push_back("(" + size.expr + ")");
+    }
+  }
+  return true;
 }
 
 bool same_dims(const std::vector<Dim>& a, const std::vector<Dim>& b) { return a == b; }
@@ -110,13 +147,15 @@ class Fuser {
     c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
     if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
     for (const Value* v : n.outputs) {
-      if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || !unit_last_stride(v->type.tensor) ||
+      if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || !contiguous(v->type.tensor) ||
           v->type.tensor.device != device)
         return false;
     }
     bool ok = true;
     n.for_each_input([&](const Value* v) {
-      if (v->type.is_tensor() && v->type.tensor.device != device && !v->type.tensor.sizes.empty()) ok = false;
+      if (!v->type.is_tensor()) return;
+      if (!fusible_input_dtype(v->type.tensor.dtype)) ok = false;
+      if (v->type.tensor.device != device && !v->type.tensor.sizes.empty()) ok = false;
     });
     if (!ok) return false;
     if (n.op == "aten::_to_copy") {

@@ -18,7 +18,7 @@ constexpr const char* kPrimOps[] = {
     "prim::constant", "prim::add",  "prim::sub", "prim::mul", "prim::floordiv", "prim::mod",
     "prim::truediv",  "prim::neg",  "prim::pow", "prim::eq",  "prim::ne",       "prim::lt",
     "prim::le",       "prim::gt",   "prim::ge",  "prim::sym_float", "prim::sym_int", "prim::sym_max",
-    "prim::sym_min",  "prim::sym_not", "aten::sym_size.int", "aten::sym_stride.int", "aten::sym_numel",
+    "prim::sym_min",  "prim::sym_not", "prim::ceil", "prim::floor", "prim::round", "prim::abs", "aten::sym_size.int", "aten::sym_stride.int", "aten::sym_numel",
     "aten::sym_storage_offset",
 };
 

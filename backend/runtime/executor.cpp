@@ -87,6 +87,11 @@ c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
       return arith(s[0], s[1], [](int64_t a, int64_t b) { return std::min(a, b); },
                    [](double a, double b) { return std::min(a, b); });
     case PrimOp::SymNot: return c10::IValue(!s[0].toBool());
+    // Python's math.ceil / math.floor / round return ints; round() with ndigits is not lowered.
+    case PrimOp::Ceil: return c10::IValue(static_cast<int64_t>(std::ceil(as_double(s[0]))));
+    case PrimOp::Floor: return c10::IValue(static_cast<int64_t>(std::floor(as_double(s[0]))));
+    case PrimOp::Round: return c10::IValue(static_cast<int64_t>(std::nearbyint(as_double(s[0]))));  // half to even
+    case PrimOp::Abs: return is_floating(s[0]) ? c10::IValue(std::fabs(s[0].toDouble())) : c10::IValue(std::abs(s[0].toInt()));
     case PrimOp::None: break;
   }
   throw Error("internal: unknown prim op");

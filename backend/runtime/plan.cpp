@@ -31,7 +31,9 @@ PrimOp prim_of(const std::string& op) {
       {"prim::gt", PrimOp::Gt},               {"prim::ge", PrimOp::Ge},
       {"prim::sym_float", PrimOp::SymFloat},  {"prim::sym_int", PrimOp::SymInt},
       {"prim::sym_max", PrimOp::SymMax},      {"prim::sym_min", PrimOp::SymMin},
-      {"prim::sym_not", PrimOp::SymNot},
+      {"prim::sym_not", PrimOp::SymNot},     {"prim::ceil", PrimOp::Ceil},
+      {"prim::floor", PrimOp::Floor},         {"prim::round", PrimOp::Round},
+      {"prim::abs", PrimOp::Abs},
   };
   auto it = table.find(op);
   return it == table.end() ? PrimOp::None : it->second;

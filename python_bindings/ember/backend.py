@@ -61,7 +61,6 @@ def compile_fx_graph(gm, config, kind):
         from . import _C
         from .lower import lower
 
-        config.check_passes(_C.pass_names())
         if config.debug_dir:
             os.makedirs(config.debug_dir, exist_ok=True)
             with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
@@ -83,6 +82,10 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
     """The backend torch.compile calls (registered as "ember" through the package's entry point)."""
     global _warned_reduce_overhead
     config = CompileConfig(mode, options)
+    if config.disabled_passes:  # a configuration error raises whatever the fallback setting
+        from . import _C
+
+        config.check_passes(_C.pass_names())
     if config.mode == "reduce-overhead" and not _warned_reduce_overhead:
         _warned_reduce_overhead = True
         warnings.warn("ember: mode='reduce-overhead' does not capture CUDA graphs yet; running the default plan")

@@ -38,6 +38,8 @@ _PRIMS = {
     operator.lt: "prim::lt", operator.le: "prim::le", operator.gt: "prim::gt", operator.ge: "prim::ge",
     torch.sym_float: "prim::sym_float", torch.sym_int: "prim::sym_int", torch.sym_max: "prim::sym_max",
     torch.sym_min: "prim::sym_min", torch.sym_not: "prim::sym_not",
+    math.ceil: "prim::ceil", math.floor: "prim::floor", math.trunc: "prim::sym_int", round: "prim::round",
+    int: "prim::sym_int", float: "prim::sym_float", abs: "prim::abs",
 }
 
 
@@ -172,8 +174,14 @@ class _Lowering:
         if isinstance(target, torch._ops.OpOverload):
             return self.aten(node)
         if target in _PRIMS:
+            args = node.args
+            if target is round:
+                if len(args) > 1 and args[1] is not None:
+                    raise EmberError(f"node {node.name}: round() with ndigits is not supported")
+                args = args[:1]
             self.names[node] = node.name
-            line = f"  {self.decl(node.name, self.val_of(node))} = {_PRIMS[target]}({self.call_args(node)})"
+            call = ", ".join(self.literal(a, node) for a in args)
+            line = f"  {self.decl(node.name, self.val_of(node))} = {_PRIMS[target]}({call})"
             self.lines.append(line)
             return
         raise EmberError(f"node {node.name}: unsupported call target {getattr(target, '__name__', target)}")

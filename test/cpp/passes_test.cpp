@@ -86,7 +86,8 @@ TEST(CommonSubexpressionElimination, NeverMergesRandomOrMutatedReads) {
       "  %s2: f32[4]{1}@cpu = aten::sin(%v)\n"
       "  %t1: f32[4]{1}@cpu = aten::cos(%y)\n"
       "  %t2: f32[4]{1}@cpu = aten::cos(%y)\n"
-      "  return (%r1, %r2, %s1, %s2, %t1, %t2)\n";
+      "  %u: f32[4]{1}@cpu = aten::add.Tensor(%t1, %t2)\n"
+      "  return (%r1, %r2, %s1, %s2, %u)\n";
   const std::string expected =
       "graph(%x: f32[4]{1}@cpu, %y: f32[4]{1}@cpu):\n"
       "  %r1: f32[4]{1}@cpu = aten::rand_like(%x)\n"
@@ -96,7 +97,8 @@ TEST(CommonSubexpressionElimination, NeverMergesRandomOrMutatedReads) {
       "  %w: f32[4]{1}@cpu = aten::copy_(%x, %y)\n"
       "  %s2: f32[4]{1}@cpu = aten::sin(%v)\n"
       "  %t1: f32[4]{1}@cpu = aten::cos(%y)\n"
-      "  return (%r1, %r2, %s1, %s2, %t1, %t1)\n";
+      "  %u: f32[4]{1}@cpu = aten::add.Tensor(%t1, %t1)\n"
+      "  return (%r1, %r2, %s1, %s2, %u)\n";
   EXPECT_EQ(run_pass(eliminate_common_subexpressions, in), expected);
 
   // And the numbers: s1 is sin of the old x, s2 sin of y.
@@ -107,6 +109,26 @@ TEST(CommonSubexpressionElimination, NeverMergesRandomOrMutatedReads) {
   EXPECT_TRUE(at::allclose(out[3].toTensor(), y.sin()));
   EXPECT_TRUE(at::equal(x, y));
   EXPECT_FALSE(at::equal(out[0].toTensor(), out[1].toTensor()));
+}
+
+TEST(CommonSubexpressionElimination, KeepsTwoGraphOutputsDistinct) {
+  // The caller may mutate one returned tensor; the other must not change with it.
+  const std::string in =
+      "graph(%x: f32[4]{1}@cpu):\n"
+      "  %a: f32[4]{1}@cpu = aten::clone(%x)\n"
+      "  %b: f32[4]{1}@cpu = aten::clone(%x)\n"
+      "  %c: f32[4]{1}@cpu = aten::neg(%x)\n"
+      "  %d: f32[4]{1}@cpu = aten::neg(%x)\n"
+      "  %e: f32[4]{1}@cpu = aten::mul.Tensor(%d, 2)\n"
+      "  return (%a, %b, %c, %e)\n";
+  const std::string expected =
+      "graph(%x: f32[4]{1}@cpu):\n"
+      "  %a: f32[4]{1}@cpu = aten::clone(%x)\n"
+      "  %b: f32[4]{1}@cpu = aten::clone(%x)\n"
+      "  %c: f32[4]{1}@cpu = aten::neg(%x)\n"
+      "  %e: f32[4]{1}@cpu = aten::mul.Tensor(%c, 2)\n"
+      "  return (%a, %b, %c, %e)\n";
+  EXPECT_EQ(run_pass(eliminate_common_subexpressions, in), expected);
 }
 
 TEST(PassManager, DisabledPassesAreSkippedAndResultsAgree) {

@@ -232,13 +232,13 @@ def test_disabling_fuse_gives_the_same_results(device):
 
 
 # ---------------------------------------------------------------------------------------------------
-# known fused-kernel bugs (see reasons). Only the CPU has generated kernels so far, so the xfail applies
-# to the CPU case; on other devices these groups run through ATen and must match eager.
+# regressions: each case below once gave wrong results in fused kernels (the reason says how)
 # ---------------------------------------------------------------------------------------------------
 
 
 def devices_with_cpu_bug(reason):
-    return [pytest.param("cpu", marks=pytest.mark.xfail(strict=True, reason="ember bug: " + reason)), DEVICES[1]]
+    """Every device; `reason` records the fused-kernel bug this case caught (fixed)."""
+    return DEVICES
 
 
 @pytest.mark.parametrize("device", devices_with_cpu_bug(

@@ -158,8 +158,6 @@ def test_inplace_on_module_buffer(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", ["clone", "add", "zeros_like"])
-@pytest.mark.xfail(strict=True, reason="ember bug: CSE merges equal pure ops whose results are separate graph "
-                                       "outputs, so outputs that eager returns as distinct tensors alias each other")
 def test_equal_outputs_do_not_alias(device, make):
     ops = {"clone": lambda x: x.clone(), "add": lambda x: x + 1, "zeros_like": lambda x: torch.zeros_like(x)}
 

@@ -22,7 +22,7 @@ namespace ember {
 // Runtime primitives: shape queries and SymInt arithmetic evaluated in place.
 enum class PrimOp : uint8_t {
   None, SymSize, SymStride, SymNumel, SymStorageOffset, Add, Sub, Mul, FloorDiv, Mod, TrueDiv, Neg, Pow,
-  Eq, Ne, Lt, Le, Gt, Ge, SymFloat, SymInt, SymMax, SymMin, SymNot,
+  Eq, Ne, Lt, Le, Gt, Ge, SymFloat, SymInt, SymMax, SymMin, SymNot, Ceil, Floor, Round, Abs,
 };
 
 // A list argument with some elements read from buffers (Tensor[], int[] with SymInt values, ...).
