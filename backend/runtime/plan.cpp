@@ -184,6 +184,12 @@ class PlanBuilder {
       }
       type = opt->getElementType();
     }
+    if (a.kind == Arg::Kind::None && type->kind() == c10::TypeKind::TensorType) {
+      // None for a non-optional Tensor (attn_bias of the attention backwards): Python's argument parser
+      // passes an undefined tensor, and so does ember.
+      step.stack[slot] = at::Tensor();
+      return;
+    }
     if (a.is_value()) {
       bool scalar_into_tensor = type->kind() == c10::TypeKind::TensorType && !a.value->type.is_tensor();
       (scalar_into_tensor ? step.scalar_from_buffer : step.from_buffer).emplace_back(slot, buffer_of(a.value));

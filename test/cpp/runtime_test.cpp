@@ -111,6 +111,19 @@ TEST(Runtime, IndexWithOptionalTensorListAndIndexPut) {
   EXPECT_TRUE(at::allclose(t(out[1]), at::index_put(x, idx, v, true)));
 }
 
+TEST(Runtime, NoneForANonOptionalTensorIsAnUndefinedTensor) {
+  // FX passes None for a plain Tensor argument (attn_bias of the attention backwards); Python's argument
+  // parser turns that into an undefined tensor, and the plan must bind the same.
+  auto g = compile_text(
+      "graph(%x: f32[3]{1}@cpu):\n"
+      "  %y: f32[3]{1}@cpu = aten::add.Tensor(%x, None)\n"
+      "  return (%y)\n");
+  ASSERT_EQ(g->plan().steps.size(), 1u);
+  const c10::IValue& bound = g->plan().steps[0].stack[1];
+  ASSERT_TRUE(bound.isTensor());
+  EXPECT_FALSE(bound.toTensor().defined());
+}
+
 TEST(Runtime, InputMutationAndNonContiguousInputs) {
   auto g = compile_text(
       "graph(%x: f32[5, 3]{1, 5}@cpu, %buf: f32[5, 3]{3, 1}@cpu):\n"
