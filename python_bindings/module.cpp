@@ -93,7 +93,16 @@ PYBIND11_MODULE(_C, m) {
       .def("ir", [](const CompiledGraph& g) { return print(g.graph()); })
       .def_property_readonly("num_inputs", &CompiledGraph::num_inputs)
       .def_property_readonly("num_steps", [](const CompiledGraph& g) { return g.plan().steps.size(); })
-      .def_readonly("timings", &CompiledGraph::timings);
+      .def_readonly("timings", &CompiledGraph::timings)
+      .def("steps", [](const CompiledGraph& g) {
+        // (kind, what) per step: ("kernel", description) / ("aten", op name) / ("prim", op name)
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const Step& s : g.plan().steps) {
+          if (s.kernel) out.emplace_back("kernel", s.kernel->describe());
+          else out.emplace_back(s.op ? "aten" : "prim", s.node->op);
+        }
+        return out;
+      });
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"));

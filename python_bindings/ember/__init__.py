@@ -9,7 +9,7 @@ first compile, not here.
 from .errors import EmberError
 
 __version__ = "0.1.0"
-__all__ = ["EmberError", "ember_backend", "__version__"]
+__all__ = ["EmberError", "ember_backend", "explain", "__version__"]
 
 
 def __getattr__(name):
@@ -17,4 +17,8 @@ def __getattr__(name):
         from .backend import ember_backend
 
         return ember_backend
+    if name == "explain":
+        from .report import explain
+
+        return explain
     raise AttributeError(f"module 'ember' has no attribute {name!r}")

@@ -14,6 +14,7 @@ Options (torch.compile's `options=` dict) and the environment variables that set
 
 import itertools
 import os
+import time
 import warnings
 
 from .errors import EmberError
@@ -57,6 +58,8 @@ def compile_fx_graph(gm, config, kind):
     from functorch.compile import make_boxed_func
 
     graph_name = f"g{next(_graph_ids)}_{kind}"
+    from . import report
+
     try:
         from . import _C
         from .lower import lower
@@ -65,11 +68,15 @@ def compile_fx_graph(gm, config, kind):
             os.makedirs(config.debug_dir, exist_ok=True)
             with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
                 f.write(gm.print_readable(print_output=False))
+        start = time.perf_counter()
         ir, constants = lower(gm)
+        lower_ms = (time.perf_counter() - start) * 1e3
         compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name)
         compiled._boxed_call = True
+        report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir)
         return compiled
     except Exception as e:
+        report.record_fallback(kind, str(e))
         if config.fallback == "raise":
             if isinstance(e, EmberError):
                 raise

@@ -1,0 +1,102 @@
+"""ember.explain(fn)(*args) (this module is ember.report): what ember compiled for one call, and where the compile time went.
+
+    report = ember.explain(model)(x)
+    print(report)
+
+The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels
+and the ATen ops that run one by one), the graphs that fell back to eager and why, and the compile
+time split into Dynamo + AOTAutograd tracing, lowering to IR, ember's passes, code generation and
+plan building.
+"""
+
+import collections
+import time
+
+import torch
+
+_active = []  # stack of ExplainReport being filled
+
+
+class GraphReport:
+    def __init__(self, name, kind, fx_nodes, steps, timings, lower_ms, ir):
+        self.name = name
+        self.kind = kind
+        self.fx_nodes = fx_nodes
+        self.steps = steps  # [(kind, what)]
+        self.timings = dict(timings)  # pass / codegen / plan -> ms
+        self.lower_ms = lower_ms
+        self.ir = ir
+
+    @property
+    def kernels(self):
+        return [what for kind, what in self.steps if kind == "kernel"]
+
+    @property
+    def aten_ops(self):
+        return collections.Counter(what for kind, what in self.steps if kind == "aten")
+
+
+class ExplainReport:
+    def __init__(self):
+        self.graphs = []
+        self.fallbacks = []  # (kind, reason)
+        self.total_s = 0.0
+        self.backend_s = 0.0  # inside ember's compilers
+
+    def __str__(self):
+        lines = [f"ember.explain: {len(self.graphs)} graph(s) compiled, {len(self.fallbacks)} fell back to eager"]
+        for g in self.graphs:
+            aten = g.aten_ops
+            lines.append(f"- {g.name}: {g.fx_nodes} FX nodes -> {len(g.steps)} steps: {len(g.kernels)} fused kernel(s), "
+                         f"{sum(aten.values())} ATen call(s)")
+            for k in g.kernels:
+                lines.append(f"    kernel  {k}")
+            if aten:
+                lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
+        for kind, reason in self.fallbacks:
+            lines.append(f"- {kind} graph ran eagerly: {reason}")
+        passes = collections.defaultdict(float)
+        lower = 0.0
+        for g in self.graphs:
+            lower += g.lower_ms
+            for k, v in g.timings.items():
+                passes[k] += v
+        ember_ms = lower + sum(passes.values())
+        trace_ms = max(self.total_s * 1e3 - ember_ms, 0.0)
+        lines.append(f"compile time: {self.total_s * 1e3:.1f} ms in all = Dynamo + AOTAutograd tracing {trace_ms:.1f} ms, "
+                     f"lowering {lower:.1f} ms, " + ", ".join(f"{k} {v:.1f} ms" for k, v in passes.items()))
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def record_graph(name, kind, gm, compiled, lower_ms, ir):
+    if _active:
+        fx_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        _active[-1].graphs.append(GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir))
+
+
+def record_fallback(kind, reason):
+    if _active:
+        _active[-1].fallbacks.append((kind, reason))
+
+
+def explain(fn, *, mode=None, options=None, dynamic=None):
+    """Returns a function that compiles `fn` with ember afresh, calls it once and returns the report."""
+
+    def run(*args, **kwargs):
+        report = ExplainReport()
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="ember", mode=mode, options=options, dynamic=dynamic)
+        _active.append(report)
+        start = time.perf_counter()
+        try:
+            compiled(*args, **kwargs)
+        finally:
+            report.total_s = time.perf_counter() - start
+            _active.pop()
+            torch._dynamo.reset()
+        return report
+
+    return run
+
