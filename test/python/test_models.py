@@ -121,7 +121,10 @@ def test_resnet18(device):
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.resnet18(weights=None, num_classes=10).to(device)
-    x = torch.randn(2, 3, 64, 64, device=device)
+    # Batch 8: with batch 2 the last BatchNorms normalize 8 values per channel and AOTAutograd's own
+    # decompositions (aot_eager, inductor and ember alike) move conv1's gradient by 1.6e-2 of its
+    # largest entry on an H200; at batch 8 all three agree with eager to ~5e-6 (bench/grad_sensitivity.py).
+    x = torch.randn(8, 3, 64, 64, device=device)
     tol = dict(atol=1e-3, rtol=1e-3)
     model.eval()
     with torch.no_grad():
