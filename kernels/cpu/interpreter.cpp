@@ -11,6 +11,7 @@
 // Contiguous float32 inputs are read in place; other dtypes, strides and broadcasts are gathered.
 // Tiles run in parallel with at::parallel_for.
 #include "kernels/cpu/cpu_kernel.h"
+#include "kernels/iteration_space.h"
 
 #include "ember/error.h"
 
@@ -227,14 +228,7 @@ class FusedCpuKernel final : public Kernel {
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
     const size_t n_in = p_.inputs.size();
-    // The full shape: the broadcast of every input read in full.
-    std::vector<int64_t> full;
-    for (size_t i = 0; i < n_in; ++i) {
-      if (p_.inputs[i].row) continue;
-      const at::Tensor& t = buffers[reads[i]].toTensor();
-      broadcast_into(full, t.sizes());
-    }
-    if (full.size() < p_.rank) full.insert(full.begin(), p_.rank - full.size(), 1);
+    std::vector<int64_t> full = full_shape(p_, buffers, reads);
     if (full.size() > static_cast<size_t>(kMaxRank)) throw Error("fused CPU kernel: rank above 12");
     int64_t numel = 1;
     for (int64_t s : full) numel *= s;
@@ -252,14 +246,8 @@ class FusedCpuKernel final : public Kernel {
     }
     std::vector<at::Tensor> outs;
     outs.reserve(p_.outputs.size());
-    for (size_t o = 0; o < p_.outputs.size(); ++o) {
-      std::vector<int64_t> shape = full;
-      if (p_.outputs[o].row) {
-        shape = row_shape;
-        if (p_.outputs[o].keepdim) shape.push_back(1);
-      }
-      outs.push_back(at::empty(shape, at::TensorOptions().dtype(out_dtypes_[o])));
-    }
+    for (size_t o = 0; o < p_.outputs.size(); ++o)
+      outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction), at::TensorOptions().dtype(out_dtypes_[o])));
 
     if (numel > 0 || (p_.has_reduction && rows > 0)) {
       if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
@@ -269,29 +257,13 @@ class FusedCpuKernel final : public Kernel {
   }
 
  private:
-  static void broadcast_into(std::vector<int64_t>& shape, at::IntArrayRef sizes) {
-    if (sizes.size() > shape.size()) shape.insert(shape.begin(), sizes.size() - shape.size(), 1);
-    size_t off = shape.size() - sizes.size();
-    for (size_t d = 0; d < sizes.size(); ++d) {
-      int64_t& s = shape[off + d];
-      if (s == 1) s = sizes[d];
-      else if (sizes[d] != 1 && sizes[d] != s) throw Error("fused CPU kernel: inputs do not broadcast");
-    }
-  }
-
   // Aligns `t` to `space` (trailing dimensions; a keepdim [..., 1] row input drops its last dim).
   static View make_view(const at::Tensor& t, const std::vector<int64_t>& space, int64_t full_numel) {
     View v;
     v.data = static_cast<const char*>(t.data_ptr());
     v.dtype = t.scalar_type();
     v.itemsize = t.element_size();
-    int64_t rank = t.dim();
-    if (rank > static_cast<int64_t>(space.size())) rank = static_cast<int64_t>(space.size());  // keepdim row input
-    int64_t off = static_cast<int64_t>(space.size()) - rank;
-    for (int64_t d = 0; d < rank; ++d) {
-      int64_t size = t.size(d);
-      v.strides[off + d] = size == 1 && space[off + d] != 1 ? 0 : t.stride(d);
-    }
+    aligned_strides(t, space, v.strides);
     v.dense = t.is_contiguous() && t.numel() == full_numel && t.dim() >= 0 && static_cast<int64_t>(space.size()) == t.dim();
     return v;
   }

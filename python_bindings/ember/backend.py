@@ -53,6 +53,20 @@ class CompileConfig:
             raise EmberError(f"unknown pass(es) {unknown} in disable_passes; ember's passes: {', '.join(known)}")
 
 
+def _hint_nvrtc():
+    """Points ember at the NVRTC that torch's CUDA wheels install, unless EMBER_NVRTC_PATH is set."""
+    if os.environ.get("EMBER_NVRTC_PATH"):
+        return
+    import glob
+
+    import torch
+
+    root = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
+    found = sorted(glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True))
+    if found:
+        os.environ["EMBER_NVRTC_PATH"] = os.path.realpath(found[-1])
+
+
 def compile_fx_graph(gm, config, kind):
     """Lowers and compiles one AOTAutograd graph; returns a boxed callable."""
     from functorch.compile import make_boxed_func
@@ -68,6 +82,8 @@ def compile_fx_graph(gm, config, kind):
             os.makedirs(config.debug_dir, exist_ok=True)
             with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
                 f.write(gm.print_readable(print_output=False))
+        if any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes):
+            _hint_nvrtc()
         start = time.perf_counter()
         ir, constants = lower(gm)
         lower_ms = (time.perf_counter() - start) * 1e3

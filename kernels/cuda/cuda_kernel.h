@@ -1,0 +1,19 @@
+// The CUDA kernel generator: a fusion group's Program becomes CUDA C++ compiled with NVRTC.
+#pragma once
+
+#include "ember/runtime.h"
+#include "kernels/program.h"
+
+#include <memory>
+#include <string>
+
+namespace ember::cuda {
+
+// The CUDA C++ source of `program`, with one kernel named `name`.
+std::string generate_source(const Program& program, const std::string& name);
+
+// Compiles the group's kernel now (so the first call does not wait later). Null, with the reason,
+// where the CUDA driver or NVRTC cannot be loaded; the source is appended to *listing.
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not);
+
+}  // namespace ember::cuda

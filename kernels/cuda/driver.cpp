@@ -1,0 +1,182 @@
+// NVRTC and the CUDA driver API, loaded on first use with dlopen: ember needs no CUDA headers or
+// libraries at build time, and a CPU-only process never touches them. The torch wheel does not ship
+// ATen's NVRTC stub, so ember resolves the few entry points it uses itself.
+//
+// Compiled modules are cached in the process by (source, architecture): identical groups compile once.
+#include "kernels/cuda/driver.h"
+
+#include "ember/error.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <unordered_map>
+
+namespace ember::cuda {
+namespace {
+
+using CUresult = int;
+using nvrtcResult = int;
+using nvrtcProgram = void*;
+constexpr int kComputeCapabilityMajor = 75;
+constexpr int kComputeCapabilityMinor = 76;
+
+struct Api {
+  // driver
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuDeviceGet)(int*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, int, int);
+  CUresult (*cuCtxGetCurrent)(void**);
+  CUresult (*cuCtxSetCurrent)(void*);
+  CUresult (*cuDevicePrimaryCtxRetain)(void**, int);
+  CUresult (*cuModuleLoadData)(void**, const void*);
+  CUresult (*cuModuleGetFunction)(void**, void*, const char*);
+  CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
+                             void**, void**);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  // nvrtc
+  nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
+                                    const char* const*);
+  nvrtcResult (*nvrtcCompileProgram)(nvrtcProgram, int, const char* const*);
+  nvrtcResult (*nvrtcGetProgramLogSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetProgramLog)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcGetCUBINSize)(nvrtcProgram, size_t*);
+  nvrtcResult (*nvrtcGetCUBIN)(nvrtcProgram, char*);
+  nvrtcResult (*nvrtcDestroyProgram)(nvrtcProgram*);
+  const char* (*nvrtcGetErrorString)(nvrtcResult);
+};
+
+void* open_first(const std::vector<std::string>& names, std::string* tried) {
+  for (const std::string& n : names) {
+    if (n.empty()) continue;
+    if (void* h = dlopen(n.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
+    *tried += " " + n;
+  }
+  return nullptr;
+}
+
+template <class F>
+void bind(void* lib, const char* name, F*& fn) {
+  fn = reinterpret_cast<F*>(dlsym(lib, name));
+  if (!fn) throw Error(std::string("CUDA: symbol ") + name + " not found");
+}
+
+const Api& api() {
+  static std::once_flag once;
+  static Api a;
+  static std::string failure;
+  std::call_once(once, [] {
+    try {
+      std::string tried;
+      void* driver = open_first({"libcuda.so.1", "libcuda.so"}, &tried);
+      if (!driver) throw Error("CUDA driver library not found (tried" + tried + ")");
+      const char* hint = std::getenv("EMBER_NVRTC_PATH");
+      void* nvrtc = open_first({hint ? hint : "", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
+      if (!nvrtc) throw Error("NVRTC not found (tried" + tried + "); set EMBER_NVRTC_PATH");
+      bind(driver, "cuInit", a.cuInit);
+      bind(driver, "cuDeviceGet", a.cuDeviceGet);
+      bind(driver, "cuDeviceGetAttribute", a.cuDeviceGetAttribute);
+      bind(driver, "cuCtxGetCurrent", a.cuCtxGetCurrent);
+      bind(driver, "cuCtxSetCurrent", a.cuCtxSetCurrent);
+      bind(driver, "cuDevicePrimaryCtxRetain", a.cuDevicePrimaryCtxRetain);
+      bind(driver, "cuModuleLoadData", a.cuModuleLoadData);
+      bind(driver, "cuModuleGetFunction", a.cuModuleGetFunction);
+      bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
+      bind(driver, "cuGetErrorString", a.cuGetErrorString);
+      bind(nvrtc, "nvrtcCreateProgram", a.nvrtcCreateProgram);
+      bind(nvrtc, "nvrtcCompileProgram", a.nvrtcCompileProgram);
+      bind(nvrtc, "nvrtcGetProgramLogSize", a.nvrtcGetProgramLogSize);
+      bind(nvrtc, "nvrtcGetProgramLog", a.nvrtcGetProgramLog);
+      bind(nvrtc, "nvrtcGetCUBINSize", a.nvrtcGetCUBINSize);
+      bind(nvrtc, "nvrtcGetCUBIN", a.nvrtcGetCUBIN);
+      bind(nvrtc, "nvrtcDestroyProgram", a.nvrtcDestroyProgram);
+      bind(nvrtc, "nvrtcGetErrorString", a.nvrtcGetErrorString);
+      if (a.cuInit(0) != 0) throw Error("cuInit failed");
+    } catch (const Error& e) {
+      failure = e.what();
+    }
+  });
+  if (!failure.empty()) throw Error(failure);
+  return a;
+}
+
+void check(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* msg = nullptr;
+  api().cuGetErrorString(r, &msg);
+  throw Error(std::string("CUDA ") + what + " failed: " + (msg ? msg : std::to_string(r)));
+}
+
+// Makes the device's primary context current on this thread (the one the CUDA runtime and ATen use).
+void make_current(int device) {
+  const Api& a = api();
+  void* ctx = nullptr;
+  check(a.cuCtxGetCurrent(&ctx), "cuCtxGetCurrent");
+  if (ctx) return;
+  int dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+}
+
+}  // namespace
+
+bool available(std::string* why_not) {
+  try {
+    api();
+    return true;
+  } catch (const Error& e) {
+    if (why_not) *why_not = e.what();
+    return false;
+  }
+}
+
+void* compile(const std::string& source, const std::string& name, int device) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, void*> cache;
+  const Api& a = api();
+  make_current(device);
+  int major = 0, minor = 0;
+  int dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(a.cuDeviceGetAttribute(&major, kComputeCapabilityMajor, dev), "cuDeviceGetAttribute");
+  check(a.cuDeviceGetAttribute(&minor, kComputeCapabilityMinor, dev), "cuDeviceGetAttribute");
+  std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
+  std::string key = arch + "\n" + source;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) return it->second;
+
+  nvrtcProgram prog = nullptr;
+  if (a.nvrtcCreateProgram(&prog, source.c_str(), (name + ".cu").c_str(), 0, nullptr, nullptr) != 0)
+    throw Error("NVRTC: cannot create program " + name);
+  const char* options[] = {arch.c_str(), "--std=c++17"};
+  nvrtcResult r = a.nvrtcCompileProgram(prog, 2, options);
+  if (r != 0) {
+    size_t n = 0;
+    a.nvrtcGetProgramLogSize(prog, &n);
+    std::string log(n, '\0');
+    a.nvrtcGetProgramLog(prog, log.data());
+    a.nvrtcDestroyProgram(&prog);
+    throw Error("NVRTC failed to compile " + name + ": " + a.nvrtcGetErrorString(r) + "\n" + log);
+  }
+  size_t size = 0;
+  a.nvrtcGetCUBINSize(prog, &size);
+  std::string cubin(size, '\0');
+  a.nvrtcGetCUBIN(prog, cubin.data());
+  a.nvrtcDestroyProgram(&prog);
+  void* module = nullptr;
+  void* function = nullptr;
+  check(a.cuModuleLoadData(&module, cubin.data()), "cuModuleLoadData");
+  check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
+  cache.emplace(key, function);
+  return function;
+}
+
+void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {
+  make_current(device);
+  void* args[] = {params};
+  check(api().cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0, stream, args, nullptr), "cuLaunchKernel");
+}
+
+}  // namespace ember::cuda
