@@ -21,7 +21,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <cstring>
-#include <sstream>
 
 namespace ember::cuda {
 namespace {
@@ -107,12 +106,23 @@ std::string float_literal(float f) {
   return s;
 }
 
+// A string builder with stream syntax. iostreams are avoided on purpose: formatting integers through
+// std::ostringstream crashed inside the Python process on the GPU machine (locale facets), while the
+// same code ran in the C++ test binary.
+struct Source {
+  std::string s;
+  Source& operator<<(const std::string& x) { s += x; return *this; }
+  Source& operator<<(const char* x) { s += x; return *this; }
+  Source& operator<<(size_t n) { s += std::to_string(n); return *this; }
+  Source& operator<<(int n) { s += std::to_string(n); return *this; }
+};
+
 class Printer {
  public:
   explicit Printer(const Program& p) : p_(p) {}
 
   std::string source(const std::string& name) {
-    std::ostringstream o;
+    Source o;
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
       << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; float scalar[" << ns() << "]; };\n";
@@ -120,7 +130,7 @@ class Printer {
     if (p_.has_reduction) rows(o);
     else flat(o);
     o << "}\n";
-    return o.str();
+    return o.s;
   }
 
  private:
@@ -186,7 +196,7 @@ class Printer {
     throw Error(std::string("CUDA codegen: no expression for ") + opcode_name(i.op));
   }
 
-  void flat(std::ostringstream& o) {
+  void flat(Source& o) {
     size_t r = p_.rank;
     o << "  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.numel; i += (i64)gridDim.x * blockDim.x) {\n";
     o << "    i64 rest = i;\n";
@@ -205,7 +215,7 @@ class Printer {
   }
 
   // The elementwise values at column `col`: full inputs, then every full instruction before `end`.
-  void column_body(std::ostringstream& o, size_t end, const char* indent) {
+  void column_body(Source& o, size_t end, const char* indent) {
     size_t lead = p_.rank - 1;
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
       if (p_.inputs[k].row) continue;
@@ -219,7 +229,7 @@ class Printer {
     }
   }
 
-  void rows(std::ostringstream& o) {
+  void rows(Source& o) {
     size_t lead = p_.rank - 1;
     o << "  __shared__ float shared[32];\n";
     o << "  for (i64 row = blockIdx.x; row < p.rows; row += gridDim.x) {\n";
