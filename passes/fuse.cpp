@@ -155,7 +155,9 @@ class Fuser {
     n.for_each_input([&](const Value* v) {
       if (!v->type.is_tensor()) return;
       if (!fusible_input_dtype(v->type.tensor.dtype)) ok = false;
-      if (v->type.tensor.device != device && !v->type.tensor.sizes.empty()) ok = false;
+      // Every tensor on the group's device: a CPU 0-dim tensor beside CUDA ones would hand a host pointer
+      // to a GPU kernel.
+      if (v->type.tensor.device != device) ok = false;
     });
     if (!ok) return false;
     if (n.op == "aten::_to_copy") {
@@ -189,7 +191,7 @@ class Fuser {
   }
 
   bool fits(const Node& n, const Group& g, bool reduction) const {
-    if (n.outputs[0]->type.tensor.device != g.device) return false;
+    if (n.outputs[0]->type.tensor.device != g.device) return false;  // (inputs were checked in eligible)
     const std::vector<Dim>& space = space_of(n, reduction);
     bool full = same_dims(space, g.full);
     bool row = !reduction && g.has_reduction && !g.full.empty() &&

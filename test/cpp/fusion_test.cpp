@@ -81,6 +81,23 @@ TEST(FusePass, BoundariesAtViewsExternOpsNonLastReductionsAndLateInputs) {
   EXPECT_EQ(print(parse(expected)), expected);  // group marks round-trip
 }
 
+TEST(FusePass, TensorsFromAnotherDeviceKeepNodesOut) {
+  const std::string in =
+      "graph(%x: f32[5]{1}@cuda:0, %c: f32[]{}@cpu):\n"
+      "  %a: f32[5]{1}@cuda:0 = aten::mul.Tensor(%x, %c)\n"
+      "  %b: f32[5]{1}@cuda:0 = aten::exp(%a)\n"
+      "  %d: f32[5]{1}@cuda:0 = aten::sin(%b)\n"
+      "  return (%d)\n";
+  // %a reads a CPU tensor: it stays with ATen; %b and %d fuse.
+  const std::string expected =
+      "graph(%x: f32[5]{1}@cuda:0, %c: f32[]{}@cpu):\n"
+      "  %a: f32[5]{1}@cuda:0 = aten::mul.Tensor(%x, %c)\n"
+      "  %b: f32[5]{1}@cuda:0 = aten::exp(%a) #0\n"
+      "  %d: f32[5]{1}@cuda:0 = aten::sin(%b) #0\n"
+      "  return (%d)\n";
+  EXPECT_EQ(fuse_text(in), expected);
+}
+
 TEST(FusePass, IntegerAndDoubleOutputsAreNotFused) {
   const std::string in =
       "graph(%x: i64[5]{1}@cpu, %y: f64[5]{1}@cpu):\n"
