@@ -7,34 +7,70 @@
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/program.h"
 
+#include <algorithm>
+#include <atomic>
 #include <set>
+#include <thread>
 
 namespace ember {
 
+namespace {
+
+// Runs make(i) for i in [0, n) on up to hardware_concurrency threads: NVRTC compiles of distinct groups
+// overlap instead of queueing (the CPU generator is cheap and gains nothing, but shares the path).
+template <class F>
+void parallel_for_each(size_t n, F make) {
+  size_t workers = std::min<size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  if (workers <= 1) {
+    for (size_t i = 0; i < n; ++i) make(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> threads;
+  for (size_t w = 0; w < workers; ++w)
+    threads.emplace_back([&] {
+      for (size_t i = next++; i < n; i = next++) make(i);
+    });
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+
 std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const CompileOptions& options,
                                                       std::string* listing, std::string* declined) {
-  std::unordered_map<int, GroupKernel> kernels;
-  std::set<int> groups;
+  std::set<int> ids;
   for (const auto& n : graph.nodes())
-    if (n->group >= 0) groups.insert(n->group);
-  for (int g : groups) {
-    std::string why;
-    std::optional<Program> program = lower_group(graph, g, &why);
-    if (program) {
-      if (listing) *listing += program->text();
-      GroupKernel gk;
-      for (const ProgramInput& in : program->inputs) gk.reads.push_back(in.value);
-      for (const Value* s : program->scalars) gk.reads.push_back(s);
-      for (const ProgramOutput& o : program->outputs) gk.writes.push_back(o.value);
-      if (program->device.is_cpu()) gk.kernel = cpu::make_fused_kernel(std::move(*program), &why);
-      else if (program->device.is_cuda()) gk.kernel = cuda::make_fused_kernel(std::move(*program), listing, &why);
-      else why = "no kernel generator for " + program->device.str();
-      if (gk.kernel) {
-        kernels.emplace(g, std::move(gk));
-        continue;
-      }
+    if (n->group >= 0) ids.insert(n->group);
+  std::vector<int> groups(ids.begin(), ids.end());
+
+  struct Result {
+    GroupKernel kernel;
+    std::string listing, why;
+  };
+  std::vector<Result> results(groups.size());
+  parallel_for_each(groups.size(), [&](size_t i) {
+    Result& r = results[i];
+    try {
+      std::optional<Program> program = lower_group(graph, groups[i], &r.why);
+      if (!program) return;
+      r.listing = program->text();
+      for (const ProgramInput& in : program->inputs) r.kernel.reads.push_back(in.value);
+      for (const Value* s : program->scalars) r.kernel.reads.push_back(s);
+      for (const ProgramOutput& o : program->outputs) r.kernel.writes.push_back(o.value);
+      if (program->device.is_cpu()) r.kernel.kernel = cpu::make_fused_kernel(std::move(*program), &r.why);
+      else if (program->device.is_cuda()) r.kernel.kernel = cuda::make_fused_kernel(std::move(*program), &r.listing, &r.why);
+      else r.why = "no kernel generator for " + program->device.str();
+    } catch (const std::exception& e) {
+      r.why = e.what();  // e.g. NVRTC rejected the source: the group runs in ATen
+      r.kernel.kernel = nullptr;
     }
-    if (declined) *declined += "group " + std::to_string(g) + ": " + why + "\n";
+  });
+
+  std::unordered_map<int, GroupKernel> kernels;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    if (listing) *listing += results[i].listing;
+    if (results[i].kernel.kernel) kernels.emplace(groups[i], std::move(results[i].kernel));
+    else if (declined) *declined += "group " + std::to_string(groups[i]) + ": " + results[i].why + "\n";
   }
   return kernels;
 }

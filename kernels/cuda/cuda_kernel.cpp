@@ -287,7 +287,7 @@ class FusedCudaKernel final : public Kernel {
   }
 
   std::string describe() const override {
-    return "cuda fused group " + std::to_string(p_.group) + " (" + name_ + ", " + std::to_string(p_.code.size()) +
+    return "cuda fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) +
            " instructions" + (p_.has_reduction ? ", row reductions" : "") + ")";
   }
 
@@ -367,9 +367,11 @@ std::string generate_source(const Program& program, const std::string& name) { r
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not) {
   if (!available(why_not)) return nullptr;
   int device = program.device.has_index() ? program.device.index() : 0;
-  std::string name = "ember_group" + std::to_string(program.group);
+  // One name for every kernel: the source then depends on the program alone, so identical groups (a
+  // transformer's repeated layers) share one compiled module.
+  std::string name = "ember_fused";
   std::string source = generate_source(program, name);
-  if (listing) *listing += "// " + name + "\n" + source + "\n";
+  if (listing) *listing += "// group " + std::to_string(program.group) + "\n" + source + "\n";
   void* function = compile(source, name, device);
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(name), function, device);
 }

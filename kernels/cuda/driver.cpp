@@ -2,7 +2,8 @@
 // libraries at build time, and a CPU-only process never touches them. The torch wheel does not ship
 // ATen's NVRTC stub, so ember resolves the few entry points it uses itself.
 //
-// Compiled modules are cached in the process by (source, architecture): identical groups compile once.
+// Compiled modules are cached in the process by (source, architecture): identical groups compile once,
+// and distinct ones compile concurrently.
 #include "kernels/cuda/driver.h"
 
 #include "ember/error.h"
@@ -144,9 +145,11 @@ void* compile(const std::string& source, const std::string& name, int device) {
   check(a.cuDeviceGetAttribute(&minor, kComputeCapabilityMinor, dev), "cuDeviceGetAttribute");
   std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
   std::string key = arch + "\n" + source;
-  std::lock_guard<std::mutex> lock(mu);
-  if (auto it = cache.find(key); it != cache.end()) return it->second;
-
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  // NVRTC runs outside the lock, so several groups compile at once (generate.cpp starts them in parallel).
   nvrtcProgram prog = nullptr;
   if (a.nvrtcCreateProgram(&prog, source.c_str(), (name + ".cu").c_str(), 0, nullptr, nullptr) != 0)
     throw Error("NVRTC: cannot create program " + name);
@@ -169,8 +172,8 @@ void* compile(const std::string& source, const std::string& name, int device) {
   void* function = nullptr;
   check(a.cuModuleLoadData(&module, cubin.data()), "cuModuleLoadData");
   check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
-  cache.emplace(key, function);
-  return function;
+  std::lock_guard<std::mutex> lock(mu);
+  return cache.emplace(key, function).first->second;  // a racing compile of the same source keeps the first
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {
