@@ -22,6 +22,17 @@ std::vector<int64_t> full_shape(const Program& p, const std::vector<c10::IValue>
   return shape;
 }
 
+IterationSpace iteration_space(const Program& p, const std::vector<c10::IValue>& buffers,
+                               const std::vector<uint32_t>& reads) {
+  IterationSpace s;
+  s.full = full_shape(p, buffers, reads);
+  for (int64_t d : s.full) s.numel *= d;
+  s.cols = p.has_reduction ? s.full.back() : s.numel;
+  s.row_shape.assign(s.full.begin(), s.full.end() - (p.has_reduction ? 1 : 0));
+  for (int64_t d : s.row_shape) s.rows *= d;
+  return s;
+}
+
 void aligned_strides(const at::Tensor& t, const std::vector<int64_t>& space, int64_t* out) {
   int64_t rank = std::min<int64_t>(t.dim(), static_cast<int64_t>(space.size()));
   int64_t off = static_cast<int64_t>(space.size()) - rank;

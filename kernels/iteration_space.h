@@ -17,6 +17,16 @@ namespace ember {
 std::vector<int64_t> full_shape(const Program& program, const std::vector<c10::IValue>& buffers,
                                 const std::vector<uint32_t>& reads);
 
+// One call's iteration space: the full shape; for groups with reductions, rows (the full shape without
+// its last dimension) of `cols` elements; for flat groups one row of all `numel` elements.
+struct IterationSpace {
+  std::vector<int64_t> full;
+  std::vector<int64_t> row_shape;
+  int64_t numel = 1, rows = 1, cols = 1;
+};
+IterationSpace iteration_space(const Program& program, const std::vector<c10::IValue>& buffers,
+                               const std::vector<uint32_t>& reads);
+
 // Strides of `t` aligned to the trailing dimensions of `space` (a keepdim [..., 1] row input drops
 // its last dimension); 0 where `t` broadcasts. `out` gets space.size() entries.
 void aligned_strides(const at::Tensor& t, const std::vector<int64_t>& space, int64_t* out);

@@ -228,14 +228,11 @@ class FusedCpuKernel final : public Kernel {
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
     const size_t n_in = p_.inputs.size();
-    std::vector<int64_t> full = full_shape(p_, buffers, reads);
+    const IterationSpace space = iteration_space(p_, buffers, reads);
+    const std::vector<int64_t>& full = space.full;
+    const std::vector<int64_t>& row_shape = space.row_shape;
+    const int64_t numel = space.numel, rows = space.rows, cols = space.cols;
     if (full.size() > static_cast<size_t>(kMaxRank)) throw Error("fused CPU kernel: rank above 12");
-    int64_t numel = 1;
-    for (int64_t s : full) numel *= s;
-    const int64_t cols = p_.has_reduction ? full.back() : numel;
-    std::vector<int64_t> row_shape(full.begin(), full.end() - (p_.has_reduction ? 1 : 0));
-    int64_t rows = 1;
-    for (int64_t s : row_shape) rows *= s;
 
     std::vector<View> views(n_in);
     for (size_t i = 0; i < n_in; ++i) views[i] = make_view(buffers[reads[i]].toTensor(), p_.inputs[i].row ? row_shape : full, numel);

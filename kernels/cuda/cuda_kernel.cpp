@@ -294,13 +294,10 @@ class FusedCudaKernel final : public Kernel {
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
     const size_t ni = p_.inputs.size(), no = p_.outputs.size(), rank = std::max<size_t>(p_.rank, 1);
-    std::vector<int64_t> full = full_shape(p_, buffers, reads);
-    int64_t numel = 1;
-    for (int64_t s : full) numel *= s;
-    const int64_t cols = p_.has_reduction ? full.back() : numel;
-    std::vector<int64_t> row_shape(full.begin(), full.end() - (p_.has_reduction ? 1 : 0));
-    int64_t rows = 1;
-    for (int64_t s : row_shape) rows *= s;
+    const IterationSpace space = iteration_space(p_, buffers, reads);
+    const std::vector<int64_t>& full = space.full;
+    const std::vector<int64_t>& row_shape = space.row_shape;
+    const int64_t numel = space.numel, rows = space.rows, cols = space.cols;
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
 
