@@ -2,7 +2,7 @@
 # One call on the GPU machine (device tool): build, C++ tests, pytest, benchmarks; logs under $OUT.
 # GoogleTest travels as Debian's .deb in .carry/ (the machine has no registries):
 #   mkdir -p .carry && (cd .carry && apt-get download libgtest-dev)   # here, once
-# then run with carry=[".carry"]:  bash .ci/gpu_check.sh [pytest args]
+# then run with carry=[".carry"]:  bash .ci/gpu_check.sh [pytest args; default: every test]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/ember_out}
@@ -16,7 +16,7 @@ start=$(date +%s)
 bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 ./build/py/test/cpp/ember_tests --gtest_brief=1 2>&1 | tee "$OUT/gtest.log" | tail -3
-(cd test/python && python3 -m pytest -q -rs -p no:cacheprovider "$@" . 2>&1) | tee "$OUT/pytest.log" | tail -25
+(cd test/python && python3 -m pytest -q -rs -p no:cacheprovider "${@:-.}" 2>&1) | tee "$OUT/pytest.log" | tail -25
 for script in ${EMBER_GPU_BENCH:-}; do
   echo "== $script"
   timeout 300 python3 $script 2>&1 | tee -a "$OUT/bench.log" | tail -40

@@ -38,7 +38,7 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKENDS = ("eager", "inductor", "ember")
+BACKENDS = ("eager", "inductor", "ember", "inductor-ro", "ember-ro")  # -ro: mode="reduce-overhead" (CUDA graphs)
 EMBER_OPTIONS = {"fallback": "raise"}
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -185,6 +185,45 @@ def build_mlp_train(device):
     return train_step, (torch.randn(64, 512, device=device), torch.randint(0, 10, (64,), device=device))
 
 
+def training_step(model, loss_fn):
+    """A compiled-whole training step: zero the grads, forward, loss, backward; returns the loss and grads."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def train_step(*inputs):
+        for p in params:
+            p.grad = None
+        loss = loss_fn(model, *inputs)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in params]
+
+    return train_step
+
+
+@workload("resnet18_train_b8", "torchvision resnet18 training step: cross-entropy forward + backward, 8x3x224x224",
+          cpu_shape="torchvision resnet18 training step, 2x3x224x224", needs=("torchvision",), training=True)
+def build_resnet18_train(device):
+    import torchvision
+
+    batch = 2 if device == "cpu" else 8
+    model = torchvision.models.resnet18(weights=None).to(device)
+    step = training_step(model, lambda m, x, t: F.cross_entropy(m(x), t))
+    return step, (torch.randn(batch, 3, 224, 224, device=device), torch.randint(0, 1000, (batch,), device=device))
+
+
+@workload("bert_train_b8_s128", "BertModel training step (dropout off): mean(last_hidden_state) backward, input_ids 8x128",
+          cpu_shape="BertModel training step (dropout off), input_ids 1x64", needs=("transformers",), training=True)
+def build_bert_train(device):
+    from transformers import BertConfig, BertModel
+
+    # Dropout off: the error against eager must mean something.
+    config = BertConfig(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batch, seq = (1, 64) if device == "cpu" else (8, 128)
+    model = BertModel(config).to(device)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    step = training_step(model, lambda m, i: m(i).last_hidden_state.float().pow(2).mean())
+    return step, (ids,)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Measuring
 # ----------------------------------------------------------------------------------------------------------
@@ -266,7 +305,17 @@ def compile_with(model, backend):
         return torch.compile(model, backend="inductor")
     if backend == "ember":
         return torch.compile(model, backend="ember", options=EMBER_OPTIONS)
+    if backend == "inductor-ro":
+        return torch.compile(model, backend="inductor", mode="reduce-overhead")
+    if backend == "ember-ro":  # what mode="reduce-overhead" selects, with fallback="raise" (mode and options exclude each other)
+        return torch.compile(model, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True})
     raise ValueError(f"unknown backend {backend!r}")
+
+
+def before_call(backend):
+    """A new iteration for the CUDA graph backends: what training loops under reduce-overhead do."""
+    if backend.endswith("-ro"):
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 def error_text(e):
@@ -317,6 +366,7 @@ def run_workload(w, device, backends, repeat, warmup):
         try:
             with grad_mode():
                 fn = compile_with(model, backend)
+                before_call(backend)
                 row["first_call_s"], out = timed_call(fn, inputs, device)
                 out = snapshot(out)
             if backend == "eager":
@@ -337,6 +387,7 @@ def run_workload(w, device, backends, repeat, warmup):
             try:
                 fn = compile_with(model, backend)
                 for _ in range(warmup):
+                    before_call(backend)
                     fn(*inputs)
                 fns[backend], samples[backend] = fn, []
             except Exception as e:
@@ -344,6 +395,7 @@ def run_workload(w, device, backends, repeat, warmup):
         for _ in range(repeat):
             for backend, fn in list(fns.items()):
                 try:
+                    before_call(backend)
                     samples[backend].append(timed_call(fn, inputs, device)[0])
                 except Exception as e:
                     rows[backend]["error"] = "during timing: " + error_text(e)
@@ -368,17 +420,17 @@ def fmt(value, spec, width):
 
 
 def print_table(results):
-    header = (f"{'workload':<20} {'backend':<9} {'first call s':>12} {'latency ms':>11} {'speedup':>8} "
+    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'latency ms':>11} {'speedup':>8} "
               f"{'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
-            print(f"{r['workload']:<20} {'':<9} {'':>12} {'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
+            print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
             speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
-            print(f"{r['workload']:<20} {backend:<9} {fmt(row.get('first_call_s'), '.3f', 12)} "
+            print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} "
                   f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
@@ -419,6 +471,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls after the first, before timing")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/harness_<device>.json)")
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile(backend='inductor')")
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated: default, reduce-overhead (default: both on CUDA, default on the CPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     args = parser.parse_args(argv)
@@ -438,7 +492,10 @@ def main(argv=None):
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
-    backends = [b for b in BACKENDS if not (b == "inductor" and args.no_inductor)]
+    modes = (args.modes or ("default,reduce-overhead" if args.device == "cuda" else "default")).split(",")
+    backends = [b for b in BACKENDS
+                if not (b.startswith("inductor") and args.no_inductor)
+                and (b == "eager" or ("reduce-overhead" if b.endswith("-ro") else "default") in modes)]
 
     torch._dynamo.config.suppress_errors = False  # a failing backend must raise, never fall back to eager
     made_cache_dir = disable_inductor_caches()

@@ -4,10 +4,12 @@
 // function that unpacks the boxed argument list (tensors by pointer, no copies), clears the list so
 // inputs can be freed early, runs the plan with the GIL released and wraps the results.
 #include "ember/compiler.h"
+#include "ember/cudagraph.h"
 #include "ember/error.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 namespace py = pybind11;
@@ -50,8 +52,16 @@ py::list call(CompiledGraph& graph, py::handle args) {
   }
   std::vector<c10::IValue> outputs;
   {
-    py::gil_scoped_release no_gil;
-    outputs = graph.run(std::move(inputs));
+    // Warnings raised while running (the CUDA graph runner's, ATen's) reach Python's warnings module,
+    // where filters apply, instead of stderr.
+    torch::PyWarningHandler warnings;
+    try {
+      py::gil_scoped_release no_gil;
+      outputs = graph.run(std::move(inputs));
+    } catch (...) {
+      warnings.set_in_exception();
+      throw;
+    }
   }
   py::list result(outputs.size());
   for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
@@ -94,6 +104,17 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("num_inputs", &CompiledGraph::num_inputs)
       .def_property_readonly("num_steps", [](const CompiledGraph& g) { return g.plan().steps.size(); })
       .def_readonly("timings", &CompiledGraph::timings)
+      .def("enable_cuda_graphs",
+           [](CompiledGraph& g, std::vector<bool> pinned, int warmup, int max_graphs) {
+             CudaGraphOptions options;
+             options.warmup = warmup;
+             options.max_graphs = max_graphs;
+             return enable_cuda_graphs(g, std::move(pinned), options);
+           },
+           py::arg("pinned"), py::arg("warmup"), py::arg("max_graphs"),
+           "Captures the plan's capturable parts into CUDA graphs after warm-up; returns '' or why not.")
+      .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
+      .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("steps", [](const CompiledGraph& g) {
         // (kind, what) per step: ("kernel", description) / ("aten", op name) / ("prim", op name)
         std::vector<std::pair<std::string, std::string>> out;
@@ -106,6 +127,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"));
+  m.def("cuda_graphs_supported", &cuda_graphs_supported);
+  m.def("mark_step_begin", &mark_step_begin);
   m.def("roundtrip", [](const std::string& text) { return print(parse(text)); },
         "Parses IR text and prints it back (the canonical form).");
   m.def("pass_names", [] {

@@ -100,19 +100,28 @@ c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
 }  // namespace
 
 std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) const {
-  const Plan& plan = plan_;
-  if (inputs.size() != plan.num_inputs)
-    throw Error("compiled graph expects " + std::to_string(plan.num_inputs) + " inputs, got " +
+  if (inputs.size() != plan_.num_inputs)
+    throw Error("compiled graph expects " + std::to_string(plan_.num_inputs) + " inputs, got " +
                 std::to_string(inputs.size()));
   c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  if (runner_) return runner_->run(std::move(inputs));
+  std::vector<c10::IValue> buffers = start(std::move(inputs));
+  execute(buffers, 0, plan_.steps.size());
+  return finish(buffers);
+}
 
-  std::vector<c10::IValue> buffers(plan.num_buffers);
+std::vector<c10::IValue> CompiledGraph::start(std::vector<c10::IValue> inputs) const {
+  std::vector<c10::IValue> buffers(plan_.num_buffers);
   for (size_t i = 0; i < inputs.size(); ++i) buffers[i] = std::move(inputs[i]);
-  for (const auto& [buf, value] : plan.constants) buffers[buf] = value;
-  for (uint32_t b : plan.unused_inputs) buffers[b] = c10::IValue();
+  for (const auto& [buf, value] : plan_.constants) buffers[buf] = value;
+  for (uint32_t b : plan_.unused_inputs) buffers[b] = c10::IValue();
+  return buffers;
+}
 
+void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const {
   std::vector<c10::IValue> stack;
-  for (const Step& step : plan.steps) {
+  for (size_t s = first; s < last; ++s) {
+    const Step& step = plan_.steps[s];
     if (step.kernel) {
       step.kernel->run(buffers, step.reads, step.writes);
       for (uint32_t b : step.frees) buffers[b] = c10::IValue();
@@ -145,11 +154,23 @@ std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) con
     }
     for (uint32_t b : step.frees) buffers[b] = c10::IValue();
   }
+}
 
+std::vector<c10::IValue> CompiledGraph::finish(std::vector<c10::IValue>& buffers) const {
   std::vector<c10::IValue> outputs;
-  outputs.reserve(plan.outputs.size());
-  for (const PlanOutput& o : plan.outputs) outputs.push_back(o.buffer >= 0 ? buffers[o.buffer] : o.constant);
+  outputs.reserve(plan_.outputs.size());
+  for (const PlanOutput& o : plan_.outputs) outputs.push_back(o.buffer >= 0 ? buffers[o.buffer] : o.constant);
   return outputs;
+}
+
+std::vector<uint32_t> step_reads(const Step& st) {
+  std::vector<uint32_t> reads = st.reads;
+  for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
+  for (auto [slot, buf] : st.scalar_from_buffer) reads.push_back(buf);
+  for (const ListSlot& l : st.lists)
+    for (int32_t buf : l.item_buffer)
+      if (buf >= 0) reads.push_back(static_cast<uint32_t>(buf));
+  return reads;
 }
 
 std::string CompiledGraph::describe() const {
@@ -163,12 +184,7 @@ std::string CompiledGraph::describe() const {
          " buffers, " + std::to_string(plan_.steps.size()) + " steps\n";
   for (size_t s = 0; s < plan_.steps.size(); ++s) {
     const Step& st = plan_.steps[s];
-    std::vector<uint32_t> reads = st.reads;
-    for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
-    for (auto [slot, buf] : st.scalar_from_buffer) reads.push_back(buf);
-    for (const ListSlot& l : st.lists)
-      for (int32_t buf : l.item_buffer)
-        if (buf >= 0) reads.push_back(static_cast<uint32_t>(buf));
+    std::vector<uint32_t> reads = step_reads(st);
     std::string writes;
     for (int32_t b : st.outputs) writes += (writes.empty() ? "" : ",") + std::to_string(b);
     std::string what = st.kernel ? st.kernel->describe() : (st.op ? "aten " : "prim ") + st.node->op;
@@ -177,6 +193,7 @@ std::string CompiledGraph::describe() const {
     if (!st.frees.empty()) out += " frees [" + list(st.frees) + "]";
     out += "\n";
   }
+  if (runner_) out += runner_->describe();
   return out;
 }
 

@@ -86,6 +86,8 @@ class PlanBuilder {
       plan_.outputs.push_back(std::move(out));
     }
     plan_.num_buffers = buffers_.size();
+    plan_.buffer_values.assign(buffers_.size(), nullptr);
+    for (const auto& [value, buffer] : buffers_) plan_.buffer_values[buffer] = value;
     schedule_frees();
     return std::move(plan_);
   }

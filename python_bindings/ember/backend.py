@@ -10,6 +10,16 @@ Options (torch.compile's `options=` dict) and the environment variables that set
                     "raise": raise ember.EmberError naming the node            EMBER_FALLBACK
     disable_passes  pass names to skip, a list or a comma-separated string     EMBER_DISABLE_PASSES
     debug_dir       write the FX graph, the IR after each pass and the plan    EMBER_DEBUG
+    cudagraphs      capture CUDA graphs (default: on in mode="reduce-overhead",
+                    off otherwise)                                              EMBER_CUDAGRAPHS=0/1
+    cudagraph_warmup      eager calls per new input signature before capture
+                          (default 1)                                           EMBER_CUDAGRAPH_WARMUP
+    cudagraph_max_graphs  input signatures captured per graph; beyond it calls
+                          run without CUDA graphs, with one warning (default 8) EMBER_CUDAGRAPH_MAX_GRAPHS
+
+mode="reduce-overhead" captures the CUDA parts of each graph into CUDA graphs (cudagraph/ in C++): host
+syncs, CPU tensors and data-dependent shapes split a graph into captured parts with eager steps between
+them; outputs a caller still holds are never overwritten by a later replay. `ember.explain` shows the parts.
 """
 
 import itertools
@@ -20,11 +30,32 @@ import warnings
 from .errors import EmberError
 
 MODES = (None, "default", "reduce-overhead")
-OPTIONS = ("fallback", "disable_passes", "debug_dir")
+OPTIONS = ("fallback", "disable_passes", "debug_dir", "cudagraphs", "cudagraph_warmup", "cudagraph_max_graphs")
 FALLBACKS = ("warn", "raise")
 
 _graph_ids = itertools.count()
-_warned_reduce_overhead = False
+_warned_no_cuda_graphs = False
+_mark_step_hooked = False
+
+
+def _env_int(name, default):
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise EmberError(f"{name} must be an integer, not {value!r}") from None
+
+
+def _as_bool(name, value):
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "on", "yes", "0", "false", "off", "no", ""):
+        return value.strip().lower() in ("1", "true", "on", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise EmberError(f"{name} must be a boolean, not {value!r}")
 
 
 class CompileConfig:
@@ -46,6 +77,14 @@ class CompileConfig:
             passes = [p.strip() for p in passes.split(",") if p.strip()]
         self.disabled_passes = list(passes)
         self.debug_dir = options.get("debug_dir", os.environ.get("EMBER_DEBUG", "")) or ""
+        default_graphs = os.environ.get("EMBER_CUDAGRAPHS", "1" if self.mode == "reduce-overhead" else "0")
+        self.cudagraphs = _as_bool("cudagraphs", options.get("cudagraphs", default_graphs))
+        self.cudagraph_warmup = options.get("cudagraph_warmup", _env_int("EMBER_CUDAGRAPH_WARMUP", 1))
+        self.cudagraph_max_graphs = options.get("cudagraph_max_graphs", _env_int("EMBER_CUDAGRAPH_MAX_GRAPHS", 8))
+        for name in ("cudagraph_warmup", "cudagraph_max_graphs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "cudagraph_warmup" else 1):
+                raise EmberError(f"{name} must be an integer >= {0 if name == 'cudagraph_warmup' else 1}, not {value!r}")
 
     def check_passes(self, known):
         unknown = [p for p in self.disabled_passes if p not in known]
@@ -89,7 +128,8 @@ def compile_fx_graph(gm, config, kind):
         lower_ms = (time.perf_counter() - start) * 1e3
         compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name)
         compiled._boxed_call = True
-        report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir)
+        graphs_note = _enable_cuda_graphs(compiled, gm, config, kind) if config.cudagraphs else ""
+        report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir, graphs_note)
         return compiled
     except Exception as e:
         report.record_fallback(kind, str(e))
@@ -101,17 +141,69 @@ def compile_fx_graph(gm, config, kind):
         return make_boxed_func(gm.forward)
 
 
+def _pinned_inputs(gm, kind):
+    """Which graph inputs keep their address from call to call: what AOTAutograd reports as static for a
+    forward or inference graph (parameters, buffers); for a backward graph everything but the tangents
+    (saved tensors and parameters; the C++ runner copies one instead once it is seen to move)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if kind == "backward":
+        return ["tangents" not in n.name for n in placeholders]
+    import torch._guards
+
+    context = torch._guards.TracingContext.try_get()
+    static = getattr(getattr(context, "fw_metadata", None), "static_input_indices", None) or []
+    pinned = [False] * len(placeholders)
+    for i in static:
+        if 0 <= i < len(pinned):
+            pinned[i] = True
+    return pinned
+
+
+def _hook_mark_step_begin():
+    """torch.compiler.cudagraph_mark_step_begin() tells inductor's cudagraph trees; tell ember too."""
+    global _mark_step_hooked
+    if _mark_step_hooked:
+        return
+    _mark_step_hooked = True
+    from torch._inductor import cudagraph_trees
+
+    from . import _C
+
+    original = cudagraph_trees.mark_step_begin
+
+    def mark_step_begin():
+        _C.mark_step_begin()
+        original()
+
+    mark_step_begin.__doc__ = original.__doc__
+    cudagraph_trees.mark_step_begin = mark_step_begin
+
+
+def _enable_cuda_graphs(compiled, gm, config, kind):
+    """Installs CUDA graph capture on `compiled`; returns '' or why the graph runs without it."""
+    global _warned_no_cuda_graphs
+    from . import _C
+
+    if not _C.cuda_graphs_supported():
+        if not _warned_no_cuda_graphs and any(
+            getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes if n.op == "placeholder"
+        ):
+            _warned_no_cuda_graphs = True
+            warnings.warn("ember: this build has no CUDA graph support (built against a torch without CUDA)")
+        return "this ember build has no CUDA graph support"
+    why_not = compiled.enable_cuda_graphs(_pinned_inputs(gm, kind), config.cudagraph_warmup, config.cudagraph_max_graphs)
+    if not why_not:
+        _hook_mark_step_begin()
+    return why_not
+
+
 def ember_backend(gm, example_inputs, mode=None, options=None):
     """The backend torch.compile calls (registered as "ember" through the package's entry point)."""
-    global _warned_reduce_overhead
     config = CompileConfig(mode, options)
     if config.disabled_passes:  # a configuration error raises whatever the fallback setting
         from . import _C
 
         config.check_passes(_C.pass_names())
-    if config.mode == "reduce-overhead" and not _warned_reduce_overhead:
-        _warned_reduce_overhead = True
-        warnings.warn("ember: mode='reduce-overhead' does not capture CUDA graphs yet; running the default plan")
 
     from torch._dynamo.backends.common import aot_autograd
 

@@ -18,7 +18,9 @@ _active = []  # stack of ExplainReport being filled
 
 
 class GraphReport:
-    def __init__(self, name, kind, fx_nodes, steps, timings, lower_ms, ir):
+    def __init__(self, name, kind, fx_nodes, steps, timings, lower_ms, ir, compiled=None, graphs_note=""):
+        self.compiled = compiled
+        self.graphs_note = graphs_note  # why CUDA graphs were not installed, when they were asked for
         self.name = name
         self.kind = kind
         self.fx_nodes = fx_nodes
@@ -26,6 +28,13 @@ class GraphReport:
         self.timings = dict(timings)  # pass / codegen / plan -> ms
         self.lower_ms = lower_ms
         self.ir = ir
+
+    @property
+    def cuda_graphs(self):
+        """What the CUDA graph runner captures and has done ('' without one)."""
+        if self.compiled is not None and self.compiled.cuda_graphs:
+            return self.compiled.cuda_graph_report()
+        return ""
 
     @property
     def kernels(self):
@@ -53,6 +62,10 @@ class ExplainReport:
                 lines.append(f"    kernel  {k}")
             if aten:
                 lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
+            if g.cuda_graphs:
+                lines.extend("    " + line for line in g.cuda_graphs.rstrip().splitlines())
+            elif g.graphs_note:
+                lines.append(f"    no CUDA graphs: {g.graphs_note}")
         for kind, reason in self.fallbacks:
             lines.append(f"- {kind} graph ran eagerly: {reason}")
         passes = collections.defaultdict(float)
@@ -70,10 +83,12 @@ class ExplainReport:
     __repr__ = __str__
 
 
-def record_graph(name, kind, gm, compiled, lower_ms, ir):
+def record_graph(name, kind, gm, compiled, lower_ms, ir, graphs_note=""):
     if _active:
         fx_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-        _active[-1].graphs.append(GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir))
+        _active[-1].graphs.append(
+            GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir, compiled, graphs_note)
+        )
 
 
 def record_fallback(kind, reason):

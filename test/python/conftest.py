@@ -18,7 +18,8 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _ember_test_env(monkeypatch):
     """Fresh dynamo state, a fixed seed, no ember env vars from outside, and a count of ember's graphs."""
-    for var in ("EMBER_FALLBACK", "EMBER_DISABLE_PASSES", "EMBER_DEBUG"):
+    for var in ("EMBER_FALLBACK", "EMBER_DISABLE_PASSES", "EMBER_DEBUG", "EMBER_CUDAGRAPHS", "EMBER_CUDAGRAPH_WARMUP",
+                "EMBER_CUDAGRAPH_MAX_GRAPHS"):
         monkeypatch.delenv(var, raising=False)
     # TF32 convolutions and matmuls pick algorithms by layout, so eager and any compiled backend differ
     # by ~0.3 in resnet18 input gradients with it on (measured on an H200, inductor too) and by 2e-5

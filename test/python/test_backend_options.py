@@ -103,7 +103,8 @@ def test_accepted_modes(mode):
     assert EMBER_GRAPHS
 
 
-def test_reduce_overhead_runs_the_default_plan(monkeypatch):
+def test_reduce_overhead_on_cpu_runs_the_plan(monkeypatch):
+    """CPU graphs have nothing to capture: reduce-overhead runs the plan, silently (as inductor does)."""
     # mode and options cannot both be given to torch.compile: EMBER_FALLBACK makes a fallback an error
     monkeypatch.setenv("EMBER_FALLBACK", "raise")
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
@@ -111,10 +112,31 @@ def test_reduce_overhead_runs_the_default_plan(monkeypatch):
 
     compiled = torch.compile(copy.deepcopy(model), backend="ember", mode="reduce-overhead")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*reduce-overhead.*")
-        for _ in range(2):
+        warnings.simplefilter("error")
+        for _ in range(3):
             check(model, torch.randn(4, 6), compiled=compiled, min_graphs=0, atol=1e-5, rtol=1e-4)
     assert {k for k, _ in EMBER_GRAPHS} == {"forward", "backward"}
+    assert not any(g.cuda_graphs for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"cudagraphs": "sometimes"}, "cudagraphs must be a boolean"),
+        ({"cudagraph_warmup": -1}, "cudagraph_warmup must be an integer >= 0"),
+        ({"cudagraph_max_graphs": 0}, "cudagraph_max_graphs must be an integer >= 1"),
+        ({"cudagraph_max_graphs": "4"}, "cudagraph_max_graphs must be an integer"),
+    ],
+)
+def test_bad_cuda_graph_options(options, message):
+    err = compile_error(simple, torch.randn(3), options=options)
+    assert message in str(err)
+
+
+def test_bad_cuda_graph_env(monkeypatch):
+    monkeypatch.setenv("EMBER_CUDAGRAPH_WARMUP", "two")
+    err = compile_error(simple, torch.randn(3))
+    assert "EMBER_CUDAGRAPH_WARMUP" in str(err)
 
 
 # ---------------------------------------------------------------------------------------------------

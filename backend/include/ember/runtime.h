@@ -86,15 +86,39 @@ struct Plan {
   std::vector<uint32_t> unused_inputs;                       // freed before the first step
   std::vector<Step> steps;
   std::vector<PlanOutput> outputs;
+  std::vector<const Value*> buffer_values;  // the IR value each buffer holds; valid while the Graph lives
 };
+
+// Another way to run a CompiledGraph's plan, installed on it after compilation (cudagraph/: capture
+// the plan's capturable segments once, replay them). It may keep state across calls.
+class PlanRunner {
+ public:
+  virtual ~PlanRunner() = default;
+  virtual std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) = 0;
+  // What the runner does with the plan (segments, why steps are not captured) and what it has done.
+  virtual std::string describe() const = 0;
+};
+
+// Every buffer a step reads: kernel reads, argument slots, scalars, list items.
+std::vector<uint32_t> step_reads(const Step& step);
 
 class CompiledGraph {
  public:
   CompiledGraph(Graph graph, Plan plan) : graph_(std::move(graph)), plan_(std::move(plan)) {}
 
-  // Runs the plan. Inputs are taken by value and released after their last use, so a caller that
-  // moves them in lets their memory go early (AOTAutograd's boxed calling convention).
+  // Runs the plan, through the installed runner if there is one. Inputs are taken by value and released
+  // after their last use, so a caller that moves them in lets their memory go early (AOTAutograd's
+  // boxed calling convention).
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) const;
+
+  // The plain plan, in three pieces a runner can interleave with its own work: the buffer table with
+  // the inputs and constants in place; steps [first, last) over it; the graph outputs read from it.
+  std::vector<c10::IValue> start(std::vector<c10::IValue> inputs) const;
+  void execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const;
+  std::vector<c10::IValue> finish(std::vector<c10::IValue>& buffers) const;
+
+  void set_runner(std::unique_ptr<PlanRunner> runner) { runner_ = std::move(runner); }
+  const PlanRunner* runner() const { return runner_.get(); }
 
   const Graph& graph() const { return graph_; }
   const Plan& plan() const { return plan_; }
@@ -108,6 +132,7 @@ class CompiledGraph {
  private:
   Graph graph_;  // the optimized IR the plan was built from (kept for describe() and debugging)
   Plan plan_;
+  std::unique_ptr<PlanRunner> runner_;  // null: run() executes the plan directly
 };
 
 // Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind

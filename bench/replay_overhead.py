@@ -1,0 +1,97 @@
+"""Host time of one call under mode="reduce-overhead": what a replayed call costs the CPU, GPU work excluded.
+
+    python bench/replay_overhead.py [--calls 200 --rounds 30]
+
+For each graph (a 3-op pointwise chain on 16 floats; MLP 512-1024-1024-10 at batch 1; 20 x Linear(100,100) at
+batch 32) it times, on the host, each call from entry to return without synchronizing the device (the GPU runs
+behind, asynchronously), median over rounds of --calls back-to-back calls:
+
+    dynamo-guards   torch.compile with a backend whose compiled function returns precomputed outputs: Dynamo's
+                    guard check and frame handling alone, the floor every torch.compile backend pays
+    ember-ro        ember, CUDA graphs (after warm-up every call is a replay)
+    inductor-ro     inductor, mode="reduce-overhead" (cudagraph trees)
+    ember           ember's default mode, for reference
+
+and reports each minus dynamo-guards: the overhead on top of Dynamo's guards. Writes
+bench/results/replay_overhead.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import EMBER_OPTIONS, RESULTS_DIR, disable_inductor_caches, machine_info  # noqa: E402
+
+
+def graphs():
+    chain = (lambda x: (x.sin() * 2).cos() + 1, (torch.randn(16, device="cuda"),))
+    mlp = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    lin20 = nn.Sequential(*[nn.Linear(100, 100) for _ in range(20)])
+    return {
+        "chain16": chain,
+        "mlp_b1": (mlp.cuda().eval(), (torch.randn(1, 512, device="cuda"),)),
+        "linear20_b32": (lin20.cuda().eval(), (torch.randn(32, 100, device="cuda"),)),
+    }
+
+
+def guards_only_backend(gm, example_inputs):
+    with torch.no_grad():
+        outputs = gm(*example_inputs)
+    return lambda *args: outputs
+
+
+def compiled(fn, variant):
+    if variant == "dynamo-guards":
+        return torch.compile(fn, backend=guards_only_backend)
+    if variant == "ember-ro":
+        return torch.compile(fn, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True})
+    if variant == "inductor-ro":
+        return torch.compile(fn, backend="inductor", mode="reduce-overhead")
+    return torch.compile(fn, backend="ember", options=EMBER_OPTIONS)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "replay_overhead.json"))
+    args = parser.parse_args()
+    torch._dynamo.config.suppress_errors = False
+    disable_inductor_caches()
+    variants = ("dynamo-guards", "ember-ro", "inductor-ro", "ember")
+    results = {}
+    with torch.no_grad():
+        for name, (fn, inputs) in graphs().items():
+            torch._dynamo.reset()
+            fns = {v: compiled(fn, v) for v in variants}
+            for f in fns.values():
+                for _ in range(5):
+                    f(*inputs)
+            torch.cuda.synchronize()
+            per_call = {v: [] for v in variants}
+            for _ in range(args.rounds):
+                for v, f in fns.items():
+                    start = time.perf_counter()
+                    for _ in range(args.calls):
+                        f(*inputs)
+                    per_call[v].append((time.perf_counter() - start) / args.calls * 1e6)
+                    torch.cuda.synchronize()
+            us = {v: statistics.median(t) for v, t in per_call.items()}
+            results[name] = {v: {"host_us": us[v], "over_guards_us": us[v] - us["dynamo-guards"]} for v in variants}
+            print(f"{name:<14} " + "  ".join(f"{v} {us[v]:6.1f} us (+{us[v] - us['dynamo-guards']:.1f})" for v in variants))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"machine": machine_info("cuda"), "calls": args.calls, "rounds": args.rounds, "results": results}, f,
+                  indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,616 @@
+// Capture and replay of a plan's captured parts (mode="reduce-overhead").
+//
+// Per call: find the entry for the inputs' signature (shapes, strides, dtypes, host values; a short
+// linear scan, no hashing); a new signature runs eagerly `warmup` times (on the capture stream, so lazily
+// created library state such as cuBLAS workspaces exists before capture), then its parts are captured;
+// after that each call copies the inputs that changed address into static buffers, replays the parts
+// and runs the eager parts between them.
+//
+// Ownership of graph memory, the rule that keeps outputs from being silently overwritten:
+//  1. Every tensor a replay leaves behind (outputs, values later eager steps read) lives in memory the
+//     graph owns (a Slot); callers get aliases of it (new TensorImpls on the same storage).
+//  2. Before anything writes a slot (a replay, an input copy), holders other than ember are detected
+//     (storage use count above ember's own references) and given a private copy: their storage's
+//     DataPtr is swapped with a fresh allocation holding the same bytes, and the graph keeps its memory.
+//     A caller's old output keeps its value and costs one device copy, only while it is still alive; in
+//     the usual loops (backward consumed the activations, the loss was reduced and dropped) nothing is
+//     alive and a replay copies nothing. Inductor raises in that case; cloning every output would
+//     cost a copy on every call.
+//  3. Which slots a replay may write: every graph on a device shares one private pool, so a graph
+//     captured later may own memory that an earlier graph used for temporaries. A replay of graph G
+//     writes G's slots and, through its temporaries, possibly the slots of any graph captured after G,
+//     never those of graphs captured before G (allocated, hence untouchable, while G was captured). So
+//     a replay of G protects the slots of G and of every later graph in capture order.
+//  4. After torch.compiler.cudagraph_mark_step_begin(), slots handed out before it are not protected:
+//     the caller has declared them dead.
+// Inputs: parameters and buffers (pinned) and tensors living in another graph's slots (a forward's
+// activations reaching its backward) are used in place and their addresses are part of the entry; a
+// pinned input found at a new address is captured again at the new address once, then copied.
+#include "cudagraph/runner.h"
+
+#include "ember/error.h"
+
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <mutex>
+
+namespace ember::cudagraph {
+namespace {
+
+constexpr int kMaxRecaptures = 8;  // per entry: pinned inputs that keep moving end in eager calls
+
+uint64_t generation() { return step_generation.load(std::memory_order_relaxed); }
+
+// One preformatted string: c10::str's stream formatting of integers crashed inside the Python process on
+// the GPU machine (the same locale problem kernels/cuda/cuda_kernel.cpp avoids).
+void warn(const std::string& message) { TORCH_WARN(message); }
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string("ember cudagraph: ") + what + ": " + cudaGetErrorString(e));
+}
+
+// One storage of memory a graph writes, with ember's own tensors on it.
+struct Slot {
+  std::deque<at::Tensor> mine;  // a deque: exports keep pointers to its elements while later parts add more
+  uint64_t handed = 0;  // step generation when it was last handed out
+
+  // Gives every holder besides ember a private copy of the memory, so the next write cannot change
+  // what they see (rule 2 above).
+  void release_holders(const c10::cuda::CUDAStream& stream) {
+    const at::Storage& storage = mine.front().storage();
+    if (static_cast<size_t>(storage.use_count()) <= mine.size() || handed < generation()) return;
+    c10::StorageImpl* held = storage.unsafeGetStorageImpl();
+    size_t nbytes = held->nbytes();
+    at::Tensor copy = at::empty({static_cast<int64_t>(nbytes)}, mine.front().options().dtype(at::kByte));
+    if (nbytes > 0)
+      check(cudaMemcpyAsync(copy.data_ptr(), held->data(), nbytes, cudaMemcpyDeviceToDevice, stream.stream()),
+            "copying a held output");
+    c10::StorageImpl* fresh = copy.storage().unsafeGetStorageImpl();
+    at::DataPtr copied = fresh->set_data_ptr(at::DataPtr());
+    at::DataPtr graph_memory = held->set_data_ptr(std::move(copied));
+    fresh->set_data_ptr(std::move(graph_memory));
+    for (at::Tensor& t : mine) t.unsafeGetTensorImpl()->set_storage_keep_dtype(copy.storage());
+  }
+};
+
+// Groups tensors by storage into slots.
+std::vector<Slot> slots_of(const std::vector<at::Tensor>& tensors, std::vector<std::pair<size_t, size_t>>* where) {
+  std::vector<Slot> slots;
+  std::map<const c10::StorageImpl*, size_t> index;
+  for (const at::Tensor& t : tensors) {
+    auto [it, fresh] = index.emplace(t.storage().unsafeGetStorageImpl(), slots.size());
+    if (fresh) slots.emplace_back();
+    where->emplace_back(it->second, slots[it->second].mine.size());
+    slots[it->second].mine.push_back(t);
+  }
+  return slots;
+}
+
+// A new TensorImpl on the same memory: what callers and eager steps get of a slot.
+at::Tensor alias(const at::Tensor& t) {
+  return at::Tensor(t.unsafeGetTensorImpl()->shallow_copy_and_detach(c10::VariableVersion(0), false));
+}
+
+// Drops c10 warnings raised in its scope.
+class QuietWarnings : public c10::WarningHandler {
+ public:
+  QuietWarnings() : previous_(c10::WarningUtils::get_warning_handler()) { c10::WarningUtils::set_warning_handler(this); }
+  ~QuietWarnings() override { c10::WarningUtils::set_warning_handler(previous_); }
+  void process(const c10::Warning&) override {}
+
+ private:
+  c10::WarningHandler* previous_;
+};
+
+// One captured part of one entry.
+struct Segment {
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  uint64_t seq = 0;                                        // capture order on the device
+  std::vector<std::pair<uint32_t, Slot>> copied;           // input buffers copied into static buffers
+  std::vector<Slot> kept;                                  // graph memory the exports live in
+  struct Export {
+    uint32_t buffer;
+    const at::Tensor* master;  // in a Slot's `mine` or in `borrowed`; stable once the capture is done
+    bool in_table;             // eager steps or the outputs read it (else only later captured parts, by address)
+  };
+  std::vector<Export> exports;
+  std::vector<at::Tensor> borrowed;  // exports on memory no replay writes (views of parameters, constants)
+  std::vector<std::pair<uint32_t, c10::IValue>> values;    // host values the part computed
+};
+
+// Per device: the private pool every ember graph shares, the stream captures run on, the captured
+// segments in capture order, and the lock that serializes capture and replay on the device.
+class DevicePool {
+ public:
+  static DevicePool& of(c10::DeviceIndex device) {
+    static std::mutex m;
+    static std::map<c10::DeviceIndex, DevicePool*> pools;  // never freed: outlives every runner
+    std::lock_guard<std::mutex> lock(m);
+    DevicePool*& p = pools[device];
+    if (!p) p = new DevicePool(device);
+    return *p;
+  }
+
+  std::recursive_mutex mutex;
+  at::cuda::MempoolId_t id;
+  c10::cuda::CUDAStream side;
+  uint64_t next_seq = 1;
+
+  void add(Segment* s) { segments_.push_back(s); }
+  void remove(Segment* s) { segments_.erase(std::remove(segments_.begin(), segments_.end(), s), segments_.end()); }
+
+  // Rule 3: before a replay of the segment captured at `seq`.
+  void protect(uint64_t seq, const c10::cuda::CUDAStream& stream) {
+    auto it = std::lower_bound(segments_.begin(), segments_.end(), seq, [](Segment* s, uint64_t q) { return s->seq < q; });
+    for (; it != segments_.end(); ++it)
+      for (Slot& slot : (*it)->kept) slot.release_holders(stream);
+  }
+
+  // True when `t` lives in a slot of a captured segment.
+  bool owns(const at::Tensor& t) const {
+    const void* data = t.storage().data();
+    for (const Segment* s : segments_)
+      for (const Slot& slot : s->kept)
+        if (slot.mine.front().storage().data() == data) return true;
+    return false;
+  }
+
+ private:
+  explicit DevicePool(c10::DeviceIndex device)
+      : id(at::cuda::graph_pool_handle()), side(c10::cuda::getStreamFromPool(false, device)) {
+    // The allocator frees a private pool once no graph uses it, and a pool id reused after that is
+    // undefined: an empty graph captured into the pool and never freed keeps it alive (inductor's
+    // cudagraph trees do the same).
+    c10::cuda::CUDAGuard device_guard(device);
+    c10::cuda::CUDAStreamGuard stream_guard(side);
+    // The capture registers the device's RNG state, which allocates its seed and offset tensors: they
+    // must be real even if a Python dispatch mode (a fake tensor mode) is active on this thread.
+    c10::impl::ExcludeDispatchKeyGuard no_python(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
+    QuietWarnings quiet;  // "the CUDA graph is empty": on purpose here
+    keep_alive_ = std::make_unique<at::cuda::CUDAGraph>();
+    keep_alive_->capture_begin(id, cudaStreamCaptureModeThreadLocal);
+    keep_alive_->capture_end();
+  }
+  std::vector<Segment*> segments_;  // ascending seq
+  std::unique_ptr<at::cuda::CUDAGraph> keep_alive_;
+};
+
+struct InputKey {
+  bool tensor = false;
+  std::vector<int64_t> sizes, strides;
+  c10::ScalarType dtype = c10::kFloat;
+  c10::Device device{c10::kCPU};
+  c10::IValue value;  // non-tensor inputs: the value itself
+
+  explicit InputKey(const c10::IValue& v) {
+    if (v.isTensor() && v.toTensor().defined()) {
+      const at::Tensor& t = v.toTensor();
+      tensor = true;
+      sizes.assign(t.sizes().begin(), t.sizes().end());
+      strides.assign(t.strides().begin(), t.strides().end());
+      dtype = t.scalar_type();
+      device = t.device();
+    } else if (!v.isTensor()) {
+      value = v;
+    }
+  }
+  bool matches(const c10::IValue& v) const {
+    if (tensor) {
+      if (!v.isTensor()) return false;
+      const at::Tensor& t = v.toTensor();
+      return t.defined() && t.scalar_type() == dtype && t.device() == device && t.sizes().equals(sizes) &&
+             t.strides().equals(strides);
+    }
+    if (v.isTensor()) return value.isNone() && !v.toTensor().defined();
+    if (v.isInt()) return value.isInt() && value.toInt() == v.toInt();
+    if (v.isDouble()) return value.isDouble() && value.toDouble() == v.toDouble();
+    if (v.isBool()) return value.isBool() && value.toBool() == v.toBool();
+    return v.isNone() && value.isNone();
+  }
+};
+
+struct Entry {
+  enum class State { Warming, Captured, Eager };
+  std::vector<InputKey> key;
+  State state = State::Warming;
+  int calls = 0, recaptures = 0;
+  std::vector<bool> pin;              // per input: used in place at `pointer`
+  std::vector<const void*> pointer;
+  std::vector<int> moved;             // per input: times a pinned input came at a new address
+  std::vector<std::unique_ptr<Segment>> segments;  // one per captured part, in order
+};
+
+class Runner final : public PlanRunner {
+ public:
+  Runner(const CompiledGraph& graph, Segmentation seg, std::vector<bool> pinned, const CudaGraphOptions& options)
+      : graph_(graph), seg_(std::move(seg)), hint_(std::move(pinned)), options_(options),
+        device_(static_cast<c10::DeviceIndex>(seg_.device)) {
+    const Plan& plan = graph_.plan();
+    source_.assign(plan.num_buffers, Source::Eager);
+    for (size_t b = 0; b < plan.num_inputs; ++b) source_[b] = Source::Input;
+    for (const auto& [b, v] : plan.constants) source_[b] = Source::Constant;
+    std::vector<bool> read_eagerly(plan.num_buffers, false);
+    for (const Part& p : seg_.parts)
+      if (!p.captured)
+        for (size_t s = p.first; s < p.last; ++s)
+          for (uint32_t b : step_reads(plan.steps[s])) read_eagerly[b] = true;
+    for (const PlanOutput& o : plan.outputs)
+      if (o.buffer >= 0) read_eagerly[o.buffer] = true;
+    for (const Part& p : seg_.parts)
+      if (p.captured)
+        for (uint32_t b : p.exports) {
+          source_[b] = Source::Captured;
+          in_table_.push_back(read_eagerly[b]);
+        }
+  }
+
+  ~Runner() override {
+    if (!pool_) return;
+    try {
+      std::lock_guard<std::recursive_mutex> lock(pool_->mutex);
+      for (auto& e : entries_) drop_segments(*e);
+    } catch (...) {  // at interpreter exit CUDA may be gone; the process frees everything anyway
+    }
+  }
+
+  std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) override {
+    if (!pool_) pool_ = &DevicePool::of(device_);
+    std::lock_guard<std::recursive_mutex> lock(pool_->mutex);
+    c10::cuda::CUDAGuard device_guard(device_);
+    Entry* e = nullptr;
+    bool same_addresses = false;
+    for (auto& candidate : entries_)
+      if (key_matches(*candidate, inputs)) {
+        e = candidate.get();
+        same_addresses = e->state != Entry::State::Captured || addresses_match(*e, inputs);
+        break;
+      }
+    if (!e) {
+      if (static_cast<int>(entries_.size()) >= options_.max_graphs) {
+        if (!warned_limit_) {
+          warned_limit_ = true;
+          warn("ember: a compiled graph met more than " + std::to_string(options_.max_graphs) +
+               " input signatures (shapes, strides, dtypes, scalar values) in reduce-overhead mode; new ones "
+               "run without CUDA graphs (option cudagraph_max_graphs or EMBER_CUDAGRAPH_MAX_GRAPHS raises the limit)");
+        }
+        return eager(std::move(inputs));
+      }
+      entries_.push_back(std::make_unique<Entry>());
+      e = entries_.back().get();
+      for (const c10::IValue& v : inputs) e->key.emplace_back(v);
+      size_t n = inputs.size();
+      e->pin.assign(n, false);
+      e->pointer.assign(n, nullptr);
+      e->moved.assign(n, 0);
+    }
+    switch (e->state) {
+      case Entry::State::Eager: return eager(std::move(inputs));
+      case Entry::State::Warming:
+        if (++e->calls <= options_.warmup) return warm_up(std::move(inputs));
+        return capture(*e, std::move(inputs));
+      case Entry::State::Captured:
+        if (same_addresses) return replay(*e, std::move(inputs));
+        if (++e->recaptures > kMaxRecaptures) {
+          warn("ember: inputs the CUDA graphs use in place keep moving; this input signature runs without CUDA graphs");
+          drop_segments(*e);
+          e->state = Entry::State::Eager;
+          return eager(std::move(inputs));
+        }
+        return capture(*e, std::move(inputs));
+    }
+    return eager(std::move(inputs));
+  }
+
+  std::string describe() const override {
+    std::unique_lock<std::recursive_mutex> lock;
+    if (pool_) lock = std::unique_lock<std::recursive_mutex>(pool_->mutex);
+    size_t captured = 0, warming = 0, eager_entries = 0;
+    for (const auto& e : entries_)
+      (e->state == Entry::State::Captured ? captured : e->state == Entry::State::Warming ? warming : eager_entries)++;
+    std::string out = "cuda graphs on cuda:" + std::to_string(device_) + ": " + std::to_string(seg_.captured_parts()) +
+                      " of " + std::to_string(seg_.parts.size()) + " parts captured\n" + seg_.describe();
+    out += "  signatures: " + std::to_string(captured) + " captured, " + std::to_string(warming) + " warming up, " +
+           std::to_string(eager_entries) + " eager; calls: " + std::to_string(stats_.replays) + " replayed, " +
+           std::to_string(stats_.captures) + " captured, " + std::to_string(stats_.eager) + " eager; inputs copied: " +
+           std::to_string(stats_.input_copies) + "\n";
+    return out;
+  }
+
+ private:
+  enum class Source : uint8_t { Input, Constant, Captured, Eager };
+
+  bool key_matches(const Entry& e, const std::vector<c10::IValue>& inputs) const {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (!e.key[i].matches(inputs[i])) return false;
+    return true;
+  }
+  bool addresses_match(const Entry& e, const std::vector<c10::IValue>& inputs) const {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (e.pin[i] && inputs[i].toTensor().data_ptr() != e.pointer[i]) return false;
+    return true;
+  }
+
+  std::vector<c10::IValue> eager(std::vector<c10::IValue> inputs) {
+    ++stats_.eager;
+    std::vector<c10::IValue> buffers = graph_.start(std::move(inputs));
+    graph_.execute(buffers, 0, graph_.plan().steps.size());
+    return graph_.finish(buffers);
+  }
+
+  // Runs `work` on the capture stream, ordered after the caller's stream and before its later work.
+  template <class F>
+  std::vector<c10::IValue> on_side_stream(F work) {
+    c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_);
+    at::cuda::CUDAEvent before, after;
+    before.record(current);
+    before.block(pool_->side);
+    std::vector<c10::IValue> out;
+    {
+      c10::cuda::CUDAStreamGuard guard(pool_->side);
+      out = work();
+    }
+    after.record(pool_->side);
+    after.block(current);
+    return out;
+  }
+
+  std::vector<c10::IValue> warm_up(std::vector<c10::IValue> inputs) {
+    return on_side_stream([&] { return eager(std::move(inputs)); });
+  }
+
+  void drop_segments(Entry& e) {
+    c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device_);
+    for (auto& s : e.segments) {
+      // Holders of the memory keep their values: the pool may hand it to a later capture.
+      try {
+        for (Slot& slot : s->kept) slot.release_holders(current);
+      } catch (...) {
+      }
+      pool_->remove(s.get());
+    }
+    e.segments.clear();
+  }
+
+  std::vector<c10::IValue> capture(Entry& e, std::vector<c10::IValue> inputs) {
+    drop_segments(e);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      e.pin[i] = false;
+      if (!inputs[i].isTensor() || !inputs[i].toTensor().defined() || !inputs[i].toTensor().is_cuda()) continue;
+      const at::Tensor& t = inputs[i].toTensor();
+      const void* p = t.data_ptr();
+      if (e.pointer[i] && e.pointer[i] != p) ++e.moved[i];
+      e.pin[i] = (i < hint_.size() && hint_[i] && e.moved[i] < 2) || pool_->owns(t);
+      e.pointer[i] = p;
+    }
+    ++stats_.captures;
+    caller_stream_ = c10::cuda::getCurrentCUDAStream(device_);
+    return on_side_stream([&] { return capture_parts(e, std::move(inputs)); });
+  }
+
+  std::vector<c10::IValue> capture_parts(Entry& e, std::vector<c10::IValue> inputs) {
+    const Plan& plan = graph_.plan();
+    std::vector<c10::IValue> buffers = graph_.start(std::move(inputs));
+    bool failed = false;
+    size_t export_index = 0;
+    for (const Part& p : seg_.parts) {
+      if (!p.captured || failed) {
+        graph_.execute(buffers, p.first, p.last);
+        continue;
+      }
+      auto sg = std::make_unique<Segment>();
+      std::vector<std::pair<uint32_t, c10::IValue>> originals;  // caller tensors replaced by static copies
+      for (uint32_t b : p.inputs) {
+        if (!buffers[b].isTensor()) continue;
+        const at::Tensor& t = buffers[b].toTensor();
+        bool copy = t.defined() && t.is_cuda() &&
+                    ((source_[b] == Source::Input && !e.pin[b]) || source_[b] == Source::Eager);
+        if (!copy) continue;
+        originals.emplace_back(b, buffers[b]);
+        at::Tensor fixed = at::empty_strided(t.sizes(), t.strides(), t.options());
+        fixed.copy_(t);
+        // Allocated on the capture stream, written on the caller's stream at every replay: the allocator
+        // must wait for both before it reuses the block.
+        c10::cuda::CUDACachingAllocator::recordStream(fixed.storage().data_ptr(), caller_stream_);
+        buffers[b] = fixed;
+        Slot slot;
+        slot.mine.push_back(fixed);
+        sg->copied.emplace_back(b, std::move(slot));
+      }
+      std::vector<std::pair<uint32_t, c10::IValue>> saved;
+      for (uint32_t b : p.inputs) saved.emplace_back(b, buffers[b]);
+      // Eager steps after the part must see the caller's tensors, not the static copies (an input
+      // mutation written back by an eager copy_ must reach the caller).
+      auto restore_originals = [&] {
+        for (auto& [b, original] : originals)
+          if (!buffers[b].isNone()) buffers[b] = original;
+      };
+      sg->graph = std::make_unique<at::cuda::CUDAGraph>();
+      try {
+        sg->graph->capture_begin(pool_->id, cudaStreamCaptureModeThreadLocal);
+        try {
+          graph_.execute(buffers, p.first, p.last);
+        } catch (...) {
+          abandon(*sg->graph);
+          throw;
+        }
+        sg->graph->capture_end();
+      } catch (const std::exception& ex) {
+        warn("ember: CUDA graph capture of plan steps " + std::to_string(p.first) + "-" + std::to_string(p.last - 1) +
+             " failed; this input signature runs without CUDA graphs: " + ex.what());
+        (void)cudaGetLastError();
+        failed = true;
+        for (auto& [b, v] : saved) buffers[b] = v;
+        restore_originals();
+        graph_.execute(buffers, p.first, p.last);
+        continue;
+      }
+      sg->graph->replay();
+      keep_exports(e, *sg, p, buffers, inputs_of_part(saved), &export_index);
+      restore_originals();
+      uint64_t now = generation();
+      for (Slot& s : sg->kept) s.handed = now;
+      sg->seq = pool_->next_seq++;
+      pool_->add(sg.get());
+      e.segments.push_back(std::move(sg));
+    }
+    (void)plan;
+    if (failed) {
+      drop_segments(e);
+      e.state = Entry::State::Eager;
+    } else {
+      e.state = Entry::State::Captured;
+    }
+    return graph_.finish(buffers);
+  }
+
+  static std::vector<at::Tensor> inputs_of_part(const std::vector<std::pair<uint32_t, c10::IValue>>& saved) {
+    std::vector<at::Tensor> out;
+    for (const auto& [b, v] : saved)
+      if (v.isTensor() && v.toTensor().defined()) out.push_back(v.toTensor());
+    return out;
+  }
+
+  // After the first replay of a freshly captured part: records what it leaves behind. A kept tensor on
+  // memory the capture allocated belongs to one of the segment's new slots; one on memory that existed
+  // before (a view of a static input copy, of an earlier part's slot, of a parameter) joins that
+  // memory's owner, so each slot's count of ember's own references stays exact.
+  void keep_exports(Entry& e, Segment& sg, const Part& p, std::vector<c10::IValue>& buffers,
+                    const std::vector<at::Tensor>& part_inputs, size_t* export_index) {
+    std::map<const c10::StorageImpl*, Slot*> owners;
+    std::map<const c10::StorageImpl*, bool> unowned;
+    for (auto& seg : e.segments) {
+      for (auto& [b, slot] : seg->copied) owners[slot.mine.front().storage().unsafeGetStorageImpl()] = &slot;
+      for (Slot& slot : seg->kept) owners[slot.mine.front().storage().unsafeGetStorageImpl()] = &slot;
+    }
+    for (auto& [b, slot] : sg.copied) owners[slot.mine.front().storage().unsafeGetStorageImpl()] = &slot;
+    for (const at::Tensor& t : part_inputs)
+      if (!owners.count(t.storage().unsafeGetStorageImpl())) unowned[t.storage().unsafeGetStorageImpl()] = true;
+
+    struct Pending {
+      uint32_t buffer;
+      bool in_table;
+      Slot* owner;     // existing memory with an owner
+      bool borrowed;   // existing memory without one
+      size_t index;    // position in owner->mine / sg.borrowed / new tensors
+    };
+    std::vector<Pending> pending;
+    std::vector<at::Tensor> fresh;
+    for (uint32_t b : p.exports) {
+      bool in_table = in_table_[(*export_index)++];
+      if (!buffers[b].isTensor() || !buffers[b].toTensor().defined()) {
+        sg.values.emplace_back(b, buffers[b]);
+        continue;
+      }
+      at::Tensor t = buffers[b].toTensor();
+      const c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+      auto owner = owners.find(impl);
+      if (owner != owners.end()) {
+        pending.push_back({b, in_table, owner->second, false, owner->second->mine.size()});
+        owner->second->mine.push_back(t);
+      } else if (unowned.count(impl)) {
+        pending.push_back({b, in_table, nullptr, true, sg.borrowed.size()});
+        sg.borrowed.push_back(t);
+      } else {
+        pending.push_back({b, in_table, nullptr, false, fresh.size()});
+        fresh.push_back(t);
+      }
+    }
+    std::vector<std::pair<size_t, size_t>> where;
+    sg.kept = slots_of(fresh, &where);
+    for (const Pending& x : pending) {
+      const at::Tensor* master = x.owner      ? &x.owner->mine[x.index]
+                                 : x.borrowed ? &sg.borrowed[x.index]
+                                              : &sg.kept[where[x.index].first].mine[where[x.index].second];
+      sg.exports.push_back({x.buffer, master, x.in_table});
+      buffers[x.buffer] = alias(*master);
+    }
+  }
+
+  // Ends a capture that an exception interrupted, leaving the stream and the allocator usable.
+  void abandon(at::cuda::CUDAGraph& graph) {
+    try {
+      graph.capture_end();
+    } catch (...) {
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device_, pool_->id);
+      } catch (...) {
+      }
+    }
+    (void)cudaGetLastError();
+  }
+
+  std::vector<c10::IValue> replay(Entry& e, std::vector<c10::IValue> inputs) {
+    ++stats_.replays;
+    c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device_);
+    std::vector<c10::IValue> buffers = graph_.start(std::move(inputs));
+    uint64_t now = generation();
+    size_t k = 0;
+    for (const Part& p : seg_.parts) {
+      if (!p.captured) {
+        graph_.execute(buffers, p.first, p.last);
+        continue;
+      }
+      Segment& sg = *e.segments[k++];
+      for (auto& [b, slot] : sg.copied) {
+        const at::Tensor& src = buffers[b].toTensor();
+        at::Tensor& dst = slot.mine.front();
+        if (src.data_ptr() == dst.data_ptr()) continue;
+        TORCH_CHECK(src.sizes().equals(dst.sizes()), "ember cudagraph: internal: input of a captured part changed shape");
+        slot.release_holders(stream);
+        ++stats_.input_copies;
+        if (src.is_contiguous() && dst.is_contiguous() && src.scalar_type() == dst.scalar_type()) {
+          check(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, stream.stream()),
+                "copying an input");
+        } else {
+          dst.copy_(src, true);
+        }
+        slot.handed = now;
+      }
+      pool_->protect(sg.seq, stream);
+      sg.graph->replay();
+      for (const Segment::Export& x : sg.exports)
+        if (x.in_table) buffers[x.buffer] = alias(*x.master);
+      for (const auto& [b, v] : sg.values) buffers[b] = v;
+      for (Slot& s : sg.kept) s.handed = now;
+      for (uint32_t b : p.frees) buffers[b] = c10::IValue();
+    }
+    return graph_.finish(buffers);
+  }
+
+  const CompiledGraph& graph_;
+  Segmentation seg_;
+  std::vector<bool> hint_;
+  CudaGraphOptions options_;
+  c10::DeviceIndex device_;
+  DevicePool* pool_ = nullptr;  // made at the first call: never while AOTAutograd traces under a fake mode
+  std::vector<Source> source_;   // per buffer: where a captured part's input comes from
+  std::vector<bool> in_table_;   // per export of every captured part, in order
+  std::vector<std::unique_ptr<Entry>> entries_;
+  c10::cuda::CUDAStream caller_stream_ = c10::cuda::getDefaultCUDAStream(device_);  // during a capture
+  bool warned_limit_ = false;
+  struct {
+    uint64_t replays = 0, captures = 0, eager = 0, input_copies = 0;
+  } stats_;
+};
+
+}  // namespace
+
+std::unique_ptr<PlanRunner> make_runner(const CompiledGraph& graph, Segmentation seg, std::vector<bool> pinned,
+                                        const CudaGraphOptions& options) {
+  return std::make_unique<Runner>(graph, std::move(seg), std::move(pinned), options);
+}
+
+}  // namespace ember::cudagraph
