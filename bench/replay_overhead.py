@@ -12,8 +12,13 @@ behind, asynchronously), median over rounds of --calls back-to-back calls:
     inductor-ro     inductor, mode="reduce-overhead" (cudagraph trees)
     ember           ember's default mode, for reference
 
-and reports each minus dynamo-guards: the overhead on top of Dynamo's guards. Writes
-bench/results/replay_overhead.json.
+and reports each minus dynamo-guards: the overhead on top of Dynamo's guards. Two more rows split ember's part:
+
+    ember-ro-graph  the same CompiledGraph called directly (no Dynamo, no AOTAutograd wrapper): ember's own cost
+                    per replayed call, input copies and the graph launch included
+    torch-replay    torch.cuda.CUDAGraph.replay() of the same function captured by hand: the launch floor
+
+Writes bench/results/replay_overhead.json.
 """
 
 import argparse
@@ -70,12 +75,43 @@ def main():
     with torch.no_grad():
         for name, (fn, inputs) in graphs().items():
             torch._dynamo.reset()
-            fns = {v: compiled(fn, v) for v in variants}
+            import ember.backend
+
+            made = []
+            original = ember.backend.compile_fx_graph
+
+            def keep(gm, config, kind):
+                graph = original(gm, config, kind)
+                made.append((config.cudagraphs, graph))
+                return graph
+
+            ember.backend.compile_fx_graph = keep
+            try:
+                fns = {v: compiled(fn, v) for v in variants}
+                for f in fns.values():
+                    for _ in range(5):
+                        f(*inputs)
+            finally:
+                ember.backend.compile_fx_graph = original
+            graph = next(g for on, g in made if on)
+            # Called directly only where the graph's inputs are the call's (no lifted parameters to order).
+            if not isinstance(fn, nn.Module) and graph.num_inputs == len(inputs):
+                fns["ember-ro-graph"] = lambda *a, _g=graph, _flat=tuple(inputs): _g(_flat)
+            static_x = [t.clone() for t in inputs]
+            torch_graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn(*static_x)
+                with torch.cuda.graph(torch_graph):
+                    fn(*static_x)
+            torch.cuda.current_stream().wait_stream(side)
+            fns["torch-replay"] = lambda *a: torch_graph.replay()
             for f in fns.values():
                 for _ in range(5):
                     f(*inputs)
             torch.cuda.synchronize()
-            per_call = {v: [] for v in variants}
+            per_call = {v: [] for v in fns}
             for _ in range(args.rounds):
                 for v, f in fns.items():
                     start = time.perf_counter()
@@ -84,8 +120,8 @@ def main():
                     per_call[v].append((time.perf_counter() - start) / args.calls * 1e6)
                     torch.cuda.synchronize()
             us = {v: statistics.median(t) for v, t in per_call.items()}
-            results[name] = {v: {"host_us": us[v], "over_guards_us": us[v] - us["dynamo-guards"]} for v in variants}
-            print(f"{name:<14} " + "  ".join(f"{v} {us[v]:6.1f} us (+{us[v] - us['dynamo-guards']:.1f})" for v in variants))
+            results[name] = {v: {"host_us": us[v], "over_guards_us": us[v] - us["dynamo-guards"]} for v in fns}
+            print(f"{name:<14} " + "  ".join(f"{v} {us[v]:6.1f} us (+{us[v] - us['dynamo-guards']:.1f})" for v in fns))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": machine_info("cuda"), "calls": args.calls, "rounds": args.rounds, "results": results}, f,
