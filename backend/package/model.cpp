@@ -217,6 +217,9 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
     constants.emplace(e.name, std::move(t));
   }
 
+  // A CUDA model keeps nothing that points into the file: let the mapping go with this function.
+  if (device.is_cuda()) state->owner.reset();
+
   Graph graph = parse(std::string(view.ir));
   if (exported != device && exported.is_cuda()) retarget(graph, exported, device);
 
