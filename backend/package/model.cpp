@@ -153,7 +153,6 @@ std::string describe_input(const std::vector<TensorSpec>& specs, uint32_t i) {
 }  // namespace
 
 struct Model::State {
-  std::shared_ptr<const void> owner;  // the mapping (or caller's bytes) the CPU weights live in
   std::shared_ptr<CompiledGraph> graph;
   c10::Device device{c10::kCPU};
   std::vector<TensorSpec> inputs, outputs;
@@ -179,7 +178,6 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
   package::View view = package::read(bytes, size, options.verify_checksum);
 
   auto state = std::make_shared<Model::State>();
-  state->owner = owner;
   state->meta = view.meta;
   c10::Device exported(c10::kCPU);
   try {
@@ -207,22 +205,30 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
   }
   state->device = device;
 
+  Graph graph = parse(std::string(view.ir));
+  if (exported != device && exported.is_cuda()) retarget(graph, exported, device);
+
+  // Each weight goes where the IR declares it: CPU ones (and CPU scalars in a CUDA graph) are read in
+  // place from the mapping, which each of them keeps alive; the others are copied to the device once,
+  // and the mapping goes when load() returns unless a CPU weight still reads from it.
+  std::unordered_map<std::string, c10::Device> declared;
+  for (const auto& n : graph.nodes())
+    if (n->op == "prim::constant" && n->args.size() == 1 && n->args[0].kind == Arg::Kind::String &&
+        n->outputs.size() == 1 && n->outputs[0]->type.is_tensor())
+      declared.emplace(n->args[0].s, n->outputs[0]->type.tensor.device);
   std::unordered_map<std::string, at::Tensor> constants;
   for (const package::ConstantEntry& e : view.constants) {
     void* ptr = const_cast<uint8_t*>(view.data + e.offset);
     at::Tensor t = at::from_blob(ptr, e.sizes, e.strides, [keep = owner](void*) {},
                                  at::TensorOptions().dtype(e.dtype).device(c10::kCPU));
-    if (device.is_cuda())
+    auto where = declared.find(e.name);
+    if (where != declared.end() && !where->second.is_cpu()) {
+      if (where->second != device)
+        throw Error("corrupt ember package: constant " + e.name + " is declared on " + where->second.str());
       t = at::empty_strided(e.sizes, e.strides, at::TensorOptions().dtype(e.dtype).device(device)).copy_(t);
+    }
     constants.emplace(e.name, std::move(t));
   }
-
-  // A CUDA model keeps nothing that points into the file: let the mapping go with this function.
-  if (device.is_cuda()) state->owner.reset();
-
-  Graph graph = parse(std::string(view.ir));
-  if (exported != device && exported.is_cuda()) retarget(graph, exported, device);
-
   // Input specs and the checks of Model::run, from the graph's declared input types.
   std::vector<std::string> symbol_names;
   auto symbol_index = [&](const std::string& name, bool add) {

@@ -216,6 +216,27 @@ TEST(Package, WrongDeviceOrArchitectureSaysSo) {
   EXPECT_NE(e.find("exported for cuda:0 and cannot run on cpu"), std::string::npos) << e;
 }
 
+// A CUDA package keeps a CPU scalar constant on the CPU (as its IR declares) and moves the rest.
+TEST(Package, CudaPackagePlacesConstantsAsDeclared) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs CUDA";
+  package::Contents c;
+  c.meta = {{"device", "cuda:0"}};
+  c.ir =
+      "graph(%x: f32[5]{1}@cuda:0):\n"
+      "  %c: f32[]{}@cpu = prim::constant(\"c\")\n"
+      "  %w: f32[5]{1}@cuda:0 = prim::constant(\"w\")\n"
+      "  %y: f32[5]{1}@cuda:0 = aten::mul.Tensor(%x, %c)\n"
+      "  %z: f32[5]{1}@cuda:0 = aten::add.Tensor(%y, %w)\n"
+      "  return (%z)\n";
+  at::Tensor scalar = at::scalar_tensor(3.0), w = at::randn({5});
+  c.constants = {{"c", scalar}, {"w", w.cuda()}};
+  Model model = load_bytes(package::serialize(c), c10::Device(c10::kCUDA, 0));
+  at::Tensor x = at::randn({5}, at::kCUDA);
+  at::Tensor out = model.run({x})[0];
+  EXPECT_TRUE(out.is_cuda());
+  EXPECT_TRUE(at::allclose(out.cpu(), x.cpu() * 3.0 + w, 1e-5, 1e-5));
+}
+
 TEST(Package, ReduceOverheadIsReservedForCudagraph) {
   SmallPackage p;
   std::string bytes = package::serialize(p.contents());
