@@ -73,8 +73,6 @@ struct View {
 // format version). `verify_checksum` false skips only the checksum (for fuzzing the parser).
 View read(const uint8_t* bytes, size_t size, bool verify_checksum = true);
 
-// 64-bit xxHash (XXH64) of `size` bytes.
-uint64_t xxh64(const uint8_t* bytes, size_t size, uint64_t seed);
 // The package checksum of a complete file image (the checksum field counts as zero).
 uint64_t checksum(const uint8_t* bytes, size_t size);
 

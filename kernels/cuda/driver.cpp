@@ -3,12 +3,13 @@
 // ATen's NVRTC stub, so ember resolves the few entry points it uses itself.
 //
 // Compiled modules are cached in the process by (source, architecture): identical groups compile once,
-// and distinct ones compile concurrently. An ImageStore, when given, is asked before NVRTC and told
-// what NVRTC produced: a deployment package's store holds every image, so loading one needs only the
-// driver, not NVRTC.
+// and distinct ones compile concurrently. Before NVRTC runs, an image is looked for in the ImageStore
+// when one is given (a deployment package's store holds every image, so loading one needs only the
+// driver, not NVRTC), then in the disk cache (disk_cache.h); what NVRTC compiles goes to both.
 #include "kernels/cuda/driver.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/disk_cache.h"
 #include "kernels/cuda/image_store.h"
 
 #include <dlfcn.h>
@@ -226,7 +227,14 @@ void* compile(const std::string& source, const std::string& name, int device, Im
   if (const KernelImage* stored = images ? images->find(target, source) : nullptr) {
     image = *stored;
   } else {
-    image = KernelImage{target, source, nvrtc_compile(source, name, target), nvrtc_version()};
+    const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
+    const std::string dir = disk_cache_dir();
+    if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
+      image = std::move(*cached);
+    } else {
+      image = KernelImage{target, source, nvrtc_compile(source, name, target), version};
+      disk_cache_store(dir, image);
+    }
     if (images) images->add(image);
   }
   void* module = nullptr;

@@ -4,6 +4,7 @@
 // Then the packages that test/python/write_test_packages.py exported (EMBER_PACKAGE_TEST_DIR) are
 // loaded and compared with the eager outputs saved next to them.
 #include "backend/package/format.h"
+#include "backend/package/xxhash.h"
 #include "ember/model.h"
 
 #include <ATen/ATen.h>
@@ -67,9 +68,9 @@ std::string error_of(const std::function<void()>& f) {
 }
 
 TEST(Package, Xxh64KnownValues) {
-  EXPECT_EQ(package::xxh64(nullptr, 0, 0), 0xEF46DB3751D8E999ULL);
+  EXPECT_EQ(xxh64(nullptr, 0, 0), 0xEF46DB3751D8E999ULL);
   const std::string abc = "abc";
-  EXPECT_EQ(package::xxh64(reinterpret_cast<const uint8_t*>(abc.data()), 3, 0), 0x44BC2CF5AD770999ULL);
+  EXPECT_EQ(xxh64(reinterpret_cast<const uint8_t*>(abc.data()), 3, 0), 0x44BC2CF5AD770999ULL);
 }
 
 TEST(Package, RoundTripMatchesAten) {
