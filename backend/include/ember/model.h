@@ -47,6 +47,7 @@ struct SymbolRange {
   int64_t example = 1;  // its value in the example inputs of the export
 };
 
+// A loaded package. A cheap handle: copies share one compiled model and its weights.
 class Model {
  public:
   // Checks `inputs` against the input specs (count, dtype, device, rank, sizes, symbols consistent
