@@ -298,16 +298,30 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
   return state;
 }
 
+// Whatever goes wrong below load() (ATen, the CUDA runtime, memory) reaches the caller as ember::Error.
+template <class F>
+auto as_ember_error(F f) {
+  try {
+    return f();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(std::string("ember::load failed: ") + e.what());
+  }
+}
+
 }  // namespace
 
 Model load_from_memory(std::shared_ptr<const void> owner, size_t size, c10::Device device, const LoadOptions& options) {
-  return Model(load_state(std::move(owner), size, device, options));
+  return Model(as_ember_error([&] { return load_state(std::move(owner), size, device, options); }));
 }
 
 Model load(const std::string& path, c10::Device device, const LoadOptions& options) {
-  auto mapping = std::make_shared<Mapping>(path);
-  std::shared_ptr<const void> owner(mapping, mapping->data());  // aliasing: points at the bytes, owns the mapping
-  return Model(load_state(std::move(owner), mapping->size(), device, options));
+  return Model(as_ember_error([&] {
+    auto mapping = std::make_shared<Mapping>(path);
+    std::shared_ptr<const void> owner(mapping, mapping->data());  // aliasing: points at the bytes, owns the mapping
+    return load_state(std::move(owner), mapping->size(), device, options);
+  }));
 }
 
 std::vector<at::Tensor> Model::run(const std::vector<at::Tensor>& inputs) const {
