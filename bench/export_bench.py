@@ -6,8 +6,8 @@ aoti_load_package), on the same models, in one script.
     python bench/export_bench.py --device cuda --no-aoti         # ember only
 
 Per model and system it records
-    export_s        nn.Module -> package file: torch.export included, for both (inductor's caches off, so
-                    AOTI compiles from scratch; ember has no kernel cache across processes)
+    export_s        nn.Module -> package file: torch.export included, for both (inductor's caches and
+                    ember's kernel disk cache off, so both compile from scratch)
     package_bytes   the package file's size
     latency_ms      also for eager, as the reference; the systems alternate call by call
     load_ms         loading the package in a fresh process (torch, ember and the CUDA context already up;
@@ -29,7 +29,9 @@ import sys
 import tempfile
 import time
 
+# Both systems compile from scratch: inductor's caches and ember's kernel disk cache are off.
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
+os.environ.setdefault("EMBER_CACHE_DIR", "off")
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
