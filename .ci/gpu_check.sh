@@ -15,6 +15,9 @@ fi
 start=$(date +%s)
 bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
+# Deployment packages exported on this GPU, for the C++ test that loads them (test/cpp/package_test.cpp).
+export EMBER_PACKAGE_TEST_DIR=/tmp/ember_packages
+python3 test/python/write_test_packages.py "$EMBER_PACKAGE_TEST_DIR" --device cuda > "$OUT/packages.log" 2>&1 || tail -20 "$OUT/packages.log"
 ./build/py/test/cpp/ember_tests --gtest_brief=1 2>&1 | tee "$OUT/gtest.log" | tail -3
 (cd test/python && python3 -m pytest -q -rs -p no:cacheprovider "${@:-.}" 2>&1) | tee "$OUT/pytest.log" | tail -25
 for script in ${EMBER_GPU_BENCH:-}; do

@@ -3,9 +3,11 @@
 // The object handed to AOTAutograd is a CompiledGraph itself: its __call__ is this file's `call`, a C++
 // function that unpacks the boxed argument list (tensors by pointer, no copies), clears the list so
 // inputs can be freed early, runs the plan with the GIL released and wraps the results.
+#include "backend/package/export.h"
 #include "ember/compiler.h"
 #include "ember/cudagraph.h"
 #include "ember/error.h"
+#include "ember/model.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -136,4 +138,53 @@ PYBIND11_MODULE(_C, m) {
     for (const Pass& p : default_passes()) names.emplace_back(p.name);
     return names;
   });
+
+  // ---- deployment packages (ember.export / ember.load): the same C++ a deployed app calls.
+  m.def("export_package",
+        [](const std::string& path, const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
+           std::vector<std::pair<std::string, std::string>> meta, std::vector<std::string> disabled_passes) {
+          CompileOptions options;
+          options.disabled_passes = std::move(disabled_passes);
+          options.graph_name = "export";
+          package::ExportResult r;
+          {
+            py::gil_scoped_release no_gil;
+            r = package::export_package(path, ir, constants, std::move(meta), options);
+          }
+          py::dict info;
+          info["bytes"] = r.bytes;
+          info["kernel_images"] = r.kernel_images;
+          info["timings"] = r.compiled->timings;
+          info["num_steps"] = r.compiled->plan().steps.size();
+          return info;
+        },
+        py::arg("path"), py::arg("ir"), py::arg("constants"), py::arg("meta"), py::arg("disabled_passes"));
+  py::class_<Model>(m, "Model")
+      .def("run",
+           [](const Model& model, const std::vector<at::Tensor>& inputs) {
+             py::gil_scoped_release no_gil;
+             return model.run(inputs);
+           })
+      .def("describe", &Model::describe)
+      .def_property_readonly("device", [](const Model& model) { return model.device().str(); })
+      .def_property_readonly("inputs", [](const Model& model) {
+        std::vector<std::string> out;
+        for (const TensorSpec& s : model.inputs()) out.push_back(s.str());
+        return out;
+      })
+      .def_property_readonly("outputs", [](const Model& model) {
+        std::vector<std::string> out;
+        for (const TensorSpec& s : model.outputs()) out.push_back(s.str());
+        return out;
+      })
+      .def_property_readonly("metadata", &Model::metadata);
+  m.def("load_package",
+        [](const std::string& path, const std::string& device, bool verify_checksum, bool reduce_overhead) {
+          LoadOptions options;
+          options.verify_checksum = verify_checksum;
+          options.reduce_overhead = reduce_overhead;
+          py::gil_scoped_release no_gil;
+          return load(path, c10::Device(device), options);
+        },
+        py::arg("path"), py::arg("device"), py::arg("verify_checksum") = true, py::arg("reduce_overhead") = false);
 }

@@ -361,7 +361,8 @@ class FusedCudaKernel final : public Kernel {
 
 std::string generate_source(const Program& program, const std::string& name) { return Printer(program).source(name); }
 
-std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not) {
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
+                                                ImageStore* images) {
   if (!available(why_not)) return nullptr;
   int device = program.device.has_index() ? program.device.index() : 0;
   // One name for every kernel: the source then depends on the program alone, so identical groups (a
@@ -369,7 +370,7 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   std::string name = "ember_fused";
   std::string source = generate_source(program, name);
   if (listing) *listing += "// group " + std::to_string(program.group) + "\n" + source + "\n";
-  void* function = compile(source, name, device);
+  void* function = compile(source, name, device, images);
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(name), function, device);
 }
 

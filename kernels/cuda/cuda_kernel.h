@@ -12,8 +12,12 @@ namespace ember::cuda {
 // The CUDA C++ source of `program`, with one kernel named `name`.
 std::string generate_source(const Program& program, const std::string& name);
 
-// Compiles the group's kernel now (so the first call does not wait later). Null, with the reason,
-// where the CUDA driver or NVRTC cannot be loaded; the source is appended to *listing.
-std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not);
+class ImageStore;
+
+// Compiles the group's kernel now (so the first call does not wait later), or loads its image from
+// `images` (may be null). Null, with the reason, where the CUDA driver cannot be loaded; the source is
+// appended to *listing.
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
+                                                ImageStore* images);
 
 }  // namespace ember::cuda

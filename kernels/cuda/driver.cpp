@@ -3,10 +3,14 @@
 // ATen's NVRTC stub, so ember resolves the few entry points it uses itself.
 //
 // Compiled modules are cached in the process by (source, architecture): identical groups compile once,
-// and distinct ones compile concurrently.
+// and distinct ones compile concurrently. Before NVRTC runs, an image is looked for in the ImageStore
+// when one is given (a deployment package's store holds every image, so loading one needs only the
+// driver, not NVRTC), then in the disk cache (disk_cache.h); what NVRTC compiles goes to both.
 #include "kernels/cuda/driver.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/disk_cache.h"
+#include "kernels/cuda/image_store.h"
 
 #include <dlfcn.h>
 
@@ -23,6 +27,7 @@ using nvrtcProgram = void*;
 constexpr int kComputeCapabilityMajor = 75;
 constexpr int kComputeCapabilityMinor = 76;
 
+// The driver is needed to run anything; NVRTC only to compile what no image store holds.
 struct Api {
   // driver
   CUresult (*cuInit)(unsigned);
@@ -46,6 +51,8 @@ struct Api {
   nvrtcResult (*nvrtcGetCUBIN)(nvrtcProgram, char*);
   nvrtcResult (*nvrtcDestroyProgram)(nvrtcProgram*);
   const char* (*nvrtcGetErrorString)(nvrtcResult);
+  nvrtcResult (*nvrtcVersion)(int*, int*);
+  std::string nvrtc_failure;  // non-empty: NVRTC could not be loaded, and why
 };
 
 void* open_first(const std::vector<std::string>& names, std::string* tried) {
@@ -63,6 +70,22 @@ void bind(void* lib, const char* name, F*& fn) {
   if (!fn) throw Error(std::string("CUDA: symbol ") + name + " not found");
 }
 
+void bind_nvrtc(Api& a) {
+  std::string tried;
+  const char* hint = std::getenv("EMBER_NVRTC_PATH");
+  void* nvrtc = open_first({hint ? hint : "", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
+  if (!nvrtc) throw Error("NVRTC not found (tried" + tried + "); set EMBER_NVRTC_PATH");
+  bind(nvrtc, "nvrtcCreateProgram", a.nvrtcCreateProgram);
+  bind(nvrtc, "nvrtcCompileProgram", a.nvrtcCompileProgram);
+  bind(nvrtc, "nvrtcGetProgramLogSize", a.nvrtcGetProgramLogSize);
+  bind(nvrtc, "nvrtcGetProgramLog", a.nvrtcGetProgramLog);
+  bind(nvrtc, "nvrtcGetCUBINSize", a.nvrtcGetCUBINSize);
+  bind(nvrtc, "nvrtcGetCUBIN", a.nvrtcGetCUBIN);
+  bind(nvrtc, "nvrtcDestroyProgram", a.nvrtcDestroyProgram);
+  bind(nvrtc, "nvrtcGetErrorString", a.nvrtcGetErrorString);
+  bind(nvrtc, "nvrtcVersion", a.nvrtcVersion);
+}
+
 const Api& api() {
   static std::once_flag once;
   static Api a;
@@ -72,9 +95,6 @@ const Api& api() {
       std::string tried;
       void* driver = open_first({"libcuda.so.1", "libcuda.so"}, &tried);
       if (!driver) throw Error("CUDA driver library not found (tried" + tried + ")");
-      const char* hint = std::getenv("EMBER_NVRTC_PATH");
-      void* nvrtc = open_first({hint ? hint : "", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
-      if (!nvrtc) throw Error("NVRTC not found (tried" + tried + "); set EMBER_NVRTC_PATH");
       bind(driver, "cuInit", a.cuInit);
       bind(driver, "cuDeviceGet", a.cuDeviceGet);
       bind(driver, "cuDeviceGetAttribute", a.cuDeviceGetAttribute);
@@ -85,20 +105,24 @@ const Api& api() {
       bind(driver, "cuModuleGetFunction", a.cuModuleGetFunction);
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
-      bind(nvrtc, "nvrtcCreateProgram", a.nvrtcCreateProgram);
-      bind(nvrtc, "nvrtcCompileProgram", a.nvrtcCompileProgram);
-      bind(nvrtc, "nvrtcGetProgramLogSize", a.nvrtcGetProgramLogSize);
-      bind(nvrtc, "nvrtcGetProgramLog", a.nvrtcGetProgramLog);
-      bind(nvrtc, "nvrtcGetCUBINSize", a.nvrtcGetCUBINSize);
-      bind(nvrtc, "nvrtcGetCUBIN", a.nvrtcGetCUBIN);
-      bind(nvrtc, "nvrtcDestroyProgram", a.nvrtcDestroyProgram);
-      bind(nvrtc, "nvrtcGetErrorString", a.nvrtcGetErrorString);
       if (a.cuInit(0) != 0) throw Error("cuInit failed");
     } catch (const Error& e) {
       failure = e.what();
+      return;
+    }
+    try {
+      bind_nvrtc(a);
+    } catch (const Error& e) {
+      a.nvrtc_failure = e.what();
     }
   });
   if (!failure.empty()) throw Error(failure);
+  return a;
+}
+
+const Api& nvrtc_api() {
+  const Api& a = api();
+  if (!a.nvrtc_failure.empty()) throw Error(a.nvrtc_failure);
   return a;
 }
 
@@ -133,27 +157,32 @@ bool available(std::string* why_not) {
   }
 }
 
-void* compile(const std::string& source, const std::string& name, int device) {
-  static std::mutex mu;
-  static std::unordered_map<std::string, void*> cache;
+std::string arch(int device) {
   const Api& a = api();
-  make_current(device);
-  int major = 0, minor = 0;
-  int dev = 0;
+  int major = 0, minor = 0, dev = 0;
   check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
   check(a.cuDeviceGetAttribute(&major, kComputeCapabilityMajor, dev), "cuDeviceGetAttribute");
   check(a.cuDeviceGetAttribute(&minor, kComputeCapabilityMinor, dev), "cuDeviceGetAttribute");
-  std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
-  std::string key = arch + "\n" + source;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) return it->second;
-  }
-  // NVRTC runs outside the lock, so several groups compile at once (generate.cpp starts them in parallel).
+  return "sm_" + std::to_string(major) + std::to_string(minor);
+}
+
+std::string nvrtc_version() {
+  const Api& a = nvrtc_api();
+  int major = 0, minor = 0;
+  if (a.nvrtcVersion(&major, &minor) != 0) throw Error("nvrtcVersion failed");
+  return std::to_string(major) + "." + std::to_string(minor);
+}
+
+namespace {
+
+// NVRTC: source -> cubin for `arch`. Throws ember::Error with NVRTC's log on failure.
+std::string nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch) {
+  const Api& a = nvrtc_api();
   nvrtcProgram prog = nullptr;
   if (a.nvrtcCreateProgram(&prog, source.c_str(), (name + ".cu").c_str(), 0, nullptr, nullptr) != 0)
     throw Error("NVRTC: cannot create program " + name);
-  const char* options[] = {arch.c_str(), "--std=c++17"};
+  std::string arch_option = "--gpu-architecture=" + arch;
+  const char* options[] = {arch_option.c_str(), "--std=c++17"};
   nvrtcResult r = a.nvrtcCompileProgram(prog, 2, options);
   if (r != 0) {
     size_t n = 0;
@@ -168,12 +197,53 @@ void* compile(const std::string& source, const std::string& name, int device) {
   std::string cubin(size, '\0');
   a.nvrtcGetCUBIN(prog, cubin.data());
   a.nvrtcDestroyProgram(&prog);
+  return cubin;
+}
+
+}  // namespace
+
+void* compile(const std::string& source, const std::string& name, int device, ImageStore* images) {
+  // The process cache keeps each image next to its function, so a store handed in later (an export
+  // after the same kernel was compiled by torch.compile) still receives it.
+  struct Loaded {
+    void* function;
+    KernelImage image;
+  };
+  static std::mutex mu;
+  static std::unordered_map<std::string, Loaded> cache;
+  const Api& a = api();
+  make_current(device);
+  const std::string target = arch(device);
+  std::string key = target + "\n" + source;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) {
+      if (images && !images->find(target, source)) images->add(it->second.image);
+      return it->second.function;
+    }
+  }
+  // NVRTC runs outside the lock, so several groups compile at once (generate.cpp starts them in parallel).
+  KernelImage image;
+  if (const KernelImage* stored = images ? images->find(target, source) : nullptr) {
+    image = *stored;
+  } else {
+    const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
+    const std::string dir = disk_cache_dir();
+    if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
+      image = std::move(*cached);
+    } else {
+      image = KernelImage{target, source, nvrtc_compile(source, name, target), version};
+      disk_cache_store(dir, image);
+    }
+    if (images) images->add(image);
+  }
   void* module = nullptr;
   void* function = nullptr;
-  check(a.cuModuleLoadData(&module, cubin.data()), "cuModuleLoadData");
+  check(a.cuModuleLoadData(&module, image.image.data()), "cuModuleLoadData");
   check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
   std::lock_guard<std::mutex> lock(mu);
-  return cache.emplace(key, function).first->second;  // a racing compile of the same source keeps the first
+  // A racing compile of the same source keeps the first.
+  return cache.emplace(key, Loaded{function, std::move(image)}).first->second.function;
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {

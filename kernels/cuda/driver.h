@@ -5,12 +5,21 @@
 
 namespace ember::cuda {
 
-// True when the driver and NVRTC load; otherwise false with the reason.
+class ImageStore;
+
+// True when the driver loads; otherwise false with the reason. NVRTC is loaded alongside when it is
+// found, and needed only for kernels that no image store holds.
 bool available(std::string* why_not);
 
-// Compiles `source` for `device`'s architecture and returns the CUfunction named `name`. Identical
+// `device`'s architecture as NVRTC names it: "sm_90".
+std::string arch(int device);
+// The NVRTC version, "13.0"; throws ember::Error where NVRTC is not found.
+std::string nvrtc_version();
+
+// Returns the CUfunction named `name` in `source` compiled for `device`'s architecture: the image from
+// `images` where it holds one, else compiled with NVRTC (and added to `images`, when given). Identical
 // sources compile once per process. Throws ember::Error with NVRTC's log on failure.
-void* compile(const std::string& source, const std::string& name, int device);
+void* compile(const std::string& source, const std::string& name, int device, ImageStore* images = nullptr);
 
 // Launches `function` with one by-value struct argument `params` on `stream` (a CUstream).
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device);

@@ -1,6 +1,7 @@
 """ember: a torch.compile backend written in C++.
 
     model = torch.compile(model, backend="ember")
+    ember.export(model, (x,), "model.ember")      # a package for C++ (ember::load), no Python needed
 
 Importing ember is cheap: the C++ extension, AOTAutograd and the decomposition table load on the
 first compile, not here.
@@ -9,7 +10,7 @@ first compile, not here.
 from .errors import EmberError
 
 __version__ = "0.1.0"
-__all__ = ["EmberError", "ember_backend", "explain", "__version__"]
+__all__ = ["EmberError", "ember_backend", "explain", "export", "load", "__version__"]
 
 
 def __getattr__(name):
@@ -21,4 +22,12 @@ def __getattr__(name):
         from .report import explain
 
         return explain
+    if name in ("export", "load"):
+        import importlib
+
+        export_module = importlib.import_module(".export", __name__)
+
+        # Importing the submodule ember.export bound the name to the module; the function takes it back.
+        globals()["export"], globals()["load"] = export_module.export, export_module.load
+        return globals()[name]
     raise AttributeError(f"module 'ember' has no attribute {name!r}")

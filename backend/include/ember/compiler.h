@@ -12,10 +12,17 @@
 
 namespace ember {
 
+namespace cuda {
+class ImageStore;
+}
+
 struct CompileOptions {
   std::vector<std::string> disabled_passes;  // by name: "dce", "cse", ...
   std::string debug_dir;                     // empty: write nothing
   std::string graph_name = "graph";          // file prefix for debug dumps
+  // CUDA kernel images: asked before NVRTC, told what NVRTC compiled (ember.export collects them into a
+  // package; ember::load hands in the package's). Null: compile with NVRTC, keep nothing.
+  std::shared_ptr<cuda::ImageStore> kernel_images;
 };
 
 struct PassContext {

@@ -1,0 +1,129 @@
+// Entry file: "EMBERCUB", u32 layout version, then length-prefixed (u64) ember version, arch, NVRTC
+// version, source and image, then the XXH64 of everything before it. Named by the XXH64 of the key.
+#include "kernels/cuda/disk_cache.h"
+
+#include "backend/package/xxhash.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <thread>
+
+namespace ember::cuda {
+namespace {
+
+constexpr char kMagic[8] = {'E', 'M', 'B', 'E', 'R', 'C', 'U', 'B'};
+constexpr uint32_t kLayoutVersion = 1;
+// Part of every key: a new ember may print the same source for a different calling convention.
+constexpr const char* kEmberVersion = EMBER_VERSION;
+
+uint64_t hash_of(const std::string& s, uint64_t seed) {
+  return xxh64(reinterpret_cast<const uint8_t*>(s.data()), s.size(), seed);
+}
+
+std::filesystem::path entry_path(const std::string& dir, const std::string& arch, const std::string& nvrtc_version,
+                                 const std::string& source) {
+  uint64_t h = hash_of(source, hash_of(arch + "\n" + nvrtc_version + "\n" + kEmberVersion, 0));
+  char name[32];
+  std::snprintf(name, sizeof(name), "%016llx.cubin", static_cast<unsigned long long>(h));
+  return std::filesystem::path(dir) / name;
+}
+
+void put_string(std::string& out, const std::string& s) {
+  uint64_t n = s.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  out += s;
+}
+
+// Reads a length-prefixed string at *pos of `bytes`; false if it does not fit.
+bool get_string(const std::string& bytes, size_t end, size_t* pos, std::string* out) {
+  uint64_t n = 0;
+  if (end - *pos < 8) return false;
+  std::memcpy(&n, bytes.data() + *pos, 8);
+  *pos += 8;
+  if (n > end - *pos) return false;
+  out->assign(bytes, *pos, n);
+  *pos += n;
+  return true;
+}
+
+}  // namespace
+
+std::string disk_cache_dir() {
+  if (const char* dir = std::getenv("EMBER_CACHE_DIR")) {
+    std::string d = dir;
+    return d == "off" || d == "0" ? "" : d;
+  }
+  const char* home = std::getenv("HOME");
+  return home && *home ? std::string(home) + "/.cache/ember" : "";
+}
+
+std::optional<KernelImage> disk_cache_find(const std::string& dir, const std::string& arch,
+                                           const std::string& nvrtc_version, const std::string& source) {
+  if (dir.empty()) return std::nullopt;
+  std::ifstream f(entry_path(dir, arch, nvrtc_version, source), std::ios::binary);
+  if (!f) return std::nullopt;
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (bytes.size() < 8 + 4 + 8) return std::nullopt;
+  size_t body = bytes.size() - 8;
+  uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + body, 8);
+  uint32_t version = 0;
+  std::memcpy(&version, bytes.data() + 8, 4);
+  if (std::memcmp(bytes.data(), kMagic, 8) != 0 || version != kLayoutVersion ||
+      xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), body, 0) != stored)
+    return std::nullopt;
+  size_t pos = 12;
+  std::string ember_version;
+  KernelImage image;
+  if (!get_string(bytes, body, &pos, &ember_version) || !get_string(bytes, body, &pos, &image.arch) ||
+      !get_string(bytes, body, &pos, &image.nvrtc_version) || !get_string(bytes, body, &pos, &image.source) ||
+      !get_string(bytes, body, &pos, &image.image) || pos != body)
+    return std::nullopt;
+  if (ember_version != kEmberVersion || image.arch != arch || image.nvrtc_version != nvrtc_version ||
+      image.source != source || image.image.empty())
+    return std::nullopt;
+  return image;
+}
+
+bool disk_cache_store(const std::string& dir, const KernelImage& image) {
+  if (dir.empty()) return false;
+  std::string bytes(kMagic, 8);
+  bytes.append(reinterpret_cast<const char*>(&kLayoutVersion), 4);
+  put_string(bytes, kEmberVersion);
+  put_string(bytes, image.arch);
+  put_string(bytes, image.nvrtc_version);
+  put_string(bytes, image.source);
+  put_string(bytes, image.image);
+  uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), 0);
+  bytes.append(reinterpret_cast<const char*>(&sum), 8);
+
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  auto path = entry_path(dir, image.arch, image.nvrtc_version, image.source);
+  // Unique per process and thread, so concurrent writers of one entry never share a temporary file.
+  std::string tmp = path.string() + ".tmp" + std::to_string(::getpid()) + "_" +
+                    std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return false;
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    f.close();
+    if (!f) {
+      std::filesystem::remove(tmp, ec);
+      return false;
+    }
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (!ec) return true;
+  std::filesystem::remove(tmp, ec);
+  return false;
+}
+
+}  // namespace ember::cuda

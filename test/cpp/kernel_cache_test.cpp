@@ -1,0 +1,89 @@
+// The CUDA kernel disk cache (kernels/cuda/disk_cache.h) without a GPU: what is stored is found again
+// under exactly its key, and a damaged, truncated or foreign entry is a miss, never a wrong image.
+#include "kernels/cuda/disk_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <vector>
+
+#include <unistd.h>
+
+namespace ember::cuda {
+namespace {
+
+class KernelCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = (std::filesystem::temp_directory_path() / ("ember_kernel_cache_test_" + std::to_string(::getpid()))).string();
+    std::filesystem::remove_all(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // The one entry file in the cache directory.
+  std::filesystem::path only_entry() const {
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(dir_)) files.push_back(e.path());
+    EXPECT_EQ(files.size(), 1u);
+    return files.at(0);
+  }
+
+  std::string dir_;
+  KernelImage image_{"sm_90", "extern \"C\" __global__ void ember_fused() {}", std::string("\x7f" "ELF\0cubin", 9), "13.0"};
+};
+
+TEST_F(KernelCache, StoredImageIsFoundUnderItsExactKeyOnly) {
+  ASSERT_TRUE(disk_cache_store(dir_, image_));
+  auto found = disk_cache_find(dir_, "sm_90", "13.0", image_.source);
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->image, image_.image);
+  EXPECT_EQ(found->source, image_.source);
+  EXPECT_FALSE(disk_cache_find(dir_, "sm_80", "13.0", image_.source));
+  EXPECT_FALSE(disk_cache_find(dir_, "sm_90", "12.8", image_.source));
+  EXPECT_FALSE(disk_cache_find(dir_, "sm_90", "13.0", image_.source + " "));
+  EXPECT_FALSE(disk_cache_find("", "sm_90", "13.0", image_.source));
+}
+
+TEST_F(KernelCache, DamagedEntriesAreMissesAndGetRewritten) {
+  ASSERT_TRUE(disk_cache_store(dir_, image_));
+  auto path = only_entry();
+  std::string good;
+  {
+    std::ifstream f(path, std::ios::binary);
+    good.assign((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  auto write = [&](const std::string& bytes) {
+    std::ofstream f(path, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  };
+  for (size_t n : {size_t(0), size_t(5), size_t(20), good.size() / 2, good.size() - 1}) {
+    write(good.substr(0, n));
+    EXPECT_FALSE(disk_cache_find(dir_, "sm_90", "13.0", image_.source)) << "truncated to " << n;
+  }
+  for (size_t bit = 0; bit < good.size() * 8; bit += 7) {
+    std::string flipped = good;
+    flipped[bit / 8] ^= static_cast<char>(1 << (bit % 8));
+    write(flipped);
+    EXPECT_FALSE(disk_cache_find(dir_, "sm_90", "13.0", image_.source)) << "bit " << bit;
+  }
+  ASSERT_TRUE(disk_cache_store(dir_, image_));  // a recompile overwrites the damaged entry
+  EXPECT_TRUE(disk_cache_find(dir_, "sm_90", "13.0", image_.source));
+}
+
+TEST_F(KernelCache, DirectoryComesFromTheEnvironment) {
+  const char* saved = std::getenv("EMBER_CACHE_DIR");
+  std::string old = saved ? saved : "";
+  setenv("EMBER_CACHE_DIR", "off", 1);
+  EXPECT_EQ(disk_cache_dir(), "");
+  setenv("EMBER_CACHE_DIR", dir_.c_str(), 1);
+  EXPECT_EQ(disk_cache_dir(), dir_);
+  if (saved) setenv("EMBER_CACHE_DIR", old.c_str(), 1);
+  else unsetenv("EMBER_CACHE_DIR");
+  if (!saved && std::getenv("HOME")) EXPECT_EQ(disk_cache_dir(), std::string(std::getenv("HOME")) + "/.cache/ember");
+}
+
+}  // namespace
+}  // namespace ember::cuda
