@@ -159,6 +159,8 @@ def main():
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--models", default=None, help="comma-separated (default: mlp,transformer_layer[,resnet18])")
     parser.add_argument("--no-aoti", action="store_true")
+    parser.add_argument("--systems", default="ember,aoti",
+                        help="comma-separated subset of ember,aoti (one process each keeps a crash in one from hiding the other)")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeat", type=int, default=50)
     parser.add_argument("--load-repeats", type=int, default=3)
@@ -184,7 +186,8 @@ def main():
         model = model.eval().to(args.device)
         inputs = tuple(x.to(args.device) for x in inputs)
         row, runs = {}, {"eager": lambda xs: model(*xs)}
-        systems = [("ember", bench_ember)] + ([] if args.no_aoti else [("aoti", bench_aoti)])
+        wanted = set(args.systems.split(",")) - ({"aoti"} if args.no_aoti else set())
+        systems = [(n, f) for n, f in (("ember", bench_ember), ("aoti", bench_aoti)) if n in wanted]
         with tempfile.TemporaryDirectory() as workdir:
             for system, fn in systems:
                 try:

@@ -4,12 +4,13 @@
 
 #include "backend/package/xxhash.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iterator>
@@ -27,12 +28,23 @@ uint64_t hash_of(const std::string& s, uint64_t seed) {
   return xxh64(reinterpret_cast<const uint8_t*>(s.data()), s.size(), seed);
 }
 
-std::filesystem::path entry_path(const std::string& dir, const std::string& arch, const std::string& nvrtc_version,
-                                 const std::string& source) {
+std::string entry_path(const std::string& dir, const std::string& arch, const std::string& nvrtc_version,
+                       const std::string& source) {
   uint64_t h = hash_of(source, hash_of(arch + "\n" + nvrtc_version + "\n" + kEmberVersion, 0));
   char name[32];
   std::snprintf(name, sizeof(name), "%016llx.cubin", static_cast<unsigned long long>(h));
-  return std::filesystem::path(dir) / name;
+  return dir + "/" + name;
+}
+
+// mkdir -p with POSIX calls. std::filesystem is avoided in libember: torch 2.11's libtorch.so exports its
+// own std::filesystem symbols, which calls from here bind to, and std::filesystem::remove_all crashed
+// through them on the GPU machine.
+void make_directories(const std::string& dir) {
+  for (size_t i = 1; i <= dir.size(); ++i)
+    if (i == dir.size() || dir[i] == '/') {
+      std::string prefix = dir.substr(0, i);
+      if (::mkdir(prefix.c_str(), 0755) != 0 && errno != EEXIST) return;
+    }
 }
 
 void put_string(std::string& out, const std::string& s) {
@@ -104,11 +116,10 @@ bool disk_cache_store(const std::string& dir, const KernelImage& image) {
   uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), 0);
   bytes.append(reinterpret_cast<const char*>(&sum), 8);
 
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  auto path = entry_path(dir, image.arch, image.nvrtc_version, image.source);
+  make_directories(dir);
+  std::string path = entry_path(dir, image.arch, image.nvrtc_version, image.source);
   // Unique per process and thread, so concurrent writers of one entry never share a temporary file.
-  std::string tmp = path.string() + ".tmp" + std::to_string(::getpid()) + "_" +
+  std::string tmp = path + ".tmp" + std::to_string(::getpid()) + "_" +
                     std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
@@ -116,13 +127,12 @@ bool disk_cache_store(const std::string& dir, const KernelImage& image) {
     f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
     f.close();
     if (!f) {
-      std::filesystem::remove(tmp, ec);
+      ::unlink(tmp.c_str());
       return false;
     }
   }
-  std::filesystem::rename(tmp, path, ec);
-  if (!ec) return true;
-  std::filesystem::remove(tmp, ec);
+  if (std::rename(tmp.c_str(), path.c_str()) == 0) return true;
+  ::unlink(tmp.c_str());
   return false;
 }
 

@@ -4,8 +4,10 @@
 
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+
 #include <cstdlib>
-#include <filesystem>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <vector>
@@ -15,18 +17,35 @@
 namespace ember::cuda {
 namespace {
 
+// POSIX directory handling: std::filesystem calls bind to the copy torch 2.11's libtorch.so exports, and
+// its remove_all crashed on the GPU machine (see kernels/cuda/disk_cache.cpp).
+std::vector<std::string> entries(const std::string& dir) {
+  std::vector<std::string> out;
+  if (DIR* d = ::opendir(dir.c_str())) {
+    while (dirent* e = ::readdir(d))
+      if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) out.push_back(dir + "/" + e->d_name);
+    ::closedir(d);
+  }
+  return out;
+}
+
+void remove_tree(const std::string& dir) {  // the cache directory holds files only
+  for (const std::string& f : entries(dir)) ::unlink(f.c_str());
+  ::rmdir(dir.c_str());
+}
+
 class KernelCache : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = (std::filesystem::temp_directory_path() / ("ember_kernel_cache_test_" + std::to_string(::getpid()))).string();
-    std::filesystem::remove_all(dir_);
+    const char* tmp = std::getenv("TMPDIR");
+    dir_ = std::string(tmp && *tmp ? tmp : "/tmp") + "/ember_kernel_cache_test_" + std::to_string(::getpid());
+    remove_tree(dir_);
   }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
+  void TearDown() override { remove_tree(dir_); }
 
   // The one entry file in the cache directory.
-  std::filesystem::path only_entry() const {
-    std::vector<std::filesystem::path> files;
-    for (const auto& e : std::filesystem::directory_iterator(dir_)) files.push_back(e.path());
+  std::string only_entry() const {
+    std::vector<std::string> files = entries(dir_);
     EXPECT_EQ(files.size(), 1u);
     return files.at(0);
   }
