@@ -1,0 +1,242 @@
+// oneDNN matmul with fused post-ops: the only file that includes the system's dnnl.hpp (see onednn.h for
+// why it is built apart from torch's headers).
+//  1. One primitive per distinct call shape (M, N, K and the stride pattern), created on first use and kept:
+//     the per-call cost is a lock, a short linear search, pointer updates and execute().
+//  2. Weights in inference graphs are reordered once into the layout the primitive prefers (format "any"):
+//     the brgemm kernels otherwise copy a plain weight matrix into blocks on every call.
+//  3. Post-ops run in the primitive on each output tile while it is in cache: no separate pass over dst.
+#include "kernels/cpu/onednn.h"
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+
+namespace ember::onednn {
+namespace {
+
+using dnnl::memory;
+void* const kNoHandle = nullptr;  // memory objects get their data pointer per call
+
+const dnnl::engine& cpu_engine() {
+  static const dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+memory::data_type data_type(DType t) { return t == DType::BF16 ? memory::data_type::bf16 : memory::data_type::f32; }
+
+dnnl::algorithm eltwise_algorithm(PostOp::Kind k) {
+  switch (k) {
+    case PostOp::Kind::Relu: return dnnl::algorithm::eltwise_relu;
+    case PostOp::Kind::GeluErf: return dnnl::algorithm::eltwise_gelu_erf;
+    case PostOp::Kind::GeluTanh: return dnnl::algorithm::eltwise_gelu_tanh;
+    case PostOp::Kind::Silu: return dnnl::algorithm::eltwise_swish;
+    case PostOp::Kind::Sigmoid: return dnnl::algorithm::eltwise_logistic;
+    case PostOp::Kind::Tanh: return dnnl::algorithm::eltwise_tanh;
+    case PostOp::Kind::Linear: return dnnl::algorithm::eltwise_linear;
+    case PostOp::Kind::Add: break;
+  }
+  throw std::logic_error("not an eltwise post-op");
+}
+
+// What selects a primitive: everything about a call except its pointers.
+struct ShapeKey {
+  int64_t M, N, K, src_stride[2], weights_stride[2], dst_stride;
+  std::vector<int64_t> addend_row_stride;
+
+  static ShapeKey of(const MatmulCall& c) {
+    return {c.M, c.N, c.K, {c.src_stride[0], c.src_stride[1]}, {c.weights_stride[0], c.weights_stride[1]},
+            c.dst_stride, c.addend_row_stride};
+  }
+  bool operator==(const ShapeKey& o) const {
+    return M == o.M && N == o.N && K == o.K && src_stride[0] == o.src_stride[0] &&
+           src_stride[1] == o.src_stride[1] && weights_stride[0] == o.weights_stride[0] &&
+           weights_stride[1] == o.weights_stride[1] && dst_stride == o.dst_stride &&
+           addend_row_stride == o.addend_row_stride;
+  }
+};
+
+// The primitives for one shape: reading plain (strided) weights, and, once asked for, packed weights.
+struct Entry {
+  ShapeKey key;
+  dnnl::matmul plain;
+  memory src, weights, bias, dst;
+  std::vector<memory> addends;
+  // Packed weights: created on the first call with a nonzero generation.
+  dnnl::matmul packed;
+  memory packed_weights;
+  uint64_t packed_generation = 0;
+  bool packed_is_plain = false;  // the preferred layout is the plain one: nothing to reorder
+};
+
+class MatmulImpl final : public Matmul {
+ public:
+  explicit MatmulImpl(MatmulConfig config) : config_(std::move(config)), stream_(cpu_engine()) {}
+
+  void run(const MatmulCall& call, uint64_t generation) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    try {
+      run_locked(call, generation);
+    } catch (const dnnl::error& e) {
+      throw std::runtime_error(std::string("oneDNN: ") + e.what());
+    }
+  }
+
+  void run_locked(const MatmulCall& call, uint64_t generation) {
+    Entry& e = entry(call);
+    void* weights = const_cast<void*>(call.weights);
+    e.src.set_data_handle(const_cast<void*>(call.src));
+    e.dst.set_data_handle(call.dst);
+    if (config_.bias) e.bias.set_data_handle(const_cast<void*>(call.bias));
+    for (size_t i = 0; i < e.addends.size(); ++i) e.addends[i].set_data_handle(const_cast<void*>(call.addends[i]));
+    e.weights.set_data_handle(weights);
+
+    const dnnl::matmul* prim = &e.plain;
+    const memory* w = &e.weights;
+    if (generation != 0) {
+      if (!e.packed) make_packed(e);
+      if (e.packed_is_plain) {
+        // plain already is the preferred layout
+      } else {
+        if (e.packed_generation != generation) {
+          dnnl::reorder(e.weights, e.packed_weights).execute(stream_, e.weights, e.packed_weights);
+          e.packed_generation = generation;
+          ++packings_;
+        }
+        prim = &e.packed;
+        w = &e.packed_weights;
+      }
+    }
+    std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, e.src}, {DNNL_ARG_WEIGHTS, *w}, {DNNL_ARG_DST, e.dst}};
+    if (config_.bias) args.emplace(DNNL_ARG_BIAS, e.bias);
+    for (size_t i = 0, a = 0; i < config_.post_ops.size(); ++i)
+      if (config_.post_ops[i].kind == PostOp::Kind::Add)
+        args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(static_cast<int>(i)) | DNNL_ARG_SRC_1, e.addends[a++]);
+    prim->execute(stream_, args);
+    stream_.wait();
+  }
+
+  size_t primitives() const override { return entries_.size(); }
+  size_t packings() const override { return packings_; }
+
+  // Builds one primitive for a fixed small shape, so that create() can report a configuration oneDNN rejects.
+  void probe() {
+    MatmulCall c;
+    c.M = 2, c.N = 2, c.K = 2;
+    c.src_stride[0] = 2, c.src_stride[1] = 1;
+    c.weights_stride[0] = 2, c.weights_stride[1] = 1;
+    c.dst_stride = 2;
+    for (const PostOp& p : config_.post_ops)
+      if (p.kind == PostOp::Kind::Add) c.addend_row_stride.push_back(p.row ? 0 : 2);
+    descriptor(c, false);
+  }
+
+ private:
+  memory::desc matrix(int64_t rows, int64_t cols, int64_t s0, int64_t s1) const {
+    return memory::desc({rows, cols}, data_type(config_.dtype), memory::dims{s0, s1});
+  }
+
+  dnnl::matmul::primitive_desc descriptor(const MatmulCall& c, bool any_weights) const {
+    memory::desc src = matrix(c.M, c.K, c.src_stride[0], c.src_stride[1]);
+    memory::desc weights = any_weights
+        ? memory::desc({c.K, c.N}, data_type(config_.dtype), memory::format_tag::any)
+        : matrix(c.K, c.N, c.weights_stride[0], c.weights_stride[1]);
+    memory::desc dst = matrix(c.M, c.N, c.dst_stride, 1);
+    dnnl::post_ops ops;
+    size_t a = 0;
+    for (const PostOp& p : config_.post_ops) {
+      if (p.kind == PostOp::Kind::Add) {
+        memory::desc addend = p.row ? matrix(1, c.N, c.N, 1) : matrix(c.M, c.N, c.addend_row_stride.at(a), 1);
+        ++a;
+        ops.append_binary(dnnl::algorithm::binary_add, addend);
+      } else {
+        float alpha = p.kind == PostOp::Kind::Silu ? 1.f : p.alpha;
+        float beta = p.kind == PostOp::Kind::Linear ? p.beta : 0.f;
+        if (p.kind != PostOp::Kind::Linear && p.kind != PostOp::Kind::Silu) alpha = 0.f;
+        ops.append_eltwise(1.f, eltwise_algorithm(p.kind), alpha, beta);
+      }
+    }
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    if (config_.bias) {
+      memory::desc bias = matrix(1, c.N, c.N, 1);
+      return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, bias, dst), attr, cpu_engine());
+    }
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), attr, cpu_engine());
+  }
+
+  Entry& entry(const MatmulCall& call) {
+    ShapeKey key = ShapeKey::of(call);
+    for (auto& e : entries_)
+      if (e->key == key) return *e;
+    if (entries_.size() >= kMaxEntries) entries_.erase(entries_.begin());  // a stream of new shapes: keep the last ones
+    auto e = std::make_unique<Entry>();
+    e->key = key;
+    auto pd = descriptor(call, false);
+    e->plain = dnnl::matmul(pd);
+    const dnnl::engine& eng = cpu_engine();
+    e->src = memory(pd.src_desc(), eng, kNoHandle);
+    e->weights = memory(pd.weights_desc(), eng, kNoHandle);
+    e->dst = memory(pd.dst_desc(), eng, kNoHandle);
+    if (config_.bias) e->bias = memory(matrix(1, call.N, call.N, 1), eng, kNoHandle);
+    size_t a = 0;
+    for (const PostOp& p : config_.post_ops) {
+      if (p.kind != PostOp::Kind::Add) continue;
+      memory::desc md = p.row ? matrix(1, call.N, call.N, 1) : matrix(call.M, call.N, call.addend_row_stride.at(a), 1);
+      e->addends.emplace_back(md, eng, kNoHandle);
+      ++a;
+    }
+    entries_.push_back(std::move(e));
+    return *entries_.back();
+  }
+
+  void make_packed(Entry& e) {
+    auto pd = descriptor(call_shape_of(e), true);
+    e.packed = dnnl::matmul(pd);
+    if (pd.weights_desc() == e.weights.get_desc()) {
+      e.packed_is_plain = true;
+      return;
+    }
+    e.packed_weights = memory(pd.weights_desc(), cpu_engine());  // owned by oneDNN
+  }
+
+  static MatmulCall call_shape_of(const Entry& e) {
+    MatmulCall c;
+    c.M = e.key.M, c.N = e.key.N, c.K = e.key.K;
+    c.src_stride[0] = e.key.src_stride[0], c.src_stride[1] = e.key.src_stride[1];
+    c.weights_stride[0] = e.key.weights_stride[0], c.weights_stride[1] = e.key.weights_stride[1];
+    c.dst_stride = e.key.dst_stride;
+    c.addend_row_stride = e.key.addend_row_stride;
+    return c;
+  }
+
+  static constexpr size_t kMaxEntries = 16;
+  MatmulConfig config_;
+  dnnl::stream stream_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Entry>> entries_;
+  size_t packings_ = 0;
+};
+
+}  // namespace
+
+bool available() { return true; }
+
+std::string version() {
+  const dnnl_version_t* v = dnnl_version();
+  return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch);
+}
+
+std::unique_ptr<Matmul> Matmul::create(const MatmulConfig& config, std::string* why_not) {
+  try {
+    auto m = std::make_unique<MatmulImpl>(config);
+    m->probe();
+    return m;
+  } catch (const dnnl::error& e) {
+    if (why_not) *why_not = std::string("oneDNN rejected the matmul: ") + e.what();
+  }
+  return nullptr;
+}
+
+}  // namespace ember::onednn

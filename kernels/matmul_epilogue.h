@@ -1,0 +1,44 @@
+// A claimed matmul group (passes/matmul_epilogue.cpp) lowered for a library call: operands, the epilogue
+// steps in order, and the shape of the value it writes. Device-neutral: kernels/cpu turns it into a oneDNN
+// matmul with post-ops; a GPU generator could turn it into a cuBLASLt call with an epilogue.
+#pragma once
+
+#include "ember/epilogue.h"
+#include "ember/ir.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ember {
+
+struct MatmulEpilogue {
+  int group = -1;
+  c10::Device device{c10::kCPU};
+  c10::ScalarType dtype = c10::kFloat;
+  const Value* src = nullptr;      // [M, K]
+  const Value* weights = nullptr;  // [K, N], any strides
+  const Value* bias = nullptr;     // [N] or null
+  std::vector<EpilogueOp> ops;     // in order; no views (they do not change the values)
+  std::vector<const Value*> addends;    // the Add steps' tensors, in order
+  std::vector<bool> addend_is_row;      // per addend: one row broadcast over the result
+  // Where the group ends in a view: the shape it writes, each dimension a constant or a value read per
+  // call (a SymInt). Empty: the matmul's own [M, N].
+  std::vector<std::pair<int64_t, const Value*>> out_shape;
+  const Value* output = nullptr;
+  bool weights_are_input = false;  // a graph input (a parameter) or a transposing view of one
+  std::vector<const Node*> members;
+
+  // The values the kernel reads, in the order it reads them: src, weights, bias?, addends, shape values.
+  std::vector<const Value*> reads() const;
+  // "matmul f32 +bias relu add" for listings and explain.
+  std::string text() const;
+};
+
+// True when `group`'s first node is a matmul: it was claimed as a matmul epilogue, not fused.
+bool is_matmul_group(const Graph& graph, int group);
+
+// Nothing, with the reason in *why_not, when the group is not a matmul chain as the pass claims them.
+std::optional<MatmulEpilogue> lower_matmul_group(const Graph& graph, int group, std::string* why_not);
+
+}  // namespace ember
