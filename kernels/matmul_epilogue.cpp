@@ -1,6 +1,8 @@
 // lower_matmul_group: a claimed group, re-read member by member through the same classifier the pass used.
 #include "kernels/matmul_epilogue.h"
 
+#include "ember/op_table.h"
+
 namespace ember {
 namespace {
 
@@ -33,6 +35,7 @@ std::vector<const Value*> MatmulEpilogue::reads() const {
   r.insert(r.end(), addends.begin(), addends.end());
   for (const auto& [constant, value] : out_shape)
     if (value) r.push_back(value);
+  if (weights_input) r.push_back(weights_input);
   return r;
 }
 
@@ -90,7 +93,11 @@ std::optional<MatmulEpilogue> lower_matmul_group(const Graph& graph, int group, 
     v = n.outputs[0];
   }
   m.output = v;
-  m.weights_are_input = is_input_or_view_of_input(m.weights);
+  m.weights_input = input_behind(m.weights);
+  // A graph that writes tensors in place does so below autograd, without moving version counters: its
+  // weights might change unseen, so they are never packed.
+  for (const auto& n : graph.nodes())
+    if (op_info(n->op).has(kMutates)) m.weights_input = nullptr;
   return m;
 }
 

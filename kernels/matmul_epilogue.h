@@ -26,10 +26,14 @@ struct MatmulEpilogue {
   // call (a SymInt). Empty: the matmul's own [M, N].
   std::vector<std::pair<int64_t, const Value*>> out_shape;
   const Value* output = nullptr;
-  bool weights_are_input = false;  // a graph input (a parameter) or a transposing view of one
+  // The graph input the weights are (or are a transposing view of): a parameter, whose identity and
+  // version counter say whether packed weights are still good. Views made while the plan runs (below
+  // autograd) get their own version counter, so the check reads the input itself. Null: never packed.
+  const Value* weights_input = nullptr;
   std::vector<const Node*> members;
 
-  // The values the kernel reads, in the order it reads them: src, weights, bias?, addends, shape values.
+  // The values the kernel reads, in the order it reads them: src, weights, bias?, addends, shape values,
+  // weights_input?
   std::vector<const Value*> reads() const;
   // "matmul f32 +bias relu add" for listings and explain.
   std::string text() const;

@@ -51,7 +51,7 @@ class Claimer {
       std::vector<Node*> members = chain(n, i);
       const Value *src, *weights, *bias;
       as_matmul(n, &src, &weights, &bias);
-      if (members.size() == 1 && !is_input_or_view_of_input(weights)) continue;
+      if (members.size() == 1 && !input_behind(weights)) continue;
       for (Node* m : members) m->group = next;
       ++next;
     }

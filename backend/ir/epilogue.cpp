@@ -102,14 +102,14 @@ bool as_matmul(const Node& n, const Value** src, const Value** weights, const Va
   return *src && *weights;
 }
 
-bool is_input_or_view_of_input(const Value* v) {
+const Value* input_behind(const Value* v) {
   for (int depth = 0; depth < 4 && v->producer; ++depth) {
     const Node& p = *v->producer;
-    if (p.op != "aten::permute" && p.op != "aten::t" && p.op != "aten::transpose.int") return false;
-    if (p.args.empty() || !p.args[0].is_value()) return false;
+    if (p.op != "aten::permute" && p.op != "aten::t" && p.op != "aten::transpose.int") return nullptr;
+    if (p.args.empty() || !p.args[0].is_value()) return nullptr;
     v = p.args[0].value;
   }
-  return v->producer == nullptr;
+  return v->producer == nullptr ? v : nullptr;
 }
 
 }  // namespace ember

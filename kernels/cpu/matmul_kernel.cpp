@@ -1,10 +1,11 @@
 // The CPU kernel for a claimed matmul group: one oneDNN matmul with the epilogue as post-ops.
 //  1. Per call it reads the operands' sizes and strides and hands oneDNN pointers (kernels/cpu/onednn.h); the
 //     primitive for that shape was made on first sight.
-//  2. Weights that are a graph input (a parameter) and come back as the same tensor, unmodified (same
-//     storage, data pointer, strides and version counter), are packed once into oneDNN's layout on their
-//     second sight and reused. The kernel keeps a reference to the tensor it packed from, so its storage
-//     cannot be freed and reused by another tensor at the same address while the packing is trusted.
+//  2. Weights that are a graph input (a parameter, or a transposing view of one) and come back as the same
+//     input tensor, unmodified (same TensorImpl and version counter, viewed at the same data pointer with
+//     the same strides), are packed once into oneDNN's layout on their second sight and reused. The kernel
+//     keeps a reference to the input it packed from, so that no other tensor can take its address while
+//     the packing is trusted.
 //  3. Operands oneDNN does not take as they are (neither rows nor columns contiguous, an empty dimension,
 //     an addend that is not contiguous) run the same computation through ATen, so every input is correct.
 #include "kernels/cpu/cpu_kernel.h"
@@ -48,7 +49,7 @@ class MatmulKernel final : public Kernel {
  public:
   MatmulKernel(const MatmulEpilogue& m, std::unique_ptr<onednn::Matmul> dnnl)
       : dnnl_(std::move(dnnl)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
-        addend_is_row_(m.addend_is_row), pack_(m.weights_are_input), text_(m.text()),
+        addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op) {
     for (const auto& [constant, value] : m.out_shape) out_shape_.emplace_back(constant, value != nullptr);
   }
@@ -63,9 +64,10 @@ class MatmulKernel final : public Kernel {
     for (size_t i = 0; i < addend_is_row_.size(); ++i) addends.push_back(buffers[reads[r++]].toTensor());
     std::vector<int64_t> shape;
     for (const auto& [constant, from_buffer] : out_shape_) shape.push_back(from_buffer ? buffers[reads[r++]].toInt() : constant);
+    const at::Tensor* weights_input = pack_ ? &buffers[reads[r++]].toTensor() : nullptr;
 
     at::Tensor out;
-    if (!run_onednn(src, weights, bias, addends, &out)) {
+    if (!run_onednn(src, weights, weights_input, bias, addends, &out)) {
       try {
         out = run_aten(src, weights, bias, addends);
       } catch (const c10::Error& e) {
@@ -79,7 +81,7 @@ class MatmulKernel final : public Kernel {
   std::string describe() const override { return "onednn " + text_; }
 
  private:
-  bool run_onednn(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
+  bool run_onednn(const at::Tensor& src, const at::Tensor& weights, const at::Tensor* weights_input, const at::Tensor& bias,
                   const std::vector<at::Tensor>& addends, at::Tensor* out) const {
     if (src.dim() != 2 || weights.dim() != 2 || src.size(1) != weights.size(0)) return false;
     if (src.scalar_type() != dtype_ || weights.scalar_type() != dtype_) return false;
@@ -104,7 +106,7 @@ class MatmulKernel final : public Kernel {
     call.dst = out->data_ptr();
     call.dst_stride = call.N;
     try {
-      dnnl_->run(call, pack_ ? generation(weights) : 0);
+      dnnl_->run(call, weights_input ? generation(*weights_input, weights) : 0);
     } catch (const std::exception&) {
       return false;  // the ATen path computes the same thing
     }
@@ -112,21 +114,23 @@ class MatmulKernel final : public Kernel {
   }
 
   // Which packing of the weights this call may use: 0 (read them in place) until the same unmodified
-  // tensor comes a second time.
-  uint64_t generation(const at::Tensor& w) const {
+  // input tensor comes a second time, seen through the same view.
+  uint64_t generation(const at::Tensor& input, const at::Tensor& w) const {
     std::lock_guard<std::mutex> lock(mu_);
-    if (w.is_inference() || !w.has_storage()) {
+    if (input.is_inference() || !input.has_storage()) {
       packed_from_ = at::Tensor();
       return 0;
     }
-    uint32_t version = w._version();
-    bool same = packed_from_.defined() &&
-                packed_from_.storage().unsafeGetStorageImpl() == w.storage().unsafeGetStorageImpl() &&
-                packed_from_.data_ptr() == w.data_ptr() && packed_from_.strides() == w.strides() &&
-                packed_from_.sizes() == w.sizes() && packed_version_ == version;
+    uint32_t version = input._version();
+    bool same = packed_from_.defined() && packed_from_.unsafeGetTensorImpl() == input.unsafeGetTensorImpl() &&
+                packed_version_ == version && packed_data_ == w.data_ptr() && packed_strides_ == w.strides().vec() &&
+                packed_sizes_ == w.sizes().vec();
     if (!same) {
-      packed_from_ = w;
+      packed_from_ = input;
       packed_version_ = version;
+      packed_data_ = w.data_ptr();
+      packed_strides_ = w.strides().vec();
+      packed_sizes_ = w.sizes().vec();
       generation_ = 0;
       return 0;
     }
@@ -172,6 +176,8 @@ class MatmulKernel final : public Kernel {
   mutable std::mutex mu_;
   mutable at::Tensor packed_from_;  // the weights last seen, kept alive (see 2. above)
   mutable uint32_t packed_version_ = 0;
+  mutable const void* packed_data_ = nullptr;  // the weights view of that input, as packed
+  mutable std::vector<int64_t> packed_strides_, packed_sizes_;
   mutable uint64_t generation_ = 0;
   mutable uint64_t next_generation_ = 0;
 };

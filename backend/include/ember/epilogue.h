@@ -26,8 +26,9 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in);
 // Sets *src, *weights and *bias (null for mm) when it is one.
 bool as_matmul(const Node& n, const Value** src, const Value** weights, const Value** bias);
 
-// A graph input, or a transposing view (permute / t / transpose) of one: how AOTAutograd passes a Linear's
-// weights, which stay the same tensor call after call in inference.
-bool is_input_or_view_of_input(const Value* v);
+// The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
+// starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
+// call in inference. Null when `v` is computed.
+const Value* input_behind(const Value* v);
 
 }  // namespace ember
