@@ -88,7 +88,15 @@ std::optional<MatmulEpilogue> lower_matmul_group(const Graph& graph, int group, 
         const TensorType& t = op->addend->type.tensor;
         m.addend_is_row.push_back(!(t.sizes == n.outputs[0]->type.tensor.sizes) && is_row(t));
       }
-      m.ops.push_back(*op);
+      if (op->kind == EpilogueOp::Kind::Linear && !m.ops.empty() && m.ops.back().kind == EpilogueOp::Kind::Linear) {
+        // a2 * (a1 * x + b1) + b2 as one step: cheaper, and two linear post-ops in a row gave wrong results
+        // with oneDNN 2.6.3 here
+        EpilogueOp& prev = m.ops.back();
+        prev.beta = op->alpha * prev.beta + op->beta;
+        prev.alpha *= op->alpha;
+      } else {
+        m.ops.push_back(*op);
+      }
     }
     v = n.outputs[0];
   }

@@ -1,0 +1,154 @@
+"""oneDNN matmul epilogues on the CPU: linear / mm / addmm with bias, activations, scales and residual adds
+fused as post-ops (passes/matmul_epilogue.cpp, kernels/cpu/matmul_kernel.cpp), against eager on fresh random
+inputs, forward and backward, odd sizes, dynamic batch sizes, weights changed in place between calls."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import helpers
+from helpers import MATMUL_TOL, check, compile_ember
+
+
+def onednn_kernels():
+    """The oneDNN steps of every graph ember compiled in this test."""
+    return [what for _, compiled in helpers.EMBER_GRAPHS for kind, what in compiled.steps()
+            if kind == "kernel" and what.startswith("onednn")]
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_built():
+    import ember
+
+    lin = nn.Linear(4, 4)
+    with torch.no_grad():
+        report = ember.explain(lambda x: torch.relu(lin(x)))(torch.randn(2, 4))
+    return any(k.startswith("onednn") for g in report.graphs for k in g.kernels)
+
+
+needs_onednn = pytest.mark.skipif("not _onednn_built()", reason="ember was built without oneDNN")
+
+ACTIVATIONS = {
+    "none": lambda y: y,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(7, 13, 5), (2, 3, 17, 9)], ids=["2d", "4d"])
+def test_linear_activation_inference(act, bias, shape):
+    *batch, k, n = shape
+    lin = nn.Linear(k, n, bias=bias)
+    fn = lambda x: ACTIVATIONS[act](lin(x))  # noqa: E731
+    with torch.no_grad():
+        check(fn, torch.randn(*batch, k), grad=False, **MATMUL_TOL)
+    kernels = onednn_kernels()
+    assert len(kernels) == 1, kernels
+    assert ("+bias" in kernels[0]) == bias, kernels
+    if act != "none":
+        assert kernels[0].split()[-1] == act, kernels
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", ["relu", "gelu", "tanh"])
+def test_linear_activation_training(act):
+    lin = nn.Linear(11, 6)
+    check(lambda x: ACTIVATIONS[act](lin(x)), torch.randn(5, 11, requires_grad=True), **MATMUL_TOL)
+    assert onednn_kernels()
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["residual", "residual_first", "scale_shift", "div", "row_add"])
+def test_residual_scale_and_row_epilogues(case):
+    w, b = torch.randn(6, 10), torch.randn(6)
+    fns = {
+        "residual": lambda x, r: torch.relu(F.linear(x, w, b)) + r,
+        "residual_first": lambda x, r: r + F.linear(x, w, b),
+        "scale_shift": lambda x, r: F.linear(x, w) * 0.5 - 1.0,
+        "div": lambda x, r: torch.sigmoid(F.linear(x, w, b) / 3.0),
+        "row_add": lambda x, r: torch.mm(x.flatten(0, -2), w.t()) + b,
+    }
+    with torch.no_grad():
+        check(fns[case], torch.randn(3, 4, 10), torch.randn(3, 4, 6), grad=False, **MATMUL_TOL)
+    assert len(onednn_kernels()) == 1
+
+
+@needs_onednn
+def test_weights_changed_in_place_between_calls_are_repacked():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for step in range(4):  # calls 2+ run on packed weights
+            x = torch.randn(5, 16)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+            if step == 1:
+                model[0].weight.mul_(-1.5)
+                model[2].bias.add_(1.0)
+    assert len(onednn_kernels()) == 2
+
+
+@needs_onednn
+def test_dynamic_batch_sizes_and_empty_batch():
+    model = nn.Sequential(nn.Linear(9, 7), nn.SiLU()).eval()
+    compiled = compile_ember(model, dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 8, 5, 3, 0):
+            x = torch.randn(rows, 9)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+
+
+@needs_onednn
+def test_non_contiguous_source():
+    lin = nn.Linear(12, 4)
+    with torch.no_grad():
+        check(lambda x: torch.relu(lin(x.t())), torch.randn(12, 7), grad=False, **MATMUL_TOL)
+
+
+@needs_onednn
+def test_bfloat16_linear_relu():
+    lin = nn.Linear(32, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        check(lambda x: torch.relu(lin(x)), torch.randn(6, 32, dtype=torch.bfloat16), grad=False)
+    assert onednn_kernels() and "bf16" in onednn_kernels()[0]
+
+
+def test_mlp_training_step_matches_eager():
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 3))
+    check(model, torch.randn(8, 20), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_transformer_encoder_layer(train):
+    # The quickstart's model: the MHA fast path off so that eager and ember both run it op by op.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        model = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        x = torch.randn(2, 7, 32)
+        if train:
+            check(model.train(), x, **MATMUL_TOL)
+        else:
+            with torch.no_grad():
+                check(model.eval(), x, grad=False, **MATMUL_TOL)
+            steps = [what for _, c in helpers.EMBER_GRAPHS for kind, what in c.steps() if kind == "aten"]
+            # canonicalize drops the clones functionalization leaves around dropout and the projections
+            assert steps.count("aten::clone") <= 2, steps
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+def test_epilogue_pass_can_be_switched_off():
+    lin = nn.Linear(5, 3)
+    with torch.no_grad():
+        check(lambda x: torch.relu(lin(x)), torch.randn(4, 5), grad=False, options={"disable_passes": "epilogue"},
+              **MATMUL_TOL)
+    assert not onednn_kernels()
