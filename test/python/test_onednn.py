@@ -1,6 +1,9 @@
 """oneDNN matmul epilogues on the CPU: linear / mm / addmm with bias, activations, scales and residual adds
 fused as post-ops (passes/matmul_epilogue.cpp, kernels/cpu/matmul_kernel.cpp), against eager on fresh random
-inputs, forward and backward, odd sizes, dynamic batch sizes, weights changed in place between calls."""
+inputs, forward and backward, odd sizes, dynamic batch sizes, weights changed in place between calls.
+
+Fewer than 8 rows against weights not yet packed run through ATen (kernels/cpu/matmul_kernel.cpp), so the
+single-call tests use 8 rows or more to reach oneDNN's post-ops."""
 
 import functools
 
@@ -26,7 +29,7 @@ def _onednn_built():
     lin = nn.Linear(4, 4)
     with torch.no_grad():
         report = ember.explain(lambda x: torch.relu(lin(x)))(torch.randn(2, 4))
-    return any(k.startswith("onednn") for g in report.graphs for k in g.kernels)
+    return any(g.onednn for g in report.graphs)
 
 
 needs_onednn = pytest.mark.skipif("not _onednn_built()", reason="ember was built without oneDNN")
@@ -45,7 +48,7 @@ ACTIVATIONS = {
 @needs_onednn
 @pytest.mark.parametrize("act", list(ACTIVATIONS))
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-@pytest.mark.parametrize("shape", [(7, 13, 5), (2, 3, 17, 9)], ids=["2d", "4d"])
+@pytest.mark.parametrize("shape", [(9, 13, 5), (2, 5, 17, 9)], ids=["2d", "4d"])
 def test_linear_activation_inference(act, bias, shape):
     *batch, k, n = shape
     lin = nn.Linear(k, n, bias=bias)
@@ -89,12 +92,12 @@ def test_weights_changed_in_place_between_calls_are_repacked():
     compiled = compile_ember(model)
     with torch.no_grad():
         for step in range(4):  # calls 2+ run on packed weights
-            x = torch.randn(5, 16)
+            x = torch.randn(9 if step % 2 else 2, 16)  # 9 rows: oneDNN; 2 rows: oneDNN once packed
             torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
             if step == 1:
                 model[0].weight.mul_(-1.5)
                 model[2].bias.add_(1.0)
-    assert len(onednn_kernels()) == 2
+    assert len(onednn_kernels()) >= 2  # (the second batch size recompiles with a dynamic batch)
 
 
 @needs_onednn
@@ -111,14 +114,14 @@ def test_dynamic_batch_sizes_and_empty_batch():
 def test_non_contiguous_source():
     lin = nn.Linear(12, 4)
     with torch.no_grad():
-        check(lambda x: torch.relu(lin(x.t())), torch.randn(12, 7), grad=False, **MATMUL_TOL)
+        check(lambda x: torch.relu(lin(x.t())), torch.randn(12, 9), grad=False, **MATMUL_TOL)
 
 
 @needs_onednn
 def test_bfloat16_linear_relu():
     lin = nn.Linear(32, 16).to(torch.bfloat16)
     with torch.no_grad():
-        check(lambda x: torch.relu(lin(x)), torch.randn(6, 32, dtype=torch.bfloat16), grad=False)
+        check(lambda x: torch.relu(lin(x)), torch.randn(10, 32, dtype=torch.bfloat16), grad=False)
     assert onednn_kernels() and "bf16" in onednn_kernels()[0]
 
 
