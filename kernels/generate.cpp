@@ -5,7 +5,7 @@
 
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cuda/cuda_kernel.h"
-#include "kernels/matmul_epilogue.h"
+#include "kernels/epilogue_group.h"
 #include "kernels/program.h"
 
 #include <algorithm>
@@ -52,13 +52,14 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
   parallel_for_each(groups.size(), [&](size_t i) {
     Result& r = results[i];
     try {
-      if (is_matmul_group(graph, groups[i])) {
-        std::optional<MatmulEpilogue> m = lower_matmul_group(graph, groups[i], &r.why);
+      if (is_epilogue_group(graph, groups[i])) {
+        std::optional<EpilogueGroup> m = lower_epilogue_group(graph, groups[i], &r.why);
         if (!m) return;
         r.listing = "group " + std::to_string(groups[i]) + ": " + m->text() + "\n";
         r.kernel.reads = m->reads();
         r.kernel.writes = {m->output};
-        if (m->device.is_cpu()) r.kernel.kernel = cpu::make_matmul_kernel(*m, &r.why);
+        if (m->device.is_cpu() && m->kind == EpilogueGroup::Kind::Conv2d) r.kernel.kernel = cpu::make_conv2d_kernel(*m, &r.why);
+        else if (m->device.is_cpu()) r.kernel.kernel = cpu::make_matmul_kernel(*m, &r.why);
         else r.why = "no library epilogue for " + m->device.str() + " matmuls yet";
         return;
       }

@@ -1,5 +1,6 @@
 // claim_matmul_epilogues ("epilogue")
-//  1. Each CPU aten::mm / aten::addmm (beta = alpha = 1) on 2-D f32/bf16 tensors becomes one group with the
+//  1. Each CPU aten::mm / aten::addmm (beta = alpha = 1) on 2-D f32/bf16 tensors, and each 2-D aten::convolution
+//     (not transposed; its epilogue without views or broadcast rows), becomes one group with the
 //     chain of ops that consume its result one after another and that a library matmul applies before it
 //     writes (ember/epilogue.h): relu (clamp_min 0), gelu, silu, sigmoid, tanh, scaling and shifting by
 //     constants, adding a residual or a broadcast row, and views of the [M, N] result.
@@ -50,7 +51,7 @@ class Claimer {
       if (n.group >= 0 || !claimable_matmul(n)) continue;
       std::vector<Node*> members = chain(n, i);
       const Value *src, *weights, *bias;
-      as_matmul(n, &src, &weights, &bias);
+      if (!as_matmul(n, &src, &weights, &bias)) as_conv2d(n, &src, &weights, &bias);
       if (members.size() == 1 && !input_behind(weights)) continue;
       for (Node* m : members) m->group = next;
       ++next;
@@ -60,15 +61,17 @@ class Claimer {
  private:
   bool claimable_matmul(const Node& n) const {
     const Value *src, *weights, *bias;
-    if (!as_matmul(n, &src, &weights, &bias)) return false;
+    bool conv = as_conv2d(n, &src, &weights, &bias);
+    if (!conv && !as_matmul(n, &src, &weights, &bias)) return false;
     const TensorType& out = n.outputs[0]->type.tensor;
-    if (!n.outputs[0]->type.is_tensor() || !out.device.is_cpu() || !supported_dtype(out.dtype) || out.sizes.size() != 2)
+    if (!n.outputs[0]->type.is_tensor() || !out.device.is_cpu() || !supported_dtype(out.dtype) ||
+        out.sizes.size() != (conv ? 4u : 2u))
       return false;
     for (const Value* v : {src, weights, bias}) {
       if (!v) continue;
       if (v->type.tensor.dtype != out.dtype || !v->type.tensor.device.is_cpu()) return false;
     }
-    if (src->type.tensor.sizes.size() != 2 || weights->type.tensor.sizes.size() != 2) return false;
+    if (!conv && (src->type.tensor.sizes.size() != 2 || weights->type.tensor.sizes.size() != 2)) return false;
     return !bias || (bias->type.tensor.sizes.size() == 1 && bias->type.tensor.sizes[0] == out.sizes[1]);
   }
 
@@ -77,6 +80,7 @@ class Claimer {
     const Value* v = matmul.outputs[0];
     const TensorType& mm = v->type.tensor;
     const Dim n_dim = mm.sizes[1];
+    const bool conv = matmul.op == "aten::convolution";  // its epilogue keeps the NCHW shape: no views, no rows
     while (uses_[v] == 1) {
       Node* next = user_[v];
       if (next->group >= 0 || next->outputs.size() != 1 || !next->outputs[0]->type.is_tensor()) break;
@@ -85,6 +89,7 @@ class Claimer {
       const TensorType& in = v->type.tensor;
       const TensorType& out = next->outputs[0]->type.tensor;
       if (out.dtype != mm.dtype || out.device != mm.device) break;
+      if (conv && op->kind == EpilogueOp::Kind::View) break;
       if (op->kind == EpilogueOp::Kind::View) {
         // Any view of the row-major [M, N] result that keeps N as its last dimension.
         if (out.sizes.empty() || !(out.sizes.back() == n_dim) || !reads_only_before(*next, index)) break;
@@ -94,7 +99,7 @@ class Claimer {
       if (op->kind == EpilogueOp::Kind::Add) {
         const TensorType& add = op->addend->type.tensor;
         if (add.dtype != mm.dtype || add.device != mm.device) break;
-        if (!(add.sizes == out.sizes) && !is_row_of(add, n_dim)) break;
+        if (!(add.sizes == out.sizes) && (conv || !is_row_of(add, n_dim))) break;
         auto pos = position_.find(op->addend);
         if (pos != position_.end() && pos->second >= index) break;
       }

@@ -102,6 +102,26 @@ bool as_matmul(const Node& n, const Value** src, const Value** weights, const Va
   return *src && *weights;
 }
 
+bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Value** bias) {
+  if (n.op != "aten::convolution" || n.args.size() != 9 || n.outputs.size() != 1) return false;
+  auto tensor = [&](size_t i) -> const Value* {
+    const Arg& a = n.args[i];
+    return a.is_value() && a.value->type.is_tensor() && a.value->type.tensor.sizes.size() == 4 ? a.value : nullptr;
+  };
+  auto pair = [&](size_t i) {
+    const Arg& a = n.args[i];
+    return a.kind == Arg::Kind::List && a.list.size() == 2 && a.list[0].kind == Arg::Kind::Int &&
+           a.list[1].kind == Arg::Kind::Int;
+  };
+  if (!pair(3) || !pair(4) || !pair(5) || n.args[6].kind != Arg::Kind::Bool || n.args[6].b ||
+      n.args[8].kind != Arg::Kind::Int)
+    return false;
+  *src = tensor(0), *weights = tensor(1);
+  *bias = n.args[2].is_value() ? n.args[2].value : nullptr;
+  if (n.args[2].kind != Arg::Kind::None && !*bias) return false;
+  return *src && *weights;
+}
+
 const Value* input_behind(const Value* v) {
   for (int depth = 0; depth < 4 && v->producer; ++depth) {
     const Node& p = *v->producer;

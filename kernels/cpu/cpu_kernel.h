@@ -3,7 +3,7 @@
 #pragma once
 
 #include "ember/runtime.h"
-#include "kernels/matmul_epilogue.h"
+#include "kernels/epilogue_group.h"
 #include "kernels/program.h"
 
 #include <memory>
@@ -16,6 +16,8 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* wh
 
 // A claimed matmul group as one oneDNN matmul with post-ops (kernels/cpu/matmul_kernel.cpp). Null, with the
 // reason in *why_not, when ember was built without oneDNN or oneDNN rejects it.
-std::shared_ptr<const Kernel> make_matmul_kernel(const MatmulEpilogue& group, std::string* why_not);
+std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not);
+// The same for a claimed 2-D convolution group (kernels/cpu/conv_kernel.cpp).
+std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& group, std::string* why_not);
 
 }  // namespace ember::cpu

@@ -1,39 +1,16 @@
 // The CPU kernel for a claimed matmul group: one oneDNN matmul with the epilogue as post-ops.
 //  1. Per call it reads the operands' sizes and strides and hands oneDNN pointers (kernels/cpu/onednn.h); the
 //     primitive for that shape was made on first sight.
-//  2. Weights that are a graph input (a parameter, or a transposing view of one) and come back as the same
-//     input tensor, unmodified (same TensorImpl and version counter, viewed at the same data pointer with
-//     the same strides), are packed once into oneDNN's layout on their second sight and reused. The kernel
-//     keeps a reference to the input it packed from, so that no other tensor can take its address while
-//     the packing is trusted.
+//  2. Weights that are a graph input (a parameter, or a transposing view of one) and come back unmodified
+//     are packed once into oneDNN's layout on their second sight and reused (WeightsPacking).
 //  3. Operands oneDNN does not take as they are (neither rows nor columns contiguous, an empty dimension,
 //     an addend that is not contiguous) run the same computation through ATen, so every input is correct;
 //     so do a few rows against unpacked weights, where MKL's matrix-vector product is faster.
 #include "kernels/cpu/cpu_kernel.h"
-#include "kernels/cpu/onednn.h"
-#include "kernels/matmul_epilogue.h"
-
-#include <ATen/ATen.h>
-
-#include <mutex>
+#include "kernels/cpu/epilogue_support.h"
 
 namespace ember::cpu {
 namespace {
-
-onednn::PostOp::Kind post_op_kind(EpilogueOp::Kind k) {
-  switch (k) {
-    case EpilogueOp::Kind::Relu: return onednn::PostOp::Kind::Relu;
-    case EpilogueOp::Kind::GeluErf: return onednn::PostOp::Kind::GeluErf;
-    case EpilogueOp::Kind::GeluTanh: return onednn::PostOp::Kind::GeluTanh;
-    case EpilogueOp::Kind::Silu: return onednn::PostOp::Kind::Silu;
-    case EpilogueOp::Kind::Sigmoid: return onednn::PostOp::Kind::Sigmoid;
-    case EpilogueOp::Kind::Tanh: return onednn::PostOp::Kind::Tanh;
-    case EpilogueOp::Kind::Linear: return onednn::PostOp::Kind::Linear;
-    case EpilogueOp::Kind::Add: return onednn::PostOp::Kind::Add;
-    case EpilogueOp::Kind::View: break;
-  }
-  throw std::logic_error("a view is not a post-op");
-}
 
 // A matrix's (stride0, stride1) as oneDNN's fast kernels take it: rows or columns contiguous. A dimension
 // of size 1 takes the stride that makes the layout plain, whatever the tensor says.
@@ -48,7 +25,7 @@ bool plain_strides(const at::Tensor& t, int64_t out[2]) {
 
 class MatmulKernel final : public Kernel {
  public:
-  MatmulKernel(const MatmulEpilogue& m, std::unique_ptr<onednn::Matmul> dnnl)
+  MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl)
       : dnnl_(std::move(dnnl)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op) {
@@ -101,7 +78,7 @@ class MatmulKernel final : public Kernel {
       call.addends.push_back(a.data_ptr());
       if (!addend_is_row_[i]) call.addend_row_stride.push_back(call.N);
     }
-    uint64_t packing = weights_input ? generation(*weights_input, weights) : 0;
+    uint64_t packing = weights_input ? packing_.generation(*weights_input, weights) : 0;
     // A few rows against weights as they lie: oneDNN's matrix-vector path is about 2x slower than MKL's
     // (one thread, 1x1024 @ 1024x1024: 300 vs 180 us); packed weights make it as fast (185 us).
     if (packing == 0 && call.M < kFewRows) return false;
@@ -118,54 +95,10 @@ class MatmulKernel final : public Kernel {
     return true;
   }
 
-  // Which packing of the weights this call may use: 0 (read them in place) until the same unmodified
-  // input tensor comes a second time, seen through the same view.
-  uint64_t generation(const at::Tensor& input, const at::Tensor& w) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (input.is_inference() || !input.has_storage()) {
-      packed_from_ = at::Tensor();
-      return 0;
-    }
-    uint32_t version = input._version();
-    bool same = packed_from_.defined() && packed_from_.unsafeGetTensorImpl() == input.unsafeGetTensorImpl() &&
-                packed_version_ == version && packed_data_ == w.data_ptr() && packed_strides_ == w.strides().vec() &&
-                packed_sizes_ == w.sizes().vec();
-    if (!same) {
-      packed_from_ = input;
-      packed_version_ = version;
-      packed_data_ = w.data_ptr();
-      packed_strides_ = w.strides().vec();
-      packed_sizes_ = w.sizes().vec();
-      generation_ = 0;
-      return 0;
-    }
-    if (generation_ == 0) generation_ = ++next_generation_;
-    return generation_;
-  }
-
   at::Tensor run_aten(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
                       const std::vector<at::Tensor>& addends) const {
     at::Tensor y = bias.defined() ? at::addmm(bias, src, weights) : at::mm(src, weights);
-    size_t a = 0;
-    for (const EpilogueOp& op : ops_) {
-      switch (op.kind) {
-        case EpilogueOp::Kind::Relu: y.relu_(); break;
-        case EpilogueOp::Kind::GeluErf: y = at::gelu(y); break;
-        case EpilogueOp::Kind::GeluTanh: y = at::gelu(y, "tanh"); break;
-        case EpilogueOp::Kind::Silu: y = at::silu(y); break;
-        case EpilogueOp::Kind::Sigmoid: y.sigmoid_(); break;
-        case EpilogueOp::Kind::Tanh: y.tanh_(); break;
-        case EpilogueOp::Kind::Linear: y.mul_(op.alpha).add_(op.beta); break;
-        case EpilogueOp::Kind::Add: {
-          const at::Tensor& addend = addends[a];
-          y.add_(addend_is_row_[a] ? addend.reshape({-1}) : addend.reshape(y.sizes()));
-          ++a;
-          break;
-        }
-        case EpilogueOp::Kind::View: break;
-      }
-    }
-    return y;
+    return apply_epilogue_with_aten(std::move(y), ops_, addends, addend_is_row_);
   }
 
   static constexpr int64_t kFewRows = 8;
@@ -179,37 +112,24 @@ class MatmulKernel final : public Kernel {
   std::string text_;
   std::string where_;  // "%addmm = aten::addmm", for error messages
 
-  mutable std::mutex mu_;
-  mutable at::Tensor packed_from_;  // the weights last seen, kept alive (see 2. above)
-  mutable uint32_t packed_version_ = 0;
-  mutable const void* packed_data_ = nullptr;  // the weights view of that input, as packed
-  mutable std::vector<int64_t> packed_strides_, packed_sizes_;
-  mutable uint64_t generation_ = 0;
-  mutable uint64_t next_generation_ = 0;
+  WeightsPacking packing_;
 };
 
 }  // namespace
 
-std::shared_ptr<const Kernel> make_matmul_kernel(const MatmulEpilogue& m, std::string* why_not) {
+std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::string* why_not) {
   if (!m.device.is_cpu()) {
     if (why_not) *why_not = "not a CPU matmul";
     return nullptr;
   }
-  onednn::MatmulConfig config;
-  config.dtype = m.dtype == c10::kBFloat16 ? onednn::DType::BF16 : onednn::DType::F32;
   if (m.dtype != c10::kFloat && m.dtype != c10::kBFloat16) {
     if (why_not) *why_not = std::string("oneDNN matmul for ") + dtype_name(m.dtype);
     return nullptr;
   }
+  onednn::MatmulConfig config;
+  config.dtype = onednn_dtype(m.dtype);
   config.bias = m.bias != nullptr;
-  for (size_t i = 0, a = 0; i < m.ops.size(); ++i) {
-    onednn::PostOp p;
-    p.kind = post_op_kind(m.ops[i].kind);
-    p.alpha = m.ops[i].alpha;
-    p.beta = m.ops[i].beta;
-    if (p.kind == onednn::PostOp::Kind::Add) p.row = m.addend_is_row[a++];
-    config.post_ops.push_back(p);
-  }
+  config.post_ops = post_ops_of(m);
   auto dnnl = onednn::Matmul::create(config, why_not);
   if (!dnnl) return nullptr;
   return std::make_shared<MatmulKernel>(m, std::move(dnnl));

@@ -1,5 +1,5 @@
-// oneDNN matmul with fused post-ops: the only file that includes the system's dnnl.hpp (see onednn.h for
-// why it is built apart from torch's headers).
+// oneDNN matmul and 2-D convolution with fused post-ops: the only file that includes the system's dnnl.hpp
+// (see onednn.h for why it is built apart from torch's headers).
 //  1. One primitive per distinct call shape (M, N, K and the stride pattern), created on first use and kept:
 //     the per-call cost is a lock, a short linear search, pointer updates and execute().
 //  2. Weights in inference graphs are reordered once into the layout the primitive prefers (format "any"):
@@ -38,6 +38,32 @@ dnnl::algorithm eltwise_algorithm(PostOp::Kind k) {
     case PostOp::Kind::Add: break;
   }
   throw std::logic_error("not an eltwise post-op");
+}
+
+// The post-op chain; addend(i) is the memory layout of the i-th Add's tensor.
+template <class AddendDesc>
+dnnl::post_ops make_post_ops(const std::vector<PostOp>& post_ops, AddendDesc addend) {
+  dnnl::post_ops ops;
+  size_t a = 0;
+  for (const PostOp& p : post_ops) {
+    if (p.kind == PostOp::Kind::Add) {
+      ops.append_binary(dnnl::algorithm::binary_add, addend(a++, p.row));
+      continue;
+    }
+    // alpha is relu's negative slope (0), swish's beta (1), linear's scale; beta is linear's shift.
+    float alpha = p.kind == PostOp::Kind::Linear ? p.alpha : p.kind == PostOp::Kind::Silu ? 1.f : 0.f;
+    float beta = p.kind == PostOp::Kind::Linear ? p.beta : 0.f;
+    ops.append_eltwise(1.f, eltwise_algorithm(p.kind), alpha, beta);
+  }
+  return ops;
+}
+
+// The execute() arguments of the post-ops' tensors.
+template <class Args>
+void add_post_op_args(const std::vector<PostOp>& post_ops, const std::vector<memory>& addends, Args& args) {
+  for (size_t i = 0, a = 0; i < post_ops.size(); ++i)
+    if (post_ops[i].kind == PostOp::Kind::Add)
+      args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(static_cast<int>(i)) | DNNL_ARG_SRC_1, addends[a++]);
 }
 
 // What selects a primitive: everything about a call except its pointers.
@@ -110,9 +136,7 @@ class MatmulImpl final : public Matmul {
     }
     std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, e.src}, {DNNL_ARG_WEIGHTS, *w}, {DNNL_ARG_DST, e.dst}};
     if (config_.bias) args.emplace(DNNL_ARG_BIAS, e.bias);
-    for (size_t i = 0, a = 0; i < config_.post_ops.size(); ++i)
-      if (config_.post_ops[i].kind == PostOp::Kind::Add)
-        args.emplace(DNNL_ARG_ATTR_MULTIPLE_POST_OP(static_cast<int>(i)) | DNNL_ARG_SRC_1, e.addends[a++]);
+    add_post_op_args(config_.post_ops, e.addends, args);
     prim->execute(stream_, args);
     stream_.wait();
   }
@@ -143,20 +167,10 @@ class MatmulImpl final : public Matmul {
         ? memory::desc({c.K, c.N}, data_type(config_.dtype), memory::format_tag::any)
         : matrix(c.K, c.N, c.weights_stride[0], c.weights_stride[1]);
     memory::desc dst = matrix(c.M, c.N, c.dst_stride, 1);
-    dnnl::post_ops ops;
-    size_t a = 0;
-    for (const PostOp& p : config_.post_ops) {
-      if (p.kind == PostOp::Kind::Add) {
-        memory::desc addend = p.row ? matrix(1, c.N, c.N, 1) : matrix(c.M, c.N, c.addend_row_stride.at(a), 1);
-        ++a;
-        ops.append_binary(dnnl::algorithm::binary_add, addend);
-      } else {
-        float alpha = p.kind == PostOp::Kind::Silu ? 1.f : p.alpha;
-        float beta = p.kind == PostOp::Kind::Linear ? p.beta : 0.f;
-        if (p.kind != PostOp::Kind::Linear && p.kind != PostOp::Kind::Silu) alpha = 0.f;
-        ops.append_eltwise(1.f, eltwise_algorithm(p.kind), alpha, beta);
-      }
-    }
+    size_t full = 0;  // the [M, N] addends' row strides, in order
+    dnnl::post_ops ops = make_post_ops(config_.post_ops, [&](size_t, bool row) {
+      return row ? matrix(1, c.N, c.N, 1) : matrix(c.M, c.N, c.addend_row_stride.at(full++), 1);
+    });
     dnnl::primitive_attr attr;
     attr.set_post_ops(ops);
     if (config_.bias) {
@@ -219,6 +233,127 @@ class MatmulImpl final : public Matmul {
   size_t packings_ = 0;
 };
 
+// A 2-D convolution's primitives for one shape and layout, as Entry is for a matmul.
+struct ConvEntry {
+  std::vector<int64_t> key;
+  dnnl::convolution_forward plain, packed;
+  memory src, weights, bias, dst, packed_weights;
+  std::vector<memory> addends;
+  uint64_t packed_generation = 0;
+  bool packed_is_plain = false;
+};
+
+memory::dims dims_of(const int64_t* v, int n) { return memory::dims(v, v + n); }
+
+class Conv2dImpl final : public Conv2d {
+ public:
+  explicit Conv2dImpl(Conv2dConfig config) : config_(std::move(config)), stream_(cpu_engine()) {}
+
+  void run(const Conv2dCall& call, uint64_t generation) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    try {
+      ConvEntry& e = entry(call);
+      e.src.set_data_handle(const_cast<void*>(call.src));
+      e.weights.set_data_handle(const_cast<void*>(call.weights));
+      e.dst.set_data_handle(call.dst);
+      if (config_.bias) e.bias.set_data_handle(const_cast<void*>(call.bias));
+      for (size_t i = 0; i < e.addends.size(); ++i) e.addends[i].set_data_handle(const_cast<void*>(call.addends[i]));
+      const dnnl::convolution_forward* prim = &e.plain;
+      const memory* w = &e.weights;
+      if (generation != 0) {
+        if (!e.packed) {
+          auto pd = descriptor(call, true);
+          e.packed = dnnl::convolution_forward(pd);
+          e.packed_is_plain = pd.weights_desc() == e.weights.get_desc();
+          if (!e.packed_is_plain) e.packed_weights = memory(pd.weights_desc(), cpu_engine());
+        }
+        if (!e.packed_is_plain) {
+          if (e.packed_generation != generation) {
+            dnnl::reorder(e.weights, e.packed_weights).execute(stream_, e.weights, e.packed_weights);
+            e.packed_generation = generation;
+          }
+          prim = &e.packed;
+          w = &e.packed_weights;
+        }
+      }
+      std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, e.src}, {DNNL_ARG_WEIGHTS, *w}, {DNNL_ARG_DST, e.dst}};
+      if (config_.bias) args.emplace(DNNL_ARG_BIAS, e.bias);
+      add_post_op_args(config_.post_ops, e.addends, args);
+      prim->execute(stream_, args);
+      stream_.wait();
+    } catch (const dnnl::error& err) {
+      throw std::runtime_error(std::string("oneDNN: ") + err.what());
+    }
+  }
+
+ private:
+  memory::desc tensor(const int64_t* sizes, const int64_t* strides) const {
+    return memory::desc(dims_of(sizes, 4), data_type(config_.dtype), dims_of(strides, 4));
+  }
+
+  // Grouped weights are 5-D for oneDNN: [G, OC / G, IC / G, KH, KW].
+  memory::desc weights_desc(const Conv2dCall& c, bool any) const {
+    const int64_t* s = c.weights_sizes;
+    const int64_t* st = c.weights_strides;
+    auto dt = data_type(config_.dtype);
+    int64_t g = config_.groups;
+    if (g == 1) return any ? memory::desc(dims_of(s, 4), dt, memory::format_tag::any) : tensor(s, st);
+    memory::dims d = {g, s[0] / g, s[1], s[2], s[3]};
+    if (any) return memory::desc(d, dt, memory::format_tag::any);
+    return memory::desc(d, dt, memory::dims{st[0] * (s[0] / g), st[0], st[1], st[2], st[3]});
+  }
+
+  dnnl::convolution_forward::primitive_desc descriptor(const Conv2dCall& c, bool any_weights) const {
+    memory::desc src = tensor(c.src_sizes, c.src_strides);
+    memory::desc dst = tensor(c.dst_sizes, c.dst_strides);
+    memory::desc weights = weights_desc(c, any_weights);
+    memory::dims strides = dims_of(config_.stride, 2), pad_l = dims_of(config_.padding, 2), dil(2), pad_r(2);
+    for (int i = 0; i < 2; ++i) {
+      dil[i] = config_.dilation[i] - 1;  // oneDNN counts the gaps
+      int64_t extent = (c.weights_sizes[2 + i] - 1) * config_.dilation[i] + 1;
+      pad_r[i] = (c.dst_sizes[2 + i] - 1) * config_.stride[i] + extent - c.src_sizes[2 + i] - config_.padding[i];
+    }
+    dnnl::post_ops ops = make_post_ops(config_.post_ops, [&](size_t, bool) { return dst; });
+    dnnl::primitive_attr attr;
+    attr.set_post_ops(ops);
+    auto prop = dnnl::prop_kind::forward_inference;
+    auto alg = dnnl::algorithm::convolution_direct;
+    if (config_.bias) {
+      memory::desc bias({c.weights_sizes[0]}, data_type(config_.dtype), memory::format_tag::a);
+      return {dnnl::convolution_forward::desc(prop, alg, src, weights, bias, dst, strides, dil, pad_l, pad_r), attr,
+              cpu_engine()};
+    }
+    return {dnnl::convolution_forward::desc(prop, alg, src, weights, dst, strides, dil, pad_l, pad_r), attr, cpu_engine()};
+  }
+
+  ConvEntry& entry(const Conv2dCall& c) {
+    std::vector<int64_t> key;
+    for (const int64_t* v : {c.src_sizes, c.src_strides, c.weights_sizes, c.weights_strides, c.dst_sizes, c.dst_strides})
+      key.insert(key.end(), v, v + 4);
+    for (auto& e : entries_)
+      if (e->key == key) return *e;
+    if (entries_.size() >= 16) entries_.erase(entries_.begin());
+    auto e = std::make_unique<ConvEntry>();
+    e->key = std::move(key);
+    auto pd = descriptor(c, false);
+    e->plain = dnnl::convolution_forward(pd);
+    const dnnl::engine& eng = cpu_engine();
+    e->src = memory(pd.src_desc(), eng, kNoHandle);
+    e->weights = memory(pd.weights_desc(), eng, kNoHandle);
+    e->dst = memory(pd.dst_desc(), eng, kNoHandle);
+    if (config_.bias) e->bias = memory(pd.bias_desc(), eng, kNoHandle);
+    for (const PostOp& p : config_.post_ops)
+      if (p.kind == PostOp::Kind::Add) e->addends.emplace_back(pd.dst_desc(), eng, kNoHandle);
+    entries_.push_back(std::move(e));
+    return *entries_.back();
+  }
+
+  Conv2dConfig config_;
+  dnnl::stream stream_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<ConvEntry>> entries_;
+};
+
 }  // namespace
 
 bool available() { return true; }
@@ -237,6 +372,15 @@ std::unique_ptr<Matmul> Matmul::create(const MatmulConfig& config, std::string* 
     if (why_not) *why_not = std::string("oneDNN rejected the matmul: ") + e.what();
   }
   return nullptr;
+}
+
+std::unique_ptr<Conv2d> Conv2d::create(const Conv2dConfig& config, std::string* why_not) {
+  for (const PostOp& p : config.post_ops)
+    if (p.kind == PostOp::Kind::Add && p.row) {
+      if (why_not) *why_not = "a broadcast addend after a convolution";
+      return nullptr;
+    }
+  return std::make_unique<Conv2dImpl>(config);
 }
 
 }  // namespace ember::onednn

@@ -65,4 +65,33 @@ class Matmul {
   virtual size_t packings() const = 0;
 };
 
+struct Conv2dConfig {
+  DType dtype = DType::F32;
+  bool bias = false;  // [OC]
+  std::vector<PostOp> post_ops;  // Add addends have the result's sizes and strides
+  int64_t stride[2] = {1, 1}, padding[2] = {0, 0}, dilation[2] = {1, 1}, groups = 1;
+};
+
+// One call's operands, 4-D tensors given by sizes and strides in elements (NCHW order, any layout:
+// contiguous or channels-last).
+struct Conv2dCall {
+  int64_t src_sizes[4] = {}, src_strides[4] = {};
+  int64_t weights_sizes[4] = {}, weights_strides[4] = {};  // [OC, IC / groups, KH, KW]
+  int64_t dst_sizes[4] = {}, dst_strides[4] = {};
+  const void* src = nullptr;
+  const void* weights = nullptr;
+  const void* bias = nullptr;
+  void* dst = nullptr;
+  std::vector<const void*> addends;  // laid out as dst
+};
+
+// dst = post_ops(conv2d(src, weights) + bias): one primitive per distinct shape and layout, weights packed
+// once per generation as for Matmul.
+class Conv2d {
+ public:
+  static std::unique_ptr<Conv2d> create(const Conv2dConfig& config, std::string* why_not);
+  virtual ~Conv2d() = default;
+  virtual void run(const Conv2dCall& call, uint64_t weights_generation) = 0;
+};
+
 }  // namespace ember::onednn

@@ -12,4 +12,9 @@ std::unique_ptr<Matmul> Matmul::create(const MatmulConfig&, std::string* why_not
   return nullptr;
 }
 
+std::unique_ptr<Conv2d> Conv2d::create(const Conv2dConfig&, std::string* why_not) {
+  if (why_not) *why_not = "ember was built without oneDNN";
+  return nullptr;
+}
+
 }  // namespace ember::onednn

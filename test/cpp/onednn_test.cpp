@@ -193,5 +193,32 @@ TEST(OneDnnMatmul, BFloat16) {
   EXPECT_TRUE(at::allclose(t(g->run({x, w, b})[0]).to(at::kFloat), expected, 5e-2, 5e-2));
 }
 
+TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
+      "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
+      "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
+      "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
+      "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
+      "  return (%o)\n";
+  auto g = compile_text(text);
+  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
+  at::Tensor w = at::randn({6, 2, 3, 3}), b = at::randn({6});
+  for (bool channels_last : {false, true}) {
+    for (int call = 0; call < 3; ++call) {
+      at::Tensor x = at::randn({2, 4, 9, 7}), r = at::randn({2, 6, 5, 4});
+      if (channels_last) {
+        x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        r = r.contiguous(at::MemoryFormat::ChannelsLast);
+      }
+      at::Tensor expected = at::relu(at::conv2d(x, w, b, {2, 2}, {1, 1}, {1, 1}, 2) + r);
+      at::Tensor out = t(g->run({x, w, b, r})[0]);
+      EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << channels_last << " call " << call;
+      EXPECT_EQ(out.strides(), expected.strides());
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ember

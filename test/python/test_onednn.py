@@ -155,3 +155,38 @@ def test_epilogue_pass_can_be_switched_off():
         check(lambda x: torch.relu(lin(x)), torch.randn(4, 5), grad=False, options={"disable_passes": "epilogue"},
               **MATMUL_TOL)
     assert not onednn_kernels()
+
+
+@needs_onednn
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
+@pytest.mark.parametrize("act", ["relu", "silu", "none"])
+def test_conv2d_epilogues(channels_last, groups, stride, padding, dilation, act):
+    conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    x = torch.randn(2, 8, 13, 11)
+    if channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    fn = lambda x: ACTIVATIONS[act](conv(x))  # noqa: E731
+    with torch.no_grad():
+        eager, compiled = check(fn, x, grad=False, **MATMUL_TOL)
+    assert compiled.stride() == eager.stride()
+    assert onednn_kernels() and onednn_kernels()[0].startswith("onednn conv2d f32 +bias")
+
+
+@needs_onednn
+def test_conv2d_residual_and_repeated_calls():
+    conv = nn.Conv2d(6, 6, 3, padding=1, bias=False).eval()
+    compiled = compile_ember(lambda x, r: torch.relu(conv(x) + r))
+    with torch.no_grad():
+        for step in range(3):  # calls 2+ run on packed weights
+            x, r = torch.randn(2, 6, 9, 9), torch.randn(2, 6, 9, 9)
+            torch.testing.assert_close(compiled(x, r), torch.relu(conv(x) + r), **MATMUL_TOL)
+            if step == 1:
+                conv.weight.mul_(0.5)
+    assert onednn_kernels() == ["onednn conv2d f32 add relu"]
+
+
+def test_conv2d_training_matches_eager():
+    model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 4, 3, stride=2))
+    check(model, torch.randn(2, 3, 10, 10), **MATMUL_TOL)

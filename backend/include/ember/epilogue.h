@@ -26,6 +26,9 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in);
 // Sets *src, *weights and *bias (null for mm) when it is one.
 bool as_matmul(const Node& n, const Value** src, const Value** weights, const Value** bias);
 
+// aten::convolution in 2-D (4-D tensors), not transposed: the other op an epilogue can follow.
+bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Value** bias);
+
 // The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
 // starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
 // call in inference. Null when `v` is computed.

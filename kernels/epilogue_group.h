@@ -1,6 +1,7 @@
-// A claimed matmul group (passes/matmul_epilogue.cpp) lowered for a library call: operands, the epilogue
-// steps in order, and the shape of the value it writes. Device-neutral: kernels/cpu turns it into a oneDNN
-// matmul with post-ops; a GPU generator could turn it into a cuBLASLt call with an epilogue.
+// A claimed matmul or convolution group (passes/matmul_epilogue.cpp) lowered for a library call: operands,
+// the epilogue steps in order, and the shape of the value it writes. Device-neutral: kernels/cpu turns it
+// into a oneDNN primitive with post-ops; a GPU generator could turn a matmul into a cuBLASLt call with an
+// epilogue.
 #pragma once
 
 #include "ember/epilogue.h"
@@ -12,13 +13,16 @@
 
 namespace ember {
 
-struct MatmulEpilogue {
+struct EpilogueGroup {
+  enum class Kind : uint8_t { Matmul, Conv2d };
+  Kind kind = Kind::Matmul;
   int group = -1;
   c10::Device device{c10::kCPU};
   c10::ScalarType dtype = c10::kFloat;
-  const Value* src = nullptr;      // [M, K]
-  const Value* weights = nullptr;  // [K, N], any strides
-  const Value* bias = nullptr;     // [N] or null
+  const Value* src = nullptr;      // matmul: [M, K]; conv: [N, C, H, W]
+  const Value* weights = nullptr;  // matmul: [K, N], any strides; conv: [OC, C / groups, KH, KW]
+  const Value* bias = nullptr;     // [N] / [OC], or null
+  int64_t stride[2] = {1, 1}, padding[2] = {0, 0}, dilation[2] = {1, 1}, groups = 1;  // conv
   std::vector<EpilogueOp> ops;     // in order; no views (they do not change the values)
   std::vector<const Value*> addends;    // the Add steps' tensors, in order
   std::vector<bool> addend_is_row;      // per addend: one row broadcast over the result
@@ -39,10 +43,10 @@ struct MatmulEpilogue {
   std::string text() const;
 };
 
-// True when `group`'s first node is a matmul: it was claimed as a matmul epilogue, not fused.
-bool is_matmul_group(const Graph& graph, int group);
+// True when `group`'s first node is a matmul or a convolution: it was claimed with its epilogue, not fused.
+bool is_epilogue_group(const Graph& graph, int group);
 
 // Nothing, with the reason in *why_not, when the group is not a matmul chain as the pass claims them.
-std::optional<MatmulEpilogue> lower_matmul_group(const Graph& graph, int group, std::string* why_not);
+std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not);
 
 }  // namespace ember

@@ -1,5 +1,5 @@
-// lower_matmul_group: a claimed group, re-read member by member through the same classifier the pass used.
-#include "kernels/matmul_epilogue.h"
+// lower_epilogue_group: a claimed group, re-read member by member through the same classifier the pass used.
+#include "kernels/epilogue_group.h"
 
 #include "ember/op_table.h"
 
@@ -29,7 +29,7 @@ const char* op_name(EpilogueOp::Kind k) {
 
 }  // namespace
 
-std::vector<const Value*> MatmulEpilogue::reads() const {
+std::vector<const Value*> EpilogueGroup::reads() const {
   std::vector<const Value*> r = {src, weights};
   if (bias) r.push_back(bias);
   r.insert(r.end(), addends.begin(), addends.end());
@@ -39,8 +39,8 @@ std::vector<const Value*> MatmulEpilogue::reads() const {
   return r;
 }
 
-std::string MatmulEpilogue::text() const {
-  std::string s = std::string("matmul ") + dtype_name(dtype);
+std::string EpilogueGroup::text() const {
+  std::string s = std::string(kind == Kind::Conv2d ? "conv2d " : "matmul ") + dtype_name(dtype);
   if (bias) s += " +bias";
   for (size_t i = 0, a = 0; i < ops.size(); ++i) {
     s += std::string(" ") + op_name(ops[i].kind);
@@ -49,24 +49,34 @@ std::string MatmulEpilogue::text() const {
   return s;
 }
 
-bool is_matmul_group(const Graph& graph, int group) {
+bool is_epilogue_group(const Graph& graph, int group) {
   for (const auto& n : graph.nodes())
-    if (n->group == group) return n->op == "aten::mm" || n->op == "aten::addmm";
+    if (n->group == group) return n->op == "aten::mm" || n->op == "aten::addmm" || n->op == "aten::convolution";
   return false;
 }
 
-std::optional<MatmulEpilogue> lower_matmul_group(const Graph& graph, int group, std::string* why_not) {
-  auto fail = [&](const std::string& why) -> std::optional<MatmulEpilogue> {
+std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not) {
+  auto fail = [&](const std::string& why) -> std::optional<EpilogueGroup> {
     if (why_not) *why_not = why;
     return std::nullopt;
   };
-  MatmulEpilogue m;
+  EpilogueGroup m;
   m.group = group;
   for (const auto& n : graph.nodes())
     if (n->group == group) m.members.push_back(n.get());
   if (m.members.empty()) return fail("empty group");
   const Node& mm = *m.members.front();
-  if (!as_matmul(mm, &m.src, &m.weights, &m.bias)) return fail(mm.op + " is not a matmul ember lowers");
+  if (as_conv2d(mm, &m.src, &m.weights, &m.bias)) {
+    m.kind = EpilogueGroup::Kind::Conv2d;
+    for (int i = 0; i < 2; ++i) {
+      m.stride[i] = mm.args[3].list[i].i;
+      m.padding[i] = mm.args[4].list[i].i;
+      m.dilation[i] = mm.args[5].list[i].i;
+    }
+    m.groups = mm.args[8].i;
+  } else if (!as_matmul(mm, &m.src, &m.weights, &m.bias)) {
+    return fail(mm.op + " is not a matmul or convolution ember lowers");
+  }
   m.device = mm.outputs[0]->type.tensor.device;
   m.dtype = mm.outputs[0]->type.tensor.dtype;
   const Value* v = mm.outputs[0];
