@@ -50,6 +50,9 @@ class Conv2dKernel final : public Kernel {
     if (src.dim() != 4 || weights.dim() != 4 || src.scalar_type() != dtype_ || weights.scalar_type() != dtype_) return false;
     if (src.numel() == 0 || weights.numel() == 0 || src.size(1) != weights.size(1) * groups_) return false;
     if (bias.defined() && (bias.scalar_type() != dtype_ || !bias.is_contiguous())) return false;
+    bool first = weights_input && packing_.first_sight();
+    uint64_t packing = weights_input ? packing_.generation(*weights_input, weights) : 0;
+    if (first) return false;
     std::vector<int64_t> out_sizes = {src.size(0), weights.size(0), 0, 0};
     for (int i = 0; i < 2; ++i) {
       int64_t extent = dilation_[i] * (weights.size(2 + i) - 1) + 1;
@@ -75,7 +78,7 @@ class Conv2dKernel final : public Kernel {
     call.bias = bias.defined() ? bias.data_ptr() : nullptr;
     call.dst = out->data_ptr();
     try {
-      dnnl_->run(call, weights_input ? packing_.generation(*weights_input, weights) : 0);
+      dnnl_->run(call, packing);
     } catch (const std::exception&) {
       return false;
     }

@@ -14,13 +14,21 @@ namespace ember::cpu {
 
 // Which packing of the weights a call may use: 0 (read them where they lie) until the same unmodified graph
 // input comes a second time, seen through the same view; then one generation number until it changes.
+// first_sight() is true until the first call: it runs through ATen, so that an inference graph makes only
+// the primitives for packed weights (oneDNN generates code per primitive, a few ms each), on its second call.
 // "Same" is the same TensorImpl and version counter (an in-place write moves it), the weights view at the
 // same data pointer, sizes and strides. The input is kept alive so that no other tensor can take its
 // address while its packing is trusted. Inference tensors have no version counter: never packed.
 class WeightsPacking {
  public:
+  bool first_sight() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !seen_;
+  }
+
   uint64_t generation(const at::Tensor& input, const at::Tensor& w) const {
     std::lock_guard<std::mutex> lock(mu_);
+    seen_ = true;
     if (input.is_inference() || !input.has_storage()) {
       input_ = at::Tensor();
       return 0;
@@ -49,6 +57,7 @@ class WeightsPacking {
   mutable const void* data_ = nullptr;
   mutable std::vector<int64_t> strides_, sizes_;
   mutable uint64_t generation_ = 0, next_generation_ = 0;
+  mutable bool seen_ = false;
 };
 
 inline onednn::DType onednn_dtype(c10::ScalarType t) {

@@ -78,7 +78,9 @@ class MatmulKernel final : public Kernel {
       call.addends.push_back(a.data_ptr());
       if (!addend_is_row_[i]) call.addend_row_stride.push_back(call.N);
     }
+    bool first = weights_input && packing_.first_sight();
     uint64_t packing = weights_input ? packing_.generation(*weights_input, weights) : 0;
+    if (first) return false;
     // A few rows against weights as they lie: oneDNN's matrix-vector path is about 2x slower than MKL's
     // (one thread, 1x1024 @ 1024x1024: 300 vs 180 us); packed weights make it as fast (185 us).
     if (packing == 0 && call.M < kFewRows) return false;

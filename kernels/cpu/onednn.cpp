@@ -144,18 +144,6 @@ class MatmulImpl final : public Matmul {
   size_t primitives() const override { return entries_.size(); }
   size_t packings() const override { return packings_; }
 
-  // Builds one primitive for a fixed small shape, so that create() can report a configuration oneDNN rejects.
-  void probe() {
-    MatmulCall c;
-    c.M = 2, c.N = 2, c.K = 2;
-    c.src_stride[0] = 2, c.src_stride[1] = 1;
-    c.weights_stride[0] = 2, c.weights_stride[1] = 1;
-    c.dst_stride = 2;
-    for (const PostOp& p : config_.post_ops)
-      if (p.kind == PostOp::Kind::Add) c.addend_row_stride.push_back(p.row ? 0 : 2);
-    descriptor(c, false);
-  }
-
  private:
   memory::desc matrix(int64_t rows, int64_t cols, int64_t s0, int64_t s1) const {
     return memory::desc({rows, cols}, data_type(config_.dtype), memory::dims{s0, s1});
@@ -364,14 +352,8 @@ std::string version() {
 }
 
 std::unique_ptr<Matmul> Matmul::create(const MatmulConfig& config, std::string* why_not) {
-  try {
-    auto m = std::make_unique<MatmulImpl>(config);
-    m->probe();
-    return m;
-  } catch (const dnnl::error& e) {
-    if (why_not) *why_not = std::string("oneDNN rejected the matmul: ") + e.what();
-  }
-  return nullptr;
+  (void)why_not;  // primitives are made per shape on first use; a shape oneDNN rejects runs through ATen
+  return std::make_unique<MatmulImpl>(config);
 }
 
 std::unique_ptr<Conv2d> Conv2d::create(const Conv2dConfig& config, std::string* why_not) {
