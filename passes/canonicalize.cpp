@@ -4,8 +4,9 @@
 //     where eager dropout in eval mode returns its input, and around saved activations), and a permute
 //     of a permute that restores the original order with the same type.
 //  2. Keeps them whenever the graph writes any tensor in place (a later write could make the copy's
-//     separate buffer observable), and when the copy is a graph output (outputs must not alias each other
-//     or the inputs in ways the caller did not see in eager).
+//     separate buffer observable), when the copy is a graph output, and when a clone reaches a graph
+//     output through views (the caller would get a tensor sharing memory with an input or another
+//     output, where eager gave a fresh one).
 // The removed nodes' uses read the original value; the nodes themselves are left for dead code elimination.
 #include "passes/passes.h"
 
@@ -63,11 +64,20 @@ const Value* undone_permute(const Node& n) {
 void canonicalize(Graph& graph, PassContext&) {
   for (const auto& n : graph.nodes())
     if (op_info(n->op).has(kMutates)) return;
-  std::unordered_set<const Value*> outputs;
+  std::unordered_set<const Value*> outputs, seen_by_caller;  // graph outputs; values they are views of
   for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { outputs.insert(v); });
+  seen_by_caller = outputs;
+  const auto& nodes = graph.nodes();
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    const Node& n = **it;
+    bool reaches = false;
+    for (const Value* v : n.outputs) reaches = reaches || seen_by_caller.count(v);
+    if (reaches && op_info(n.op).has(kView)) n.for_each_input([&](const Value* v) { seen_by_caller.insert(v); });
+  }
   std::vector<std::pair<const Value*, Value*>> replace;
   for (const auto& n : graph.nodes()) {
     if (n->outputs.size() != 1 || outputs.count(n->outputs[0])) continue;
+    if (n->op == "aten::clone" && seen_by_caller.count(n->outputs[0])) continue;
     const Value* source = is_plain_copy(*n) ? first_value(*n) : undone_permute(*n);
     if (source && same_type(source, n->outputs[0])) replace.emplace_back(n->outputs[0], const_cast<Value*>(source));
   }

@@ -119,6 +119,13 @@ TEST(Canonicalize, DropsNoOpClonesAliasesAndPermutePairs) {
       "  %d: f32[4]{1}@cpu = aten::copy_(%buf, %c)\n"
       "  return (%d)\n";
   EXPECT_EQ(run_pass(canonicalize, mutating), mutating);
+  // A clone whose view is returned stays: the caller must not get a view of the input.
+  const std::string returned_view =
+      "graph(%x: f32[4, 3]{3, 1}@cpu):\n"
+      "  %c: f32[4, 3]{3, 1}@cpu = aten::clone(%x)\n"
+      "  %v: f32[12]{1}@cpu = aten::view(%c, [12])\n"
+      "  return (%v)\n";
+  EXPECT_EQ(run_pass(canonicalize, returned_view), returned_view);
 }
 
 TEST(OneDnnMatmul, LinearReluScaleMatchesAten) {

@@ -204,3 +204,14 @@ def test_conv2d_residual_and_repeated_calls():
 def test_conv2d_training_matches_eager():
     model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 4, 3, stride=2))
     check_calls(model, torch.randn(2, 3, 10, 10), **MATMUL_TOL)
+
+
+def test_clone_of_input_returned_through_a_view_stays_a_copy():
+    def fn(x):
+        return x.clone().view(-1), (x.clone() * 2).t()
+
+    x = torch.randn(3, 4)
+    out, _ = compile_ember(fn)(x)
+    assert out.data_ptr() != x.data_ptr()
+    out.add_(1)
+    torch.testing.assert_close(x + 1, out.view(3, 4))
