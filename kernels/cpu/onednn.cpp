@@ -83,6 +83,13 @@ struct ShapeKey {
   }
 };
 
+// Weights packed into one layout, shared by every shape whose primitive prefers that layout (batch sizes
+// mostly do): under dynamic shapes, one copy of the weights per layout rather than per batch size.
+struct PackedWeights {
+  memory mem;
+  uint64_t generation = 0;  // what mem holds
+};
+
 // The primitives for one shape: reading plain (strided) weights, and, once asked for, packed weights.
 struct Entry {
   ShapeKey key;
@@ -91,8 +98,7 @@ struct Entry {
   std::vector<memory> addends;
   // Packed weights: created on the first call with a nonzero generation.
   dnnl::matmul packed;
-  memory packed_weights;
-  uint64_t packed_generation = 0;
+  std::shared_ptr<PackedWeights> packed_weights;
   bool packed_is_plain = false;  // the preferred layout is the plain one: nothing to reorder
 };
 
@@ -126,13 +132,14 @@ class MatmulImpl final : public Matmul {
       if (e.packed_is_plain) {
         // plain already is the preferred layout
       } else {
-        if (e.packed_generation != generation) {
-          dnnl::reorder(e.weights, e.packed_weights).execute(stream_, e.weights, e.packed_weights);
-          e.packed_generation = generation;
+        PackedWeights& packed = *e.packed_weights;
+        if (packed.generation != generation) {
+          dnnl::reorder(e.weights, packed.mem).execute(stream_, e.weights, packed.mem);
+          packed.generation = generation;
           ++packings_;
         }
         prim = &e.packed;
-        w = &e.packed_weights;
+        w = &packed.mem;
       }
     }
     std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, e.src}, {DNNL_ARG_WEIGHTS, *w}, {DNNL_ARG_DST, e.dst}};
@@ -201,7 +208,14 @@ class MatmulImpl final : public Matmul {
       e.packed_is_plain = true;
       return;
     }
-    e.packed_weights = memory(pd.weights_desc(), cpu_engine());  // owned by oneDNN
+    for (const auto& p : packed_layouts_)
+      if (p->mem.get_desc() == pd.weights_desc()) {
+        e.packed_weights = p;
+        return;
+      }
+    e.packed_weights = std::make_shared<PackedWeights>();
+    e.packed_weights->mem = memory(pd.weights_desc(), cpu_engine());  // owned by oneDNN
+    packed_layouts_.push_back(e.packed_weights);
   }
 
   static MatmulCall call_shape_of(const Entry& e) {
@@ -219,6 +233,7 @@ class MatmulImpl final : public Matmul {
   dnnl::stream stream_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_;
+  std::vector<std::shared_ptr<PackedWeights>> packed_layouts_;
   size_t packings_ = 0;
 };
 

@@ -188,6 +188,27 @@ TEST(OneDnnMatmul, StridedAndEmptyOperandsAndNoOneDnnAgree) {
   EXPECT_TRUE(at::allclose(t(g->run({x, w})[0]), at::tanh(at::mm(x, w)), 1e-4, 1e-5));
 }
 
+TEST(OneDnnMatmul, PackedWeightsFollowBatchSizesAndInPlaceWrites) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: f32[s0, 40]{40, 1}@cpu, %w: f32[24, 40]{40, 1}@cpu):\n"
+      "  %wt: f32[40, 24]{1, 40}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %m: f32[s0, 24]{24, 1}@cpu = aten::mm(%x, %wt)\n"
+      "  %r: f32[s0, 24]{24, 1}@cpu = aten::relu(%m)\n"
+      "  return (%r)\n";
+  auto g = compile_text(text);
+  at::Tensor w = at::randn({24, 40});
+  // Batch sizes share one packed copy per layout; a write to the weights repacks it for every size.
+  for (int64_t rows : {9, 9, 12, 12, -1, 12, 12, 9, 16, 9}) {
+    if (rows < 0) {
+      w.mul_(-2.0);
+      continue;
+    }
+    at::Tensor x = at::randn({rows, 40});
+    EXPECT_TRUE(at::allclose(t(g->run({x, w})[0]), at::relu(at::mm(x, w.t())), 1e-4, 1e-5)) << rows;
+  }
+}
+
 TEST(OneDnnMatmul, BFloat16) {
   if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
   const std::string text =
