@@ -11,6 +11,16 @@ export PYTHONUNBUFFERED=1
 if ls .carry/libgtest-dev_*.deb >/dev/null 2>&1; then
   dpkg -x .carry/libgtest-dev_*.deb /tmp/gtest && export GTest_ROOT=/tmp/gtest/usr
 fi
+# oneDNN the same way (libdnnl2, libdnnl-dev and the OpenCL loader libdnnl.so.2 links against):
+#   (cd .carry && apt-get download libdnnl2 libdnnl-dev ocl-icd-libopencl1)
+# CMake finds it through dnnl_ROOT; the loader finds libdnnl.so.2 and libOpenCL.so.1 through LD_LIBRARY_PATH.
+if ls .carry/libdnnl2_*.deb .carry/libdnnl-dev_*.deb >/dev/null 2>&1; then
+  for deb in .carry/libdnnl2_*.deb .carry/libdnnl-dev_*.deb .carry/ocl-icd-libopencl1_*.deb; do
+    [ -f "$deb" ] && dpkg -x "$deb" /tmp/dnnl
+  done
+  export dnnl_ROOT=/tmp/dnnl/usr
+  export LD_LIBRARY_PATH=/tmp/dnnl/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 { nvidia-smi -L; python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/device.txt"
 start=$(date +%s)
 bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }

@@ -26,6 +26,14 @@ if [ ! -f /usr/include/gtest/gtest.h ] && [ -z "${GTest_ROOT:-}" ]; then
   else sudo apt-get update -qq && sudo apt-get install -y -qq libgtest-dev >/dev/null; fi
 fi
 
+# oneDNN (CPU matmul epilogues) from Debian's libdnnl-dev; dnnl_ROOT may point at an unpacked copy instead.
+# ember builds without it (CPU matmuls then run through ATen), so a failed install is not fatal.
+if [ ! -f /usr/include/oneapi/dnnl/dnnl.hpp ] && [ -z "${dnnl_ROOT:-}" ]; then
+  echo "== installing libdnnl-dev"
+  sudo=""; [ "$(id -u)" = 0 ] || sudo=sudo
+  { $sudo apt-get update -qq && $sudo apt-get install -y -qq libdnnl-dev >/dev/null; } || echo "libdnnl-dev not installed"
+fi
+
 echo "== building ember"
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 editable=()

@@ -1,6 +1,7 @@
 // The pipeline, in one list:
 //
-//   verify -> eliminate_dead_code -> eliminate_common_subexpressions -> fuse     (passes)
+//   verify -> canonicalize -> eliminate_dead_code -> eliminate_common_subexpressions
+//          -> claim_matmul_epilogues -> fuse                                     (passes)
 //          -> generate_kernels (one kernel per fusion group)                   (codegen)
 //          -> build_plan                                                       (runtime)
 //
@@ -37,8 +38,10 @@ void dump(const CompileOptions& options, const std::string& stage, const std::st
 
 const std::vector<Pass>& default_passes() {
   static const std::vector<Pass> passes = {
+      {"canonicalize", canonicalize},
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
+      {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole
       {"fuse", fuse},
   };
   return passes;

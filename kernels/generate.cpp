@@ -1,10 +1,11 @@
 // generate_kernels: lowers each fusion group to a Program and hands it to its device's generator
-// (kernels/cpu: vectorized interpreter; kernels/cuda: NVRTC). A group a generator declines runs node
-// by node through ATen.
+// (kernels/cpu: vectorized interpreter; kernels/cuda: NVRTC), and each claimed matmul group to its library
+// call (kernels/cpu: oneDNN). A group a generator declines runs node by node through ATen.
 #include "kernels/kernels.h"
 
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cuda/cuda_kernel.h"
+#include "kernels/epilogue_group.h"
 #include "kernels/program.h"
 
 #include <algorithm>
@@ -51,6 +52,17 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
   parallel_for_each(groups.size(), [&](size_t i) {
     Result& r = results[i];
     try {
+      if (is_epilogue_group(graph, groups[i])) {
+        std::optional<EpilogueGroup> m = lower_epilogue_group(graph, groups[i], &r.why);
+        if (!m) return;
+        r.listing = "group " + std::to_string(groups[i]) + ": " + m->text() + "\n";
+        r.kernel.reads = m->reads();
+        r.kernel.writes = {m->output};
+        if (m->device.is_cpu() && m->kind == EpilogueGroup::Kind::Conv2d) r.kernel.kernel = cpu::make_conv2d_kernel(*m, &r.why);
+        else if (m->device.is_cpu()) r.kernel.kernel = cpu::make_matmul_kernel(*m, &r.why);
+        else r.why = "no library epilogue for " + m->device.str() + " matmuls yet";
+        return;
+      }
       std::optional<Program> program = lower_group(graph, groups[i], &r.why);
       if (!program) return;
       r.listing = program->text();

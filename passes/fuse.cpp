@@ -12,6 +12,7 @@
 //     row-major contiguous (eager's layout for them, which fused kernels write); a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
 //     ATen CPU kernel beats ember's (kCpuKeepAten: gelu, tanh) are not fused on the CPU.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
+// Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
 
 #include "ember/op_table.h"
@@ -122,11 +123,12 @@ class Fuser {
 
   void run() {
     const auto& nodes = graph_.nodes();
+    // Groups claimed by an earlier pass (matmul epilogues) stay as they are; this pass numbers after them.
+    for (const auto& n : nodes) base_ = std::max(base_, n->group + 1);
     for (size_t i = 0; i < nodes.size(); ++i) {
       Node& n = *nodes[i];
-      n.group = -1;
       for (const Value* v : n.outputs) position_[v] = i;
-      if (!eligible(n)) continue;
+      if (n.group >= 0 || !eligible(n)) continue;
       Group* g = pick_group(n, i);
       if (!g) g = start_group(n, i);
       join(n, *g);
@@ -183,7 +185,7 @@ class Fuser {
     n.for_each_input([&](const Value* v) {
       auto it = group_of_.find(v);
       if (it == group_of_.end()) return;
-      Group* g = &groups_[it->second];
+      Group* g = &groups_[it->second - base_];
       if (!best || g->first > best->first)
         if (fits(n, *g, reduction)) best = g;
     });
@@ -214,7 +216,7 @@ class Fuser {
 
   Group* start_group(const Node& n, size_t index) {
     Group g;
-    g.id = static_cast<int>(groups_.size());
+    g.id = base_ + static_cast<int>(groups_.size());
     g.first = index;
     g.full = space_of(n, is_reduction(n));
     g.device = n.outputs[0]->type.tensor.device;
@@ -235,14 +237,15 @@ class Fuser {
 
   void dissolve_singletons() {
     std::vector<int> renumber(groups_.size(), -1);
-    int next = 0;
+    int next = base_;
     for (const Group& g : groups_)
-      if (g.members > 1) renumber[g.id] = next++;
+      if (g.members > 1) renumber[g.id - base_] = next++;
     for (const auto& n : graph_.nodes())
-      if (n->group >= 0) n->group = renumber[n->group];
+      if (n->group >= base_) n->group = renumber[n->group - base_];
   }
 
   Graph& graph_;
+  int base_ = 0;  // the first group id this pass hands out
   std::vector<Group> groups_;
   std::unordered_map<const Value*, int> group_of_;
   std::unordered_map<const Value*, bool> row_values_;

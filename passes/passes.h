@@ -5,8 +5,10 @@
 
 namespace ember {
 
+void canonicalize(Graph& graph, PassContext& ctx);
 void eliminate_dead_code(Graph& graph, PassContext& ctx);
 void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
+void claim_matmul_epilogues(Graph& graph, PassContext& ctx);
 void fuse(Graph& graph, PassContext& ctx);
 
 }  // namespace ember

@@ -1,7 +1,9 @@
-// The CPU kernel generator: a fusion group's Program becomes a vectorized interpreter kernel.
+// The CPU kernel generators: a fusion group's Program becomes a vectorized interpreter kernel; a claimed
+// matmul group becomes a oneDNN matmul.
 #pragma once
 
 #include "ember/runtime.h"
+#include "kernels/epilogue_group.h"
 #include "kernels/program.h"
 
 #include <memory>
@@ -11,5 +13,11 @@ namespace ember::cpu {
 
 // Null (with the reason in *why_not) when this CPU cannot run it. Picks the widest instruction set.
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not);
+
+// A claimed matmul group as one oneDNN matmul with post-ops (kernels/cpu/matmul_kernel.cpp). Null, with the
+// reason in *why_not, when ember was built without oneDNN or oneDNN rejects it.
+std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not);
+// The same for a claimed 2-D convolution group (kernels/cpu/conv_kernel.cpp).
+std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& group, std::string* why_not);
 
 }  // namespace ember::cpu

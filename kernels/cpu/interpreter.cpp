@@ -65,6 +65,11 @@ Vec fast_tanh(const Vec& x) {
   return Vec::blendv(big, small, x.abs() < Vec(0.0625f));
 }
 
+// ATen's exp_u20 (a degree-5 polynomial, within 20 ulp; ATen's softmax uses it) with NaN kept NaN, which
+// the polynomial turns into inf. About 1.3x faster than Sleef's exp for sin(x).cos().exp() on 1M floats;
+// results below FLT_MIN flush to 0 where eager gives denormals.
+Vec fast_exp(const Vec& x) { return Vec::blendv(x.exp_u20(), x, x != x); }
+
 Vec gelu_erf(const Vec& x) { return x * Vec(0.5f) * (Vec(1.f) + (x * Vec(float(M_SQRT1_2))).erf()); }
 
 Vec gelu_tanh(const Vec& x) {
@@ -83,7 +88,7 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
 #define EMBER_ELEMENTWISE_OPS(X)                                 \
   X(Copy, a)                                                     \
   X(Neg, a.neg())                                                \
-  X(Exp, a.exp())                                                \
+  X(Exp, fast_exp(a))                                            \
   X(Log, a.log())                                                \
   X(Log1p, a.log1p())                                            \
   X(Expm1, a.expm1())                                            \

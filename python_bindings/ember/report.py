@@ -3,8 +3,8 @@
     report = ember.explain(model)(x)
     print(report)
 
-The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels
-and the ATen ops that run one by one), the graphs that fell back to eager and why, and the compile
+The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels,
+oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the graphs that fell back to eager and why, and the compile
 time split into Dynamo + AOTAutograd tracing, lowering to IR, ember's passes, code generation and
 plan building.
 """
@@ -38,7 +38,13 @@ class GraphReport:
 
     @property
     def kernels(self):
-        return [what for kind, what in self.steps if kind == "kernel"]
+        """Fused kernels ember generated (oneDNN calls are listed apart, in `onednn`)."""
+        return [what for kind, what in self.steps if kind == "kernel" and not what.startswith("onednn")]
+
+    @property
+    def onednn(self):
+        """oneDNN primitives with their fused epilogues: "matmul f32 +bias relu"."""
+        return [what[len("onednn "):] for kind, what in self.steps if kind == "kernel" and what.startswith("onednn")]
 
     @property
     def aten_ops(self):
@@ -56,10 +62,13 @@ class ExplainReport:
         lines = [f"ember.explain: {len(self.graphs)} graph(s) compiled, {len(self.fallbacks)} fell back to eager"]
         for g in self.graphs:
             aten = g.aten_ops
+            onednn = f"{len(g.onednn)} oneDNN call(s), " if g.onednn else ""
             lines.append(f"- {g.name}: {g.fx_nodes} FX nodes -> {len(g.steps)} steps: {len(g.kernels)} fused kernel(s), "
-                         f"{sum(aten.values())} ATen call(s)")
+                         f"{onednn}{sum(aten.values())} ATen call(s)")
             for k in g.kernels:
                 lines.append(f"    kernel  {k}")
+            for k in g.onednn:
+                lines.append(f"    oneDNN  {k}")
             if aten:
                 lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
             if g.cuda_graphs:

@@ -233,7 +233,8 @@ PASSES = list(ember._C.pass_names())  # in pipeline order
 
 
 def test_pass_names():
-    assert PASSES[:2] == ["dce", "cse"], PASSES
+    assert PASSES[:3] == ["canonicalize", "dce", "cse"], PASSES
+    assert PASSES.index("epilogue") < PASSES.index("fuse"), PASSES  # fuse leaves claimed epilogues alone
 
 
 @pytest.mark.parametrize("disabled", [[p] for p in PASSES] + [",".join(PASSES), []],

@@ -1,0 +1,37 @@
+// Matmul epilogues: the pointwise steps a library matmul can apply to its result before writing it
+// (oneDNN post-ops on the CPU, cuBLASLt epilogues on the GPU). One classifier, read by the pass that claims
+// epilogues (passes/matmul_epilogue.cpp) and by the kernel generators that lower them, so both agree on
+// what each op means.
+#pragma once
+
+#include "ember/ir.h"
+
+#include <optional>
+
+namespace ember {
+
+struct EpilogueOp {
+  enum class Kind : uint8_t { Relu, GeluErf, GeluTanh, Silu, Sigmoid, Tanh, Linear, Add, View };
+  Kind kind = Kind::Relu;
+  float alpha = 1.f, beta = 0.f;  // Linear: alpha * x + beta
+  const Value* addend = nullptr;  // Add: the tensor added (a residual, or one row broadcast over all rows)
+};
+
+// What node `n` does to its tensor input `in` as one epilogue step, or nothing when it is not one (another
+// op, `in` in an unsupported position, an alpha other than 1 on an added tensor, a value-dependent scale).
+// Shapes and dtypes are the caller's to check.
+std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in);
+
+// aten::mm(a, b) and aten::addmm(bias, a, b) with beta = alpha = 1: the matmuls an epilogue can follow.
+// Sets *src, *weights and *bias (null for mm) when it is one.
+bool as_matmul(const Node& n, const Value** src, const Value** weights, const Value** bias);
+
+// aten::convolution in 2-D (4-D tensors), not transposed: the other op an epilogue can follow.
+bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Value** bias);
+
+// The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
+// starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
+// call in inference. Null when `v` is computed.
+const Value* input_behind(const Value* v);
+
+}  // namespace ember

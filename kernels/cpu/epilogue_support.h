@@ -1,0 +1,113 @@
+// What the CPU kernels for claimed groups (matmul_kernel.cpp, conv_kernel.cpp) share: the check that decides
+// whether packed weights are still good, the post-op list for oneDNN, and the same epilogue through ATen.
+#pragma once
+
+#include "kernels/cpu/onednn.h"
+#include "kernels/epilogue_group.h"
+
+#include <ATen/ATen.h>
+
+#include <mutex>
+#include <vector>
+
+namespace ember::cpu {
+
+// Which packing of the weights a call may use: 0 (read them where they lie) until the same unmodified graph
+// input comes a second time, seen through the same view; then one generation number until it changes.
+// first_sight() is true until the first call: it runs through ATen, so that an inference graph makes only
+// the primitives for packed weights (oneDNN generates code per primitive, a few ms each), on its second call.
+// "Same" is the same TensorImpl and version counter (an in-place write moves it), the weights view at the
+// same data pointer, sizes and strides. The input is kept alive so that no other tensor can take its
+// address while its packing is trusted. Inference tensors have no version counter: never packed.
+class WeightsPacking {
+ public:
+  bool first_sight() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !seen_;
+  }
+
+  uint64_t generation(const at::Tensor& input, const at::Tensor& w) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    seen_ = true;
+    if (input.is_inference() || !input.has_storage()) {
+      input_ = at::Tensor();
+      return 0;
+    }
+    uint32_t version = input._version();
+    bool same = input_.defined() && input_.unsafeGetTensorImpl() == input.unsafeGetTensorImpl() &&
+                version_ == version && data_ == w.data_ptr() && w.strides().equals(strides_) &&
+                w.sizes().equals(sizes_);
+    if (!same) {
+      input_ = input;
+      version_ = version;
+      data_ = w.data_ptr();
+      strides_ = w.strides().vec();
+      sizes_ = w.sizes().vec();
+      generation_ = 0;
+      return 0;
+    }
+    if (generation_ == 0) generation_ = ++next_generation_;
+    return generation_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  mutable at::Tensor input_;
+  mutable uint32_t version_ = 0;
+  mutable const void* data_ = nullptr;
+  mutable std::vector<int64_t> strides_, sizes_;
+  mutable uint64_t generation_ = 0, next_generation_ = 0;
+  mutable bool seen_ = false;
+};
+
+inline onednn::DType onednn_dtype(c10::ScalarType t) {
+  return t == c10::kBFloat16 ? onednn::DType::BF16 : onednn::DType::F32;
+}
+
+inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g) {
+  std::vector<onednn::PostOp> out;
+  size_t a = 0;
+  for (const EpilogueOp& op : g.ops) {
+    onednn::PostOp p;
+    switch (op.kind) {
+      case EpilogueOp::Kind::Relu: p.kind = onednn::PostOp::Kind::Relu; break;
+      case EpilogueOp::Kind::GeluErf: p.kind = onednn::PostOp::Kind::GeluErf; break;
+      case EpilogueOp::Kind::GeluTanh: p.kind = onednn::PostOp::Kind::GeluTanh; break;
+      case EpilogueOp::Kind::Silu: p.kind = onednn::PostOp::Kind::Silu; break;
+      case EpilogueOp::Kind::Sigmoid: p.kind = onednn::PostOp::Kind::Sigmoid; break;
+      case EpilogueOp::Kind::Tanh: p.kind = onednn::PostOp::Kind::Tanh; break;
+      case EpilogueOp::Kind::Linear: p.kind = onednn::PostOp::Kind::Linear; break;
+      case EpilogueOp::Kind::Add: p.kind = onednn::PostOp::Kind::Add; p.row = g.addend_is_row[a++]; break;
+      case EpilogueOp::Kind::View: continue;  // (lowering leaves none)
+    }
+    p.alpha = op.alpha;
+    p.beta = op.beta;
+    out.push_back(p);
+  }
+  return out;
+}
+
+// The epilogue through ATen, in place on y where ATen has the op in place.
+inline at::Tensor apply_epilogue_with_aten(at::Tensor y, const std::vector<EpilogueOp>& ops,
+                                           const std::vector<at::Tensor>& addends, const std::vector<bool>& is_row) {
+  size_t a = 0;
+  for (const EpilogueOp& op : ops) {
+    switch (op.kind) {
+      case EpilogueOp::Kind::Relu: y.relu_(); break;
+      case EpilogueOp::Kind::GeluErf: y = at::gelu(y); break;
+      case EpilogueOp::Kind::GeluTanh: y = at::gelu(y, "tanh"); break;
+      case EpilogueOp::Kind::Silu: y = at::silu(y); break;
+      case EpilogueOp::Kind::Sigmoid: y.sigmoid_(); break;
+      case EpilogueOp::Kind::Tanh: y.tanh_(); break;
+      case EpilogueOp::Kind::Linear: y.mul_(op.alpha).add_(op.beta); break;
+      case EpilogueOp::Kind::Add:
+        y.add_(is_row[a] ? addends[a].reshape({-1}) : addends[a].reshape(y.sizes()));
+        ++a;
+        break;
+      case EpilogueOp::Kind::View: break;
+    }
+  }
+  return y;
+}
+
+}  // namespace ember::cpu

@@ -1,0 +1,256 @@
+// Matmul epilogues: the epilogue pass (IR text in, IR text out), canonicalize, and the oneDNN kernel
+// against ATen on random inputs (odd sizes, strided operands, residuals, weights changed between calls).
+#include "ember/compiler.h"
+#include "kernels/cpu/onednn.h"
+#include "passes/passes.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace ember {
+namespace {
+
+std::string run_pass(void (*pass)(Graph&, PassContext&), const std::string& in) {
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  pass(g, ctx);
+  g.verify();
+  return print(g);
+}
+
+std::shared_ptr<CompiledGraph> compile_text(const std::string& text, std::vector<std::string> disabled = {}) {
+  CompileOptions options;
+  options.disabled_passes = std::move(disabled);
+  return compile(parse(text), {}, options);
+}
+
+int onednn_steps(const CompiledGraph& g) {
+  int n = 0;
+  for (const Step& s : g.plan().steps)
+    if (s.kernel && s.kernel->describe().rfind("onednn", 0) == 0) ++n;
+  return n;
+}
+
+at::Tensor t(const c10::IValue& v) { return v.toTensor(); }
+
+const char* kLinearRelu =
+    "graph(%x: f32[7, 13]{13, 1}@cpu, %w: f32[5, 13]{13, 1}@cpu, %b: f32[5]{1}@cpu):\n"
+    "  %wt: f32[13, 5]{1, 13}@cpu = aten::permute(%w, [1, 0])\n"
+    "  %y: f32[7, 5]{5, 1}@cpu = aten::addmm(%b, %x, %wt)\n"
+    "  %r: f32[7, 5]{5, 1}@cpu = aten::relu(%y)\n"
+    "  %s: f32[7, 5]{5, 1}@cpu = aten::mul.Tensor(%r, 0.5)\n"
+    "  %e: f32[7, 5]{5, 1}@cpu = aten::exp(%s)\n"
+    "  return (%e)\n";
+
+TEST(EpiloguePass, ClaimsMatmulAndItsPointwiseChain) {
+  const std::string expected =
+      "graph(%x: f32[7, 13]{13, 1}@cpu, %w: f32[5, 13]{13, 1}@cpu, %b: f32[5]{1}@cpu):\n"
+      "  %wt: f32[13, 5]{1, 13}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %y: f32[7, 5]{5, 1}@cpu = aten::addmm(%b, %x, %wt) #0\n"
+      "  %r: f32[7, 5]{5, 1}@cpu = aten::relu(%y) #0\n"
+      "  %s: f32[7, 5]{5, 1}@cpu = aten::mul.Tensor(%r, 0.5) #0\n"
+      "  %e: f32[7, 5]{5, 1}@cpu = aten::exp(%s)\n"
+      "  return (%e)\n";
+  EXPECT_EQ(run_pass(claim_matmul_epilogues, kLinearRelu), expected);
+}
+
+TEST(EpiloguePass, StopsAtSharedValuesLateAddendsAndBroadcastingUp) {
+  // %y is read twice: the matmul stands alone (its weights are an input: claimed for packing).
+  // %late is made after the matmul: the add stays out.
+  const std::string in =
+      "graph(%x: f32[4, 3]{3, 1}@cpu, %w: f32[3, 6]{6, 1}@cpu, %c: f32[4, 6]{6, 1}@cpu):\n"
+      "  %y: f32[4, 6]{6, 1}@cpu = aten::mm(%x, %w)\n"
+      "  %a: f32[4, 6]{6, 1}@cpu = aten::relu(%y)\n"
+      "  %b: f32[4, 6]{6, 1}@cpu = aten::sigmoid(%y)\n"
+      "  %m: f32[4, 6]{6, 1}@cpu = aten::mm(%x, %w)\n"
+      "  %late: f32[4, 6]{6, 1}@cpu = aten::cos(%c)\n"
+      "  %z: f32[4, 6]{6, 1}@cpu = aten::add.Tensor(%m, %late)\n"
+      "  return (%a, %b, %z)\n";
+  const std::string expected =
+      "graph(%x: f32[4, 3]{3, 1}@cpu, %w: f32[3, 6]{6, 1}@cpu, %c: f32[4, 6]{6, 1}@cpu):\n"
+      "  %y: f32[4, 6]{6, 1}@cpu = aten::mm(%x, %w) #0\n"
+      "  %a: f32[4, 6]{6, 1}@cpu = aten::relu(%y)\n"
+      "  %b: f32[4, 6]{6, 1}@cpu = aten::sigmoid(%y)\n"
+      "  %m: f32[4, 6]{6, 1}@cpu = aten::mm(%x, %w) #1\n"
+      "  %late: f32[4, 6]{6, 1}@cpu = aten::cos(%c)\n"
+      "  %z: f32[4, 6]{6, 1}@cpu = aten::add.Tensor(%m, %late)\n"
+      "  return (%a, %b, %z)\n";
+  EXPECT_EQ(run_pass(claim_matmul_epilogues, in), expected);
+}
+
+TEST(EpiloguePass, LeavesCudaAndDoubleMatmulsAlone) {
+  const std::string in =
+      "graph(%x: f64[4, 3]{3, 1}@cpu, %w: f64[3, 6]{6, 1}@cpu, %u: f32[4, 3]{3, 1}@cuda:0, %v: f32[3, 6]{6, 1}@cuda:0):\n"
+      "  %y: f64[4, 6]{6, 1}@cpu = aten::mm(%x, %w)\n"
+      "  %a: f64[4, 6]{6, 1}@cpu = aten::relu(%y)\n"
+      "  %g: f32[4, 6]{6, 1}@cuda:0 = aten::mm(%u, %v)\n"
+      "  %h: f32[4, 6]{6, 1}@cuda:0 = aten::relu(%g)\n"
+      "  return (%a, %h)\n";
+  EXPECT_EQ(run_pass(claim_matmul_epilogues, in), in);
+}
+
+TEST(Canonicalize, DropsNoOpClonesAliasesAndPermutePairs) {
+  const std::string in =
+      "graph(%x: f32[4, 3]{3, 1}@cpu):\n"
+      "  %c: f32[4, 3]{3, 1}@cpu = aten::clone(%x)\n"
+      "  %a: f32[4, 3]{3, 1}@cpu = aten::alias(%c)\n"
+      "  %p: f32[3, 4]{1, 3}@cpu = aten::permute(%a, [1, 0])\n"
+      "  %q: f32[4, 3]{3, 1}@cpu = aten::permute(%p, [1, 0])\n"
+      "  %pc: f32[3, 4]{4, 1}@cpu = aten::clone(%p, memory_format=contiguous_format)\n"
+      "  %s: f32[4, 3]{3, 1}@cpu = aten::sin(%q)\n"
+      "  %o: f32[4, 3]{3, 1}@cpu = aten::clone(%s)\n"
+      "  return (%o, %pc)\n";
+  const std::string expected =
+      "graph(%x: f32[4, 3]{3, 1}@cpu):\n"
+      "  %c: f32[4, 3]{3, 1}@cpu = aten::clone(%x)\n"
+      "  %a: f32[4, 3]{3, 1}@cpu = aten::alias(%x)\n"
+      "  %p: f32[3, 4]{1, 3}@cpu = aten::permute(%x, [1, 0])\n"
+      "  %q: f32[4, 3]{3, 1}@cpu = aten::permute(%p, [1, 0])\n"
+      "  %pc: f32[3, 4]{4, 1}@cpu = aten::clone(%p, memory_format=contiguous_format)\n"
+      "  %s: f32[4, 3]{3, 1}@cpu = aten::sin(%x)\n"
+      "  %o: f32[4, 3]{3, 1}@cpu = aten::clone(%s)\n"
+      "  return (%o, %pc)\n";
+  EXPECT_EQ(run_pass(canonicalize, in), expected);
+  // With an in-place write anywhere, nothing is touched.
+  const std::string mutating =
+      "graph(%x: f32[4]{1}@cpu, %buf: f32[4]{1}@cpu):\n"
+      "  %c: f32[4]{1}@cpu = aten::clone(%x)\n"
+      "  %d: f32[4]{1}@cpu = aten::copy_(%buf, %c)\n"
+      "  return (%d)\n";
+  EXPECT_EQ(run_pass(canonicalize, mutating), mutating);
+  // A clone whose view is returned stays: the caller must not get a view of the input.
+  const std::string returned_view =
+      "graph(%x: f32[4, 3]{3, 1}@cpu):\n"
+      "  %c: f32[4, 3]{3, 1}@cpu = aten::clone(%x)\n"
+      "  %v: f32[12]{1}@cpu = aten::view(%c, [12])\n"
+      "  return (%v)\n";
+  EXPECT_EQ(run_pass(canonicalize, returned_view), returned_view);
+}
+
+TEST(OneDnnMatmul, LinearReluScaleMatchesAten) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  auto g = compile_text(kLinearRelu);
+  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
+  at::Tensor w = at::randn({5, 13}), b = at::randn({5});
+  for (int call = 0; call < 3; ++call) {  // the second and third calls use packed weights
+    at::Tensor x = at::randn({7, 13});
+    at::Tensor expected = (at::relu(at::addmm(b, x, w.t())) * 0.5).exp();
+    EXPECT_TRUE(at::allclose(t(g->run({x, w, b})[0]), expected, 1e-4, 1e-5)) << "call " << call;
+    if (call == 1) w.add_(1.0);  // in place: the version counter moves, the packing is redone
+  }
+}
+
+TEST(OneDnnMatmul, ResidualRowAddGeluViewsAndOddSizes) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: f32[3, 5, 17]{85, 17, 1}@cpu, %w: f32[9, 17]{17, 1}@cpu, %r: f32[3, 5, 9]{45, 9, 1}@cpu, "
+      "%row: f32[9]{1}@cpu):\n"
+      "  %v: f32[15, 17]{17, 1}@cpu = aten::view(%x, [15, 17])\n"
+      "  %wt: f32[17, 9]{1, 17}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %m: f32[15, 9]{9, 1}@cpu = aten::mm(%v, %wt)\n"
+      "  %a: f32[15, 9]{9, 1}@cpu = aten::add.Tensor(%m, %row)\n"
+      "  %g: f32[15, 9]{9, 1}@cpu = aten::gelu(%a, approximate=\"tanh\")\n"
+      "  %u: f32[3, 5, 9]{45, 9, 1}@cpu = aten::view(%g, [3, 5, 9])\n"
+      "  %o: f32[3, 5, 9]{45, 9, 1}@cpu = aten::add.Tensor(%r, %u)\n"
+      "  %s: f32[3, 5, 9]{45, 9, 1}@cpu = aten::silu(%o)\n"
+      "  return (%s)\n";
+  auto g = compile_text(text);
+  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
+  at::Tensor w = at::randn({9, 17}), row = at::randn({9});
+  for (int call = 0; call < 3; ++call) {  // the first call runs through ATen, later ones through oneDNN
+    at::Tensor x = at::randn({3, 5, 17}), r = at::randn({3, 5, 9});
+    at::Tensor expected = at::silu(r + at::gelu(at::matmul(x, w.t()) + row, "tanh"));
+    at::Tensor out = t(g->run({x, w, r, row})[0]);
+    EXPECT_EQ(out.sizes(), expected.sizes());
+    EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << "call " << call;
+  }
+}
+
+TEST(OneDnnMatmul, StridedAndEmptyOperandsAndNoOneDnnAgree) {
+  const std::string text =
+      "graph(%x: f32[s0, 6]{1, s0}@cpu, %w: f32[6, 4]{4, 1}@cpu):\n"
+      "  %m: f32[s0, 4]{4, 1}@cpu = aten::mm(%x, %w)\n"
+      "  %t: f32[s0, 4]{4, 1}@cpu = aten::tanh(%m)\n"
+      "  return (%t)\n";
+  auto g = compile_text(text);
+  auto plain = compile_text(text, {"epilogue"});
+  EXPECT_EQ(onednn_steps(*plain), 0);
+  at::Tensor w = at::randn({6, 4});
+  for (int64_t rows : {1, 11, 0}) {
+    at::Tensor x = at::randn({6, rows}).t();  // columns contiguous
+    at::Tensor expected = at::tanh(at::mm(x, w));
+    EXPECT_TRUE(at::allclose(t(g->run({x, w})[0]), expected, 1e-4, 1e-5)) << rows;
+    EXPECT_TRUE(at::allclose(t(plain->run({x, w})[0]), expected, 1e-4, 1e-5)) << rows;
+  }
+  // Neither rows nor columns contiguous: the kernel computes it through ATen.
+  at::Tensor x = at::randn({8, 12}).slice(1, 0, 12, 2).slice(0, 0, 8, 2);  // [4, 6], strides (24, 2)
+  EXPECT_TRUE(at::allclose(t(g->run({x, w})[0]), at::tanh(at::mm(x, w)), 1e-4, 1e-5));
+}
+
+TEST(OneDnnMatmul, PackedWeightsFollowBatchSizesAndInPlaceWrites) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: f32[s0, 40]{40, 1}@cpu, %w: f32[24, 40]{40, 1}@cpu):\n"
+      "  %wt: f32[40, 24]{1, 40}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %m: f32[s0, 24]{24, 1}@cpu = aten::mm(%x, %wt)\n"
+      "  %r: f32[s0, 24]{24, 1}@cpu = aten::relu(%m)\n"
+      "  return (%r)\n";
+  auto g = compile_text(text);
+  at::Tensor w = at::randn({24, 40});
+  // Batch sizes share one packed copy per layout; a write to the weights repacks it for every size.
+  for (int64_t rows : {9, 9, 12, 12, -1, 12, 12, 9, 16, 9}) {
+    if (rows < 0) {
+      w.mul_(-2.0);
+      continue;
+    }
+    at::Tensor x = at::randn({rows, 40});
+    EXPECT_TRUE(at::allclose(t(g->run({x, w})[0]), at::relu(at::mm(x, w.t())), 1e-4, 1e-5)) << rows;
+  }
+}
+
+TEST(OneDnnMatmul, BFloat16) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: bf16[6, 32]{32, 1}@cpu, %w: bf16[32, 16]{16, 1}@cpu, %b: bf16[16]{1}@cpu):\n"
+      "  %m: bf16[6, 16]{16, 1}@cpu = aten::addmm(%b, %x, %w)\n"
+      "  %r: bf16[6, 16]{16, 1}@cpu = aten::relu(%m)\n"
+      "  return (%r)\n";
+  auto g = compile_text(text);
+  EXPECT_EQ(onednn_steps(*g), 1);
+  at::Tensor x = at::randn({6, 32}).to(at::kBFloat16), w = at::randn({32, 16}).to(at::kBFloat16);
+  at::Tensor b = at::randn({16}).to(at::kBFloat16);
+  at::Tensor expected = at::relu(at::addmm(b.to(at::kFloat), x.to(at::kFloat), w.to(at::kFloat)));
+  for (int call = 0; call < 2; ++call)
+    EXPECT_TRUE(at::allclose(t(g->run({x, w, b})[0]).to(at::kFloat), expected, 5e-2, 5e-2)) << "call " << call;
+}
+
+TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  const std::string text =
+      "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
+      "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
+      "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
+      "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
+      "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
+      "  return (%o)\n";
+  auto g = compile_text(text);
+  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
+  at::Tensor w = at::randn({6, 2, 3, 3}), b = at::randn({6});
+  for (bool channels_last : {false, true}) {
+    for (int call = 0; call < 3; ++call) {
+      at::Tensor x = at::randn({2, 4, 9, 7}), r = at::randn({2, 6, 5, 4});
+      if (channels_last) {
+        x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        r = r.contiguous(at::MemoryFormat::ChannelsLast);
+      }
+      at::Tensor expected = at::relu(at::conv2d(x, w, b, {2, 2}, {1, 1}, {1, 1}, 2) + r);
+      at::Tensor out = t(g->run({x, w, b, r})[0]);
+      EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << channels_last << " call " << call;
+      EXPECT_EQ(out.strides(), expected.strides());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace ember

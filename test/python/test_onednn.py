@@ -1,0 +1,217 @@
+"""oneDNN matmul epilogues on the CPU: linear / mm / addmm with bias, activations, scales and residual adds
+fused as post-ops (passes/matmul_epilogue.cpp, kernels/cpu/matmul_kernel.cpp), against eager on fresh random
+inputs, forward and backward, odd sizes, dynamic batch sizes, weights changed in place between calls.
+
+A kernel whose weights are a parameter runs its first call through ATen and packs the weights on the second
+(kernels/cpu/epilogue_support.h), and fewer than 8 rows against unpacked weights run through ATen too: the
+tests call each compiled function several times (check_calls) and use 8 rows or more."""
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import helpers
+from helpers import MATMUL_TOL, check, compile_ember
+
+
+def check_calls(fn, *inputs, calls=3, **kwargs):
+    """check() over `calls` calls of one compiled function, on fresh random inputs shaped and strided like
+    `inputs`. A kernel whose weights are a parameter runs its first call through ATen and packs them on the
+    second, so a single call would never reach oneDNN."""
+    compiled = compile_ember(copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn, options=kwargs.pop("options", None))
+    result = None
+    for i in range(calls):
+        fresh = [helpers.clone_input(x).normal_() if x.is_floating_point() else x for x in inputs]
+        result = check(fn, *fresh, compiled=compiled, min_graphs=0 if i else 1, **kwargs)
+    return result
+
+
+def onednn_kernels():
+    """The oneDNN steps of every graph ember compiled in this test."""
+    return [what for _, compiled in helpers.EMBER_GRAPHS for kind, what in compiled.steps()
+            if kind == "kernel" and what.startswith("onednn")]
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_built():
+    import ember
+
+    lin = nn.Linear(4, 4)
+    with torch.no_grad():
+        report = ember.explain(lambda x: torch.relu(lin(x)))(torch.randn(2, 4))
+    return any(g.onednn for g in report.graphs)
+
+
+needs_onednn = pytest.mark.skipif("not _onednn_built()", reason="ember was built without oneDNN")
+
+ACTIVATIONS = {
+    "none": lambda y: y,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "silu": F.silu,
+    "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh,
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("shape", [(9, 13, 5), (2, 5, 17, 9)], ids=["2d", "4d"])
+def test_linear_activation_inference(act, bias, shape):
+    *batch, k, n = shape
+    lin = nn.Linear(k, n, bias=bias)
+    fn = lambda x: ACTIVATIONS[act](lin(x))  # noqa: E731
+    with torch.no_grad():
+        check_calls(fn, torch.randn(*batch, k), grad=False, **MATMUL_TOL)
+    kernels = onednn_kernels()
+    assert len(kernels) == 1, kernels
+    assert ("+bias" in kernels[0]) == bias, kernels
+    if act != "none":
+        assert kernels[0].split()[-1] == act, kernels
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", ["relu", "gelu", "tanh"])
+def test_linear_activation_training(act):
+    lin = nn.Linear(11, 6)
+    check_calls(lambda x: ACTIVATIONS[act](lin(x)), torch.randn(5, 11, requires_grad=True), **MATMUL_TOL)
+    assert onednn_kernels()
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["residual", "residual_first", "scale_shift", "div", "row_add"])
+def test_residual_scale_and_row_epilogues(case):
+    w, b = torch.randn(6, 10), torch.randn(6)
+    fns = {
+        "residual": lambda x, r: torch.relu(F.linear(x, w, b)) + r,
+        "residual_first": lambda x, r: r + F.linear(x, w, b),
+        "scale_shift": lambda x, r: F.linear(x, w) * 0.5 - 1.0,
+        "div": lambda x, r: torch.sigmoid(F.linear(x, w, b) / 3.0),
+        "row_add": lambda x, r: torch.mm(x.flatten(0, -2), w.t()) + b,
+    }
+    with torch.no_grad():
+        check_calls(fns[case], torch.randn(3, 4, 10), torch.randn(3, 4, 6), grad=False, **MATMUL_TOL)
+    assert len(onednn_kernels()) == 1
+
+
+@needs_onednn
+def test_weights_changed_in_place_between_calls_are_repacked():
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for step in range(4):  # calls 2+ run on packed weights
+            x = torch.randn(9 if step % 2 else 2, 16)  # 9 rows: oneDNN; 2 rows: oneDNN once packed
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+            if step == 1:
+                model[0].weight.mul_(-1.5)
+                model[2].bias.add_(1.0)
+    assert len(onednn_kernels()) >= 2  # (the second batch size recompiles with a dynamic batch)
+
+
+@needs_onednn
+def test_dynamic_batch_sizes_and_empty_batch():
+    model = nn.Sequential(nn.Linear(9, 7), nn.SiLU()).eval()
+    compiled = compile_ember(model, dynamic=True)
+    with torch.no_grad():
+        for rows in (3, 8, 5, 3, 0):
+            x = torch.randn(rows, 9)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+
+
+@needs_onednn
+def test_non_contiguous_source():
+    lin = nn.Linear(12, 4)
+    with torch.no_grad():
+        check_calls(lambda x: torch.relu(lin(x.t())), torch.randn(12, 9), grad=False, **MATMUL_TOL)
+
+
+@needs_onednn
+def test_bfloat16_linear_relu():
+    lin = nn.Linear(32, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        check_calls(lambda x: torch.relu(lin(x)), torch.randn(10, 32, dtype=torch.bfloat16), grad=False)
+    assert onednn_kernels() and "bf16" in onednn_kernels()[0]
+
+
+def test_mlp_training_step_matches_eager():
+    model = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 3))
+    check_calls(model, torch.randn(8, 20), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_transformer_encoder_layer(train):
+    # The quickstart's model: the MHA fast path off so that eager and ember both run it op by op.
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        model = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        x = torch.randn(2, 7, 32)
+        if train:
+            check_calls(model.train(), x, **MATMUL_TOL)
+        else:
+            with torch.no_grad():
+                check_calls(model.eval(), x, grad=False, **MATMUL_TOL)
+            steps = [what for _, c in helpers.EMBER_GRAPHS for kind, what in c.steps() if kind == "aten"]
+            # canonicalize drops the clones functionalization leaves around dropout and the projections
+            assert steps.count("aten::clone") <= 2, steps
+    finally:
+        torch.backends.mha.set_fastpath_enabled(True)
+
+
+def test_epilogue_pass_can_be_switched_off():
+    lin = nn.Linear(5, 3)
+    with torch.no_grad():
+        check(lambda x: torch.relu(lin(x)), torch.randn(4, 5), grad=False, options={"disable_passes": "epilogue"},
+              **MATMUL_TOL)
+    assert not onednn_kernels()
+
+
+@needs_onednn
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
+@pytest.mark.parametrize("act", ["relu", "silu", "none"])
+def test_conv2d_epilogues(channels_last, groups, stride, padding, dilation, act):
+    conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups)
+    x = torch.randn(2, 8, 13, 11)
+    if channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    fn = lambda x: ACTIVATIONS[act](conv(x))  # noqa: E731
+    with torch.no_grad():
+        eager, compiled = check_calls(fn, x, grad=False, **MATMUL_TOL)
+    assert compiled.stride() == eager.stride()
+    assert onednn_kernels() and onednn_kernels()[0].startswith("onednn conv2d f32 +bias")
+
+
+@needs_onednn
+def test_conv2d_residual_and_repeated_calls():
+    conv = nn.Conv2d(6, 6, 3, padding=1, bias=False).eval()
+    compiled = compile_ember(lambda x, r: torch.relu(conv(x) + r))
+    with torch.no_grad():
+        for step in range(3):  # calls 2+ run on packed weights
+            x, r = torch.randn(2, 6, 9, 9), torch.randn(2, 6, 9, 9)
+            torch.testing.assert_close(compiled(x, r), torch.relu(conv(x) + r), **MATMUL_TOL)
+            if step == 1:
+                conv.weight.mul_(0.5)
+    assert onednn_kernels() == ["onednn conv2d f32 add relu"]
+
+
+def test_conv2d_training_matches_eager():
+    model = nn.Sequential(nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(), nn.Conv2d(5, 4, 3, stride=2))
+    check_calls(model, torch.randn(2, 3, 10, 10), **MATMUL_TOL)
+
+
+def test_clone_of_input_returned_through_a_view_stays_a_copy():
+    def fn(x):
+        return x.clone().view(-1), (x.clone() * 2).t()
+
+    x = torch.randn(3, 4)
+    out, _ = compile_ember(fn)(x)
+    assert out.data_ptr() != x.data_ptr()
+    out.add_(1)
+    torch.testing.assert_close(x + 1, out.view(3, 4))
