@@ -1,6 +1,6 @@
 // The pipeline, in one list:
 //
-//   verify -> canonicalize -> eliminate_dead_code -> eliminate_common_subexpressions
+//   verify -> canonicalize -> fold_batched_matmul -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse                                     (passes)
 //          -> generate_kernels (one kernel per fusion group)                   (codegen)
 //          -> build_plan                                                       (runtime)
@@ -39,6 +39,7 @@ void dump(const CompileOptions& options, const std::string& stage, const std::st
 const std::vector<Pass>& default_passes() {
   static const std::vector<Pass> passes = {
       {"canonicalize", canonicalize},
+      {"fold_matmul", fold_batched_matmul},
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole

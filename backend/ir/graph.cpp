@@ -2,6 +2,8 @@
 #include "ember/error.h"
 #include "ember/ir.h"
 
+#include <algorithm>
+
 #include <unordered_map>
 #include <unordered_set>
 
@@ -34,6 +36,12 @@ Node* Graph::add_node(std::string op, std::vector<Arg> args, std::vector<std::pa
   }
   nodes_.push_back(std::move(n));
   return nodes_.back().get();
+}
+
+void Graph::move_last_before(size_t count, const Node* anchor) {
+  auto at = std::find_if(nodes_.begin(), nodes_.end(), [&](const std::unique_ptr<Node>& n) { return n.get() == anchor; });
+  if (at == nodes_.end() || count > static_cast<size_t>(nodes_.end() - at)) throw Error("internal: move_last_before");
+  std::rotate(at, nodes_.end() - static_cast<std::ptrdiff_t>(count), nodes_.end());
 }
 
 void Graph::replace_uses(const std::vector<std::pair<const Value*, Value*>>& map) {

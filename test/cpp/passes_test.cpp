@@ -161,3 +161,62 @@ TEST(PassManager, UnknownDisabledPassIsAnError) {
 
 }  // namespace
 }  // namespace ember
+
+namespace ember {
+namespace {
+
+// fold_batched_matmul: IR text in, IR text out, then the folded graph against ATen's bmm.
+TEST(FoldBatchedMatmul, BroadcastWeightBatchBecomesOneMm) {
+  const std::string in =
+      "graph(%x: f32[2, 64, 16]{1024, 16, 1}@cpu, %w: f32[24, 16]{16, 1}@cpu):\n"
+      "  %xt: f32[64, 2, 16]{16, 1024, 1}@cpu = aten::permute(%x, [1, 0, 2])\n"
+      "  %wt: f32[16, 24]{1, 16}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %we: f32[64, 16, 24]{0, 1, 16}@cpu = aten::expand(%wt, [64, 16, 24])\n"
+      "  %b: f32[64, 2, 24]{48, 24, 1}@cpu = aten::bmm(%xt, %we)\n"
+      "  return (%b)\n";
+  const std::string expected =
+      "graph(%x: f32[2, 64, 16]{1024, 16, 1}@cpu, %w: f32[24, 16]{16, 1}@cpu):\n"
+      "  %xt: f32[64, 2, 16]{16, 1024, 1}@cpu = aten::permute(%x, [1, 0, 2])\n"
+      "  %wt: f32[16, 24]{1, 16}@cpu = aten::permute(%w, [1, 0])\n"
+      "  %b_fold_a: f32[64, 2, 16]{32, 16, 1}@cpu = aten::clone(%xt, memory_format=contiguous_format)\n"
+      "  %b_fold_rows: f32[128, 16]{16, 1}@cpu = aten::view(%b_fold_a, [128, 16])\n"
+      "  %b_fold_mm: f32[128, 24]{24, 1}@cpu = aten::mm(%b_fold_rows, %wt)\n"
+      "  %b_fold: f32[64, 2, 24]{48, 24, 1}@cpu = aten::view(%b_fold_mm, [64, 2, 24])\n"
+      "  return (%b_fold)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fold_batched_matmul(g, ctx);
+  eliminate_dead_code(g, ctx);
+  EXPECT_EQ(print(g), expected);
+
+  options.disabled_passes = {"fuse", "epilogue"};
+  auto compiled = compile(parse(in), {}, options);
+  at::Tensor x = at::randn({2, 64, 16}), w = at::randn({24, 16});
+  at::Tensor out = compiled->run({x, w})[0].toTensor();
+  at::Tensor ref = at::bmm(x.permute({1, 0, 2}), w.t().expand({64, 16, 24}));
+  EXPECT_TRUE(at::allclose(out, ref, 1e-5, 1e-5));
+  EXPECT_EQ(out.strides(), ref.strides());
+}
+
+TEST(FoldBatchedMatmul, LeavesRealBatchesAndGpuGraphsAlone) {
+  const std::string batched =
+      "graph(%a: f32[4, 3, 5]{15, 5, 1}@cpu, %b: f32[4, 5, 2]{10, 2, 1}@cpu):\n"
+      "  %c: f32[4, 3, 2]{6, 2, 1}@cpu = aten::bmm(%a, %b)\n"
+      "  return (%c)\n";
+  const std::string on_gpu =
+      "graph(%x: f32[8, 2, 16]{32, 16, 1}@cuda:0, %w: f32[16, 24]{24, 1}@cuda:0):\n"
+      "  %we: f32[8, 16, 24]{0, 24, 1}@cuda:0 = aten::expand(%w, [8, 16, 24])\n"
+      "  %b: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::bmm(%x, %we)\n"
+      "  return (%b)\n";
+  for (const std::string& text : {batched, on_gpu}) {
+    Graph g = parse(text);
+    CompileOptions options;
+    PassContext ctx{options};
+    fold_batched_matmul(g, ctx);
+    EXPECT_EQ(print(g), text);
+  }
+}
+
+}  // namespace
+}  // namespace ember

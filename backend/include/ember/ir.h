@@ -146,6 +146,8 @@ class Graph {
       if (!drop(*n)) kept.push_back(std::move(n));
     nodes_ = std::move(kept);
   }
+  // Moves the last `count` nodes, in their order, to just before `anchor` (which must precede them).
+  void move_last_before(size_t count, const Node* anchor);
   // Rewrites every use (node arguments and graph outputs) through `map`; entries map old -> new.
   void replace_uses(const std::vector<std::pair<const Value*, Value*>>& map);
 
