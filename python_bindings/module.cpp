@@ -3,6 +3,11 @@
 // The object handed to AOTAutograd is a CompiledGraph itself: its __call__ is this file's `call`, a C++
 // function that unpacks the boxed argument list (tensors by pointer, no copies), clears the list so
 // inputs can be freed early, runs the plan with the GIL released and wraps the results.
+//
+// DirectCall is the same call for Dynamo itself: when AOTAutograd's runtime wrapper would do nothing
+// for an inference graph (no input mutations, no aliased outputs, no subclasses; backend.py checks),
+// Dynamo calls it with the graph's inputs as positional arguments through CPython's vectorcall, so a
+// call goes from Dynamo's guards to the plan without a Python frame in between.
 #include "backend/package/export.h"
 #include "ember/compiler.h"
 #include "ember/cudagraph.h"
@@ -70,6 +75,70 @@ py::list call(CompiledGraph& graph, py::handle args) {
   return result;
 }
 
+// ---- DirectCall: a plain CPython type with vectorcall (pybind11's argument parsing costs more than
+// the rest of a replayed CUDA graph call).
+struct DirectCall {
+  PyObject_HEAD
+  vectorcallfunc vectorcall;
+  std::shared_ptr<CompiledGraph> graph;
+  std::vector<c10::IValue> prefix;  // parameters and buffers AOTAutograd would put before the inputs
+};
+
+py::handle ember_error_type;
+
+PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
+  auto* self = reinterpret_cast<DirectCall*>(self_obj);
+  Py_ssize_t n = PyVectorcall_NARGS(nargsf);
+  HANDLE_TH_ERRORS
+  try {
+    if (kwnames && PyTuple_GET_SIZE(kwnames) > 0) throw Error("compiled graph takes positional inputs only");
+    std::vector<c10::IValue> inputs;
+    inputs.reserve(self->prefix.size() + n);
+    inputs.insert(inputs.end(), self->prefix.begin(), self->prefix.end());
+    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(args[i], i));
+    std::vector<c10::IValue> outputs;
+    {
+      pybind11::gil_scoped_release no_gil;
+      outputs = self->graph->run(std::move(inputs));
+    }
+    py::list result(outputs.size());
+    for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
+    return result.release().ptr();
+  } catch (const Error& e) {
+    PyErr_SetString(ember_error_type.ptr(), e.what());
+    return nullptr;
+  }
+  END_HANDLE_TH_ERRORS
+}
+
+void direct_dealloc(PyObject* self_obj) {
+  auto* self = reinterpret_cast<DirectCall*>(self_obj);
+  self->graph.~shared_ptr<CompiledGraph>();
+  self->prefix.~vector<c10::IValue>();
+  Py_TYPE(self_obj)->tp_free(self_obj);
+}
+
+PyTypeObject direct_call_type = [] {
+  PyTypeObject t{PyVarObject_HEAD_INIT(nullptr, 0)};
+  t.tp_name = "ember._C.DirectCall";
+  t.tp_basicsize = sizeof(DirectCall);
+  t.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL;
+  t.tp_vectorcall_offset = offsetof(DirectCall, vectorcall);
+  t.tp_call = PyVectorcall_Call;
+  t.tp_dealloc = direct_dealloc;
+  t.tp_doc = "A compiled graph called with positional inputs (Dynamo's convention), straight into C++.";
+  return t;
+}();
+
+py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vector<at::Tensor>& prefix) {
+  auto* self = PyObject_New(DirectCall, &direct_call_type);
+  if (!self) throw py::error_already_set();
+  self->vectorcall = direct_call;
+  new (&self->graph) std::shared_ptr<CompiledGraph>(std::move(graph));
+  new (&self->prefix) std::vector<c10::IValue>(prefix.begin(), prefix.end());
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(self));
+}
+
 std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
                                             std::vector<std::string> disabled_passes, std::string debug_dir,
                                             std::string graph_name) {
@@ -90,14 +159,17 @@ PYBIND11_MODULE(_C, m) {
   // ember::Error becomes the Python package's EmberError (defined in Python so that importing ember
   // never needs this module).
   py::object ember_error = py::module_::import("ember.errors").attr("EmberError");
-  static py::handle error_type = ember_error.release();
+  ember_error_type = ember_error.release();
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const Error& e) {
-      PyErr_SetString(error_type.ptr(), e.what());
+      PyErr_SetString(ember_error_type.ptr(), e.what());
     }
   });
+  if (PyType_Ready(&direct_call_type) < 0) throw py::error_already_set();
+  Py_INCREF(&direct_call_type);
+  m.add_object("DirectCall", reinterpret_cast<PyObject*>(&direct_call_type));
 
   py::class_<CompiledGraph, std::shared_ptr<CompiledGraph>>(m, "CompiledGraph", py::dynamic_attr())
       .def("__call__", &call, py::arg("args"))
@@ -129,6 +201,8 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"));
+  m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"),
+        "The graph as a callable taking its inputs positionally, after `prefix`; see DirectCall.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("mark_step_begin", &mark_step_begin);
   m.def("roundtrip", [](const std::string& text) { return print(parse(text)); },

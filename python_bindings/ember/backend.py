@@ -17,6 +17,10 @@ Options (torch.compile's `options=` dict) and the environment variables that set
     cudagraph_max_graphs  input signatures captured per graph; beyond it calls
                           run without CUDA graphs, with one warning (default 8) EMBER_CUDAGRAPH_MAX_GRAPHS
 
+Inference graphs whose AOTAutograd runtime wrapper would only pass arguments through are handed to
+Dynamo as the C++ graph itself (EMBER_DIRECT_CALL=0 keeps the wrapper), so a call runs no Python frame
+between Dynamo's guards and the plan.
+
 mode="reduce-overhead" captures the CUDA parts of each graph into CUDA graphs (cudagraph/ in C++): host
 syncs, CPU tensors and data-dependent shapes split a graph into captured parts with eager steps between
 them; outputs a caller still holds are never overwritten by a later replay. `ember.explain` shows the parts.
@@ -159,6 +163,54 @@ def _pinned_inputs(gm, kind):
     return pinned
 
 
+def _wrapper_would_do_nothing(compiled):
+    """Whether AOTAutograd's runtime wrapper around this inference graph would only pass arguments through:
+    no input mutations or aliased outputs to replay, no intermediate bases, effect tokens, functionalized
+    RNG, tensor subclasses, autocast to switch off or grad mode to restore. Then Dynamo may call the C++
+    graph directly (see DirectCall in python_bindings/module.cpp)."""
+    import torch
+    import torch._guards
+
+    if not hasattr(compiled, "num_inputs") or torch._C._is_any_autocast_enabled():
+        return False
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if meta is None:
+        return False
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+            return False
+        if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+            return False
+        if meta.num_intermediate_bases or meta.tokens or meta.grad_enabled_mutation is not None:
+            return False
+        if getattr(meta, "is_rng_op_functionalized", False) or getattr(meta, "dynamic_outputs", False):
+            return False
+        subclass_meta = list(getattr(meta, "subclass_inp_meta", None) or []) + list(
+            getattr(meta, "subclass_fw_graph_out_meta", None) or []
+        )
+        return all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta" for m in subclass_meta)
+    except AttributeError:  # a torch whose metadata reads differently: keep the wrapper
+        return False
+
+
+def _direct_call(gm, example_inputs, inference):
+    """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay."""
+    if inference is None or os.environ.get("EMBER_DIRECT_CALL", "1") == "0":
+        return None
+    compiled, ok = inference
+    if not ok or compiled.num_inputs != len(example_inputs):  # AOTAutograd deduplicated or rebased inputs
+        return None
+    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        return None
+    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+        return None  # AOTAutograd would prepend these; graphs from Dynamo take them as inputs
+    from . import _C
+
+    return _C.direct_call(compiled, [])
+
+
 def _hook_mark_step_begin():
     """torch.compiler.cudagraph_mark_step_begin() tells inductor's cudagraph trees; tell ember too."""
     global _mark_step_hooked
@@ -209,8 +261,16 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
     from .decompositions import decomposition_table
 
+    inference = []
+
     def compiler(kind):
-        return lambda g, inputs: compile_fx_graph(g, config, kind)
+        def compile_one(g, inputs):
+            compiled = compile_fx_graph(g, config, kind)
+            if kind == "inference":
+                inference.append((compiled, _wrapper_would_do_nothing(compiled)))
+            return compiled
+
+        return compile_one
 
     backend = aot_autograd(
         fw_compiler=compiler("forward"),
@@ -219,4 +279,6 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
-    return backend(gm, example_inputs)
+    compiled_fn = backend(gm, example_inputs)
+    direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None)
+    return direct if direct is not None else compiled_fn

@@ -372,3 +372,72 @@ def test_check_requires_ember_to_compile():
 def test_check_compares_int_outputs():
     with pytest.raises(AssertionError):
         check(lambda x: (x.sin(), 3), torch.randn(3), compiled=compile_ember(lambda x: (x.sin(), 4)))
+
+
+def _direct_calls(monkeypatch):
+    """Records what ember.backend._direct_call returned for each graph compiled after the call."""
+    made = []
+    original = ember.backend._direct_call
+
+    def spy(gm, example_inputs, inference):
+        made.append(original(gm, example_inputs, inference))
+        return made[-1]
+
+    monkeypatch.setattr(ember.backend, "_direct_call", spy)
+    return made
+
+
+def test_plain_inference_graph_is_called_directly(monkeypatch):
+    made = _direct_calls(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+    compiled = torch.compile(model, backend="ember")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(5, 13)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(made) == 1 and isinstance(made[0], ember._C.DirectCall)
+
+
+def test_direct_call_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("EMBER_DIRECT_CALL", "0")
+    made = _direct_calls(monkeypatch)
+    with torch.no_grad():
+        x = torch.randn(6)
+        torch.testing.assert_close(torch.compile(lambda t: t.sin() + 1, backend="ember")(x), x.sin() + 1)
+    assert made == [None]
+
+
+def test_graphs_that_need_the_aot_wrapper_keep_it(monkeypatch):
+    """An output that aliases an input, or an input mutated in place, needs AOTAutograd's runtime wrapper:
+    ember keeps it there and the results, aliasing and mutation match eager."""
+    made = _direct_calls(monkeypatch)
+
+    def view_out(x):
+        return x.t(), x.cos()
+
+    def mutate(x):
+        x.mul_(2)
+        return x.sum()
+
+    with torch.no_grad():
+        x = torch.randn(4, 3)
+        a, b = torch.compile(view_out, backend="ember")(x)
+        assert a.data_ptr() == x.data_ptr() and a.shape == (3, 4)
+        torch.testing.assert_close(b, x.cos())
+        y = torch.randn(4, 3)
+        expected = y * 2
+        out = torch.compile(mutate, backend="ember")(y)
+        torch.testing.assert_close(y, expected)
+        torch.testing.assert_close(out, expected.sum())
+    assert made == [None, None]
+
+
+def test_direct_call_errors_are_clear():
+    graph = ember._C.compile(
+        "graph(%x: f32[2]{1}@cpu):\n  %y: f32[2]{1}@cpu = aten::sin(%x)\n  return (%y)\n", {}, [], "", "t")
+    call = ember._C.direct_call(graph, [])
+    torch.testing.assert_close(call(torch.ones(2))[0], torch.ones(2).sin())
+    with pytest.raises(Exception, match="input"):
+        call(torch.ones(2), torch.ones(2))
+    with pytest.raises(EmberError, match="positional"):
+        call(x=torch.ones(2))
