@@ -1,4 +1,5 @@
-// ember._C: the boundary between Python and the C++ compiler and runtime.
+// ember._C (built as ember._native, see python_bindings/ember/_C.py): the boundary between Python and
+// the C++ compiler and runtime.
 //
 // The object handed to AOTAutograd is a CompiledGraph itself: its __call__ is this file's `call`, a C++
 // function that unpacks the boxed argument list (tensors by pointer, no copies), clears the list so
@@ -152,7 +153,7 @@ std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::un
 }  // namespace
 }  // namespace ember
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(_native, m) {
   using namespace ember;
   m.doc() = "ember's C++ compiler and runtime";
 
