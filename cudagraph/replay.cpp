@@ -26,6 +26,11 @@
 // Inputs: parameters and buffers (pinned) and tensors living in another graph's slots (a forward's
 // activations reaching its backward) are used in place and their addresses are part of the entry; a
 // pinned input found at a new address is captured again at the new address once, then copied.
+// Launch: a part whose steps draw no random numbers is launched with cudaGraphLaunch on the graph's
+// executable (where this torch exposes it); CUDAGraph::replay() would first refresh the CUDA
+// generator's seed and offset tensors with two fill_ launches, which only RNG consumers need. Parts
+// that may draw random numbers go through replay(), so each replay gets fresh ones.
+// EMBER_CUDAGRAPH_DIRECT_LAUNCH=0 sends every part through replay() (for measuring the difference).
 #include "cudagraph/runner.h"
 
 #include "ember/error.h"
@@ -42,6 +47,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -114,9 +120,45 @@ class QuietWarnings : public c10::WarningHandler {
   c10::WarningHandler* previous_;
 };
 
+// Whether a part's steps may draw from the CUDA generator (conservatively, by op name; ember's own
+// kernels draw nothing).
+bool draws_random_numbers(const Plan& plan, const Part& p) {
+  static const char* const kRandom[] = {"rand",    "bernoulli", "dropout",   "normal",   "uniform",
+                                        "multinomial", "exponential", "geometric", "cauchy", "poisson",
+                                        "rrelu",   "gamma",     "dirichlet", "binomial", "attention"};
+  for (size_t s = p.first; s < p.last; ++s) {
+    const Step& step = plan.steps[s];
+    if (step.kernel || step.prim != PrimOp::None) continue;
+    if (!step.node) return true;
+    const std::string& name = step.node->op;
+    for (const char* word : kRandom)
+      if (name.find(word) != std::string::npos) return true;
+  }
+  return false;
+}
+
+// The graph's executable, for launching it without replay(); null where this torch does not expose it.
+template <class G>
+auto executable_of(G& graph, int) -> decltype(graph.raw_cuda_graph_exec()) {
+  return graph.raw_cuda_graph_exec();
+}
+template <class G>
+cudaGraphExec_t executable_of(G&, long) {
+  return nullptr;
+}
+
+bool direct_launch_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("EMBER_CUDAGRAPH_DIRECT_LAUNCH");
+    return !(v && v[0] == '0');
+  }();
+  return enabled;
+}
+
 // One captured part of one entry.
 struct Segment {
   std::unique_ptr<at::cuda::CUDAGraph> graph;
+  cudaGraphExec_t launch = nullptr;  // set for parts that draw no random numbers: launched directly
   uint64_t seq = 0;                                        // capture order on the device
   std::vector<std::pair<uint32_t, Slot>> copied;           // input buffers copied into static buffers
   std::vector<Slot> kept;                                  // graph memory the exports live in
@@ -457,6 +499,7 @@ class Runner final : public PlanRunner {
         graph_.execute(buffers, p.first, p.last);
         continue;
       }
+      if (direct_launch_enabled() && !draws_random_numbers(plan, p)) sg->launch = executable_of(*sg->graph, 0);
       sg->graph->replay();
       keep_exports(e, *sg, p, buffers, inputs_of_part(saved), &export_index);
       restore_originals();
@@ -466,7 +509,6 @@ class Runner final : public PlanRunner {
       pool_->add(sg.get());
       e.segments.push_back(std::move(sg));
     }
-    (void)plan;
     if (failed) {
       drop_segments(e);
       e.state = Entry::State::Eager;
@@ -580,7 +622,8 @@ class Runner final : public PlanRunner {
         slot.handed = now;
       }
       pool_->protect(sg.seq, stream);
-      sg.graph->replay();
+      if (sg.launch) check(cudaGraphLaunch(sg.launch, stream.stream()), "launching a CUDA graph");
+      else sg.graph->replay();
       for (const Segment::Export& x : sg.exports)
         if (x.in_table) buffers[x.buffer] = alias(*x.master);
       for (const auto& [b, v] : sg.values) buffers[b] = v;
