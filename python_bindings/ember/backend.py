@@ -279,6 +279,10 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
+    if os.environ.get("EMBER_FUSED_ATTENTION", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
+        from .attention import route_attention
+
+        route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
     compiled_fn = backend(gm, example_inputs)
     direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None)
     return direct if direct is not None else compiled_fn

@@ -153,3 +153,39 @@ def test_other_losses(device):
 
     check(fn, torch.randn(5, 4, device=device), torch.randn(5, 4, device=device),
           torch.rand(5, 4, device=device).round(), grad=[0, 1])
+
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float_broadcast"])
+def test_cuda_attention_runs_a_fused_kernel(dtype, mask, tmp_path):
+    """On CUDA ember sends attention to ATen's flash / memory-efficient kernel (python_bindings/ember/attention.py),
+    transposed projections and broadcast masks included; values and gradients match eager."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 64, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
+    masks = {"none": None, "causal": None,
+             "bool": torch.rand(2, 1, 16, 16, device="cuda") > 0.2,
+             "float_broadcast": torch.randn(16, device="cuda", dtype=dtype).expand(2, 1, 16, 16)}
+    attn_mask = masks[mask]
+    if mask == "bool":
+        attn_mask[..., 0] = True
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=mask == "causal")
+
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    check(fn, q.detach(), k.detach(), v.detach(), **tol, grad_atol=tol["atol"] * 5, grad_rtol=tol["rtol"] * 5,
+          options={"debug_dir": str(tmp_path)})
+    graphs = "".join(p.read_text() for p in tmp_path.glob("*.fx.py"))
+    assert "_scaled_dot_product_flash_attention" in graphs or "_scaled_dot_product_efficient_attention" in graphs
+    assert "aten.bmm" not in graphs
+
+
+@CUDA_ONLY
+def test_cuda_attention_outside_the_kernels_constraints_keeps_the_op():
+    """Head dim 12 (not a multiple of 8) and dropout: the op is traced as before, and still matches eager."""
+    q, k, v = (torch.randn(2, 3, 7, 12, device="cuda") for _ in range(3))
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, k, v, **MATMUL_TOL)
