@@ -40,6 +40,7 @@ const std::vector<Pass>& default_passes() {
   static const std::vector<Pass> passes = {
       {"canonicalize", canonicalize},
       {"fold_matmul", fold_batched_matmul},
+      {"addmm_act", fuse_addmm_activation},  // before dce, which drops the addmm it absorbed
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole

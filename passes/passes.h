@@ -10,6 +10,7 @@ void fold_batched_matmul(Graph& graph, PassContext& ctx);
 void eliminate_dead_code(Graph& graph, PassContext& ctx);
 void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
 void claim_matmul_epilogues(Graph& graph, PassContext& ctx);
+void fuse_addmm_activation(Graph& graph, PassContext& ctx);
 void fuse(Graph& graph, PassContext& ctx);
 
 }  // namespace ember

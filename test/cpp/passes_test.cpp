@@ -218,5 +218,64 @@ TEST(FoldBatchedMatmul, LeavesRealBatchesAndGpuGraphsAlone) {
   }
 }
 
+TEST(AddmmActivation, ReluAndTanhGeluAfterCudaAddmmBecomeOneOp) {
+  const std::string in =
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[8, 16]{16, 1}@cuda:0):\n"
+      "  %wt: f32[16, 8]{1, 16}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %wt)\n"
+      "  %r: f32[4, 8]{8, 1}@cuda:0 = aten::relu(%a)\n"
+      "  %a2: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %wt)\n"
+      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a2, approximate=\"tanh\")\n"
+      "  return (%r, %g)\n";
+  const std::string expected =
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[8, 16]{16, 1}@cuda:0):\n"
+      "  %wt: f32[16, 8]{1, 16}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %r: f32[4, 8]{8, 1}@cuda:0 = aten::_addmm_activation(%b, %x, %wt, use_gelu=false)\n"
+      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::_addmm_activation(%b, %x, %wt, use_gelu=true)\n"
+      "  return (%r, %g)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse_addmm_activation(g, ctx);
+  eliminate_dead_code(g, ctx);
+  EXPECT_EQ(print(g), expected);
+}
+
+TEST(AddmmActivation, LeavesCpuErfGeluSharedAndScaledAddmmAlone) {
+  const std::string cases[] = {
+      // on the CPU (oneDNN's epilogue pass handles these there)
+      "graph(%b: f32[8]{1}@cpu, %x: f32[4, 16]{16, 1}@cpu, %w: f32[16, 8]{8, 1}@cpu):\n"
+      "  %a: f32[4, 8]{8, 1}@cpu = aten::addmm(%b, %x, %w)\n"
+      "  %r: f32[4, 8]{8, 1}@cpu = aten::relu(%a)\n"
+      "  return (%r)\n",
+      // erf GELU: no cuBLASLt epilogue
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a)\n"
+      "  return (%g)\n",
+      // the addmm's result is also a graph output
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %r: f32[4, 8]{8, 1}@cuda:0 = aten::relu(%a)\n"
+      "  return (%a, %r)\n",
+      // beta != 1
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w, beta=2)\n"
+      "  %r: f32[4, 8]{8, 1}@cuda:0 = aten::relu(%a)\n"
+      "  return (%r)\n",
+      // a bias that is a full matrix
+      "graph(%b: f32[4, 8]{8, 1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %r: f32[4, 8]{8, 1}@cuda:0 = aten::relu(%a)\n"
+      "  return (%r)\n"};
+  for (const std::string& text : cases) {
+    Graph g = parse(text);
+    CompileOptions options;
+    PassContext ctx{options};
+    fuse_addmm_activation(g, ctx);
+    EXPECT_EQ(print(g), text);
+  }
+}
+
 }  // namespace
 }  // namespace ember

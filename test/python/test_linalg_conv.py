@@ -97,3 +97,16 @@ def test_conv1d_and_conv_transpose2d(device):
     model = Wrap(lambda m, x, y: (m.c1(x), m.ct(y)),
                  c1=nn.Conv1d(3, 5, 4, stride=2, padding=1), ct=nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1, output_padding=1))
     check(model.to(device), torch.randn(2, 3, 17, device=device), torch.randn(1, 3, 5, 6, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_linear_relu_and_tanh_gelu_fuse_into_addmm_activation(dtype, tmp_path):
+    """passes/addmm_activation.cpp: bias + ReLU / tanh-GELU as cuBLASLt's epilogue; forward and backward match
+    eager, and the plan holds aten::_addmm_activation instead of addmm + activation."""
+    model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 48), nn.GELU(approximate="tanh"),
+                          nn.Linear(48, 5)).to("cuda", dtype)
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else MATMUL_TOL
+    check(model, torch.randn(7, 33, device="cuda", dtype=dtype), **tol, options={"debug_dir": str(tmp_path)})
+    plans = "".join(p.read_text() for p in tmp_path.glob("*forward*after_addmm_act.ir"))
+    assert plans.count("aten::_addmm_activation") == 2, plans
