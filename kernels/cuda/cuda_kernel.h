@@ -1,4 +1,4 @@
-// The CUDA kernel generator: a fusion group's Program becomes CUDA C++ compiled with NVRTC.
+// A fusion group's CUDA kernel: its Program printed as CUDA C++ (cuda_source.h), compiled with NVRTC.
 #pragma once
 
 #include "ember/runtime.h"
@@ -8,9 +8,6 @@
 #include <string>
 
 namespace ember::cuda {
-
-// The CUDA C++ source of `program`, with one kernel named `name`.
-std::string generate_source(const Program& program, const std::string& name);
 
 class ImageStore;
 

@@ -14,6 +14,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -26,6 +27,7 @@ using nvrtcResult = int;
 using nvrtcProgram = void*;
 constexpr int kComputeCapabilityMajor = 75;
 constexpr int kComputeCapabilityMinor = 76;
+constexpr int kMultiprocessorCount = 16;
 
 // The driver is needed to run anything; NVRTC only to compile what no image store holds.
 struct Api {
@@ -202,24 +204,35 @@ std::string nvrtc_compile(const std::string& source, const std::string& name, co
 
 }  // namespace
 
-void* compile(const std::string& source, const std::string& name, int device, ImageStore* images) {
-  // The process cache keeps each image next to its function, so a store handed in later (an export
+std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
+                           ImageStore* images) {
+  // The process cache keeps each image next to its module, so a store handed in later (an export
   // after the same kernel was compiled by torch.compile) still receives it.
   struct Loaded {
-    void* function;
+    void* module;
     KernelImage image;
   };
   static std::mutex mu;
   static std::unordered_map<std::string, Loaded> cache;
+  if (names.empty()) throw Error("CUDA: a module needs at least one entry point");
   const Api& a = api();
   make_current(device);
   const std::string target = arch(device);
   std::string key = target + "\n" + source;
+  auto functions = [&](void* module) {
+    std::vector<void*> out;
+    for (const std::string& name : names) {
+      void* function = nullptr;
+      check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
+      out.push_back(function);
+    }
+    return out;
+  };
   {
     std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(key); it != cache.end()) {
       if (images && !images->find(target, source)) images->add(it->second.image);
-      return it->second.function;
+      return functions(it->second.module);
     }
   }
   // NVRTC runs outside the lock, so several groups compile at once (generate.cpp starts them in parallel).
@@ -232,18 +245,32 @@ void* compile(const std::string& source, const std::string& name, int device, Im
     if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
       image = std::move(*cached);
     } else {
-      image = KernelImage{target, source, nvrtc_compile(source, name, target), version};
+      image = KernelImage{target, source, nvrtc_compile(source, names.front(), target), version};
       disk_cache_store(dir, image);
     }
     if (images) images->add(image);
   }
   void* module = nullptr;
-  void* function = nullptr;
   check(a.cuModuleLoadData(&module, image.image.data()), "cuModuleLoadData");
-  check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
   std::lock_guard<std::mutex> lock(mu);
   // A racing compile of the same source keeps the first.
-  return cache.emplace(key, Loaded{function, std::move(image)}).first->second.function;
+  return functions(cache.emplace(key, Loaded{module, std::move(image)}).first->second.module);
+}
+
+void* compile(const std::string& source, const std::string& name, int device, ImageStore* images) {
+  return compile(source, std::vector<std::string>{name}, device, images).front();
+}
+
+int multiprocessor_count(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto it = counts.find(device); it != counts.end()) return it->second;
+  const Api& a = api();
+  int dev = 0, count = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(a.cuDeviceGetAttribute(&count, kMultiprocessorCount, dev), "cuDeviceGetAttribute");
+  return counts[device] = std::max(count, 1);
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {

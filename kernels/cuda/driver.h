@@ -2,6 +2,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace ember::cuda {
 
@@ -20,6 +21,12 @@ std::string nvrtc_version();
 // `images` where it holds one, else compiled with NVRTC (and added to `images`, when given). Identical
 // sources compile once per process. Throws ember::Error with NVRTC's log on failure.
 void* compile(const std::string& source, const std::string& name, int device, ImageStore* images = nullptr);
+// The same for a module with several entry points: one CUfunction per name, in order.
+std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
+                           ImageStore* images = nullptr);
+
+// `device`'s multiprocessor count, queried once per device.
+int multiprocessor_count(int device);
 
 // Launches `function` with one by-value struct argument `params` on `stream` (a CUstream).
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device);

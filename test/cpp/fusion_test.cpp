@@ -1,7 +1,7 @@
 // Fusion: the fuse pass as IR text in / IR text out, and fused CPU kernels against ATen on random
 // inputs: odd sizes, broadcast, non-contiguous, half/bfloat16, NaN and Inf, empty tensors.
 #include "ember/compiler.h"
-#include "kernels/cuda/cuda_kernel.h"
+#include "kernels/cuda/cuda_source.h"
 #include "kernels/program.h"
 #include "passes/passes.h"
 
@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 
 namespace ember {
@@ -273,8 +274,10 @@ namespace {
 
 // The CUDA generator's source, checked without a GPU: every program shape family must compile with
 // nvcc for sm_90 when nvcc is on the PATH (CI has it); the GPU machine runs the kernels against ATen.
+// Programs point into their graph's values: the graphs live as long as the test binary.
 std::vector<Program> cuda_programs(const std::string& text) {
-  Graph g = parse(text);
+  static std::deque<Graph> graphs;
+  Graph& g = graphs.emplace_back(parse(text));
   CompileOptions options;
   PassContext ctx{options};
   fuse(g, ctx);
@@ -288,8 +291,57 @@ std::vector<Program> cuda_programs(const std::string& text) {
   return out;
 }
 
-TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
-  const std::string text =
+// One graph per kernel family; groups with a symbolic last dimension print every row variant, those
+// with a constant one only the variant chosen for it.
+std::vector<std::pair<std::string, std::string>> codegen_graphs() {
+  auto pointwise = [](const std::string& t) {
+    return "graph(%x: " + t + "[s0, 1023]{1023, 1}@cuda:0, %b: " + t + "[1023]{1}@cuda:0, %y: " + t +
+           "[s0, 1023]{1, s0}@cuda:0, %s0: int):\n"
+           "  %n: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::neg(%x)\n"
+           "  %e: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::exp(%n)\n"
+           "  %d: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::add.Tensor(%e, 1)\n"
+           "  %sg: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::div.Tensor(%x, %d)\n"
+           "  %a: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::add.Tensor(%sg, %b)\n"
+           "  %c: " + t + "[s0, 1023]{1023, 1}@cuda:0 = aten::mul.Tensor(%a, %y)\n"
+           "  return (%c)\n";
+  };
+  auto rows = [](const std::string& t, const std::string& cols, const std::string& body) {
+    std::string shape = t + "[s0, " + cols + "]{" + cols + ", 1}@cuda:0";
+    std::string text = "graph(%x: " + shape + ", %w: " + t + "[" + cols + "]{1}@cuda:0, %bb: " + t + "[" + cols +
+                       "]{1}@cuda:0, %s0: int" + (cols == "s1" ? ", %s1: int" : "") + "):\n" + body;
+    for (size_t p = text.find("$S"); p != std::string::npos; p = text.find("$S")) text.replace(p, 2, shape);
+    for (size_t p = text.find("$T"); p != std::string::npos; p = text.find("$T")) text.replace(p, 2, t);
+    for (size_t p = text.find("$C"); p != std::string::npos; p = text.find("$C")) text.replace(p, 2, cols);
+    const std::string list = cols == "s1" ? "%s1" : cols;
+    for (size_t p = text.find("$L"); p != std::string::npos; p = text.find("$L")) text.replace(p, 2, list);
+    return text;
+  };
+  // A lone reduction is left to ATen (fuse dissolves groups of one node): each family starts with a scale.
+  const std::string scale = "  %a: $S = aten::mul.Tensor(%x, 0.5)\n";
+  const std::string softmax = scale + "  %sm: $S = aten::_softmax(%a, -1, false)\n  return (%sm)\n";
+  const std::string log_softmax = scale + "  %ls: $S = aten::_log_softmax(%a, -1, false)\n  return (%ls)\n";
+  const std::string layer_norm = scale +
+      "  %ln: $S, %mu: f32[s0, 1]{1, 1}@cuda:0, %rs: f32[s0, 1]{1, 1}@cuda:0 = "
+      "aten::native_layer_norm(%a, [$L], %w, %bb, 1e-05)\n  return (%ln, %mu, %rs)\n";
+  const std::string entropy =
+      "  %p: $S = aten::_softmax(%x, -1, false)\n"
+      "  %q: $S = aten::add.Tensor(%p, 1e-08)\n"
+      "  %l: $S = aten::log(%q)\n"
+      "  %m: $S = aten::mul.Tensor(%p, %l)\n"
+      "  %s: $T[s0]{1}@cuda:0 = aten::sum.dim_IntList(%m, [-1])\n"
+      "  %n: $T[s0]{1}@cuda:0 = aten::neg(%s)\n"
+      "  return (%n)\n";
+  std::vector<std::pair<std::string, std::string>> graphs;
+  for (std::string t : {"f32", "f16", "bf16"}) {
+    graphs.push_back({"pointwise_" + t, pointwise(t)});
+    graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
+    graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
+    graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
+    graphs.push_back({"layer_norm_" + t, rows(t, "s1", layer_norm)});
+    graphs.push_back({"layer_norm_768_" + t, rows(t, "768", layer_norm)});
+    graphs.push_back({"entropy_" + t, rows(t, "s1", entropy)});
+  }
+  graphs.push_back({"mixed",
       "graph(%x: f16[s0, 301]{301, 1}@cuda:0, %w: f32[301]{1}@cuda:0, %b: f32[301]{1}@cuda:0, %m: b8[301]{1}@cuda:0, "
       "%y: bf16[7, 5]{1, 7}@cuda:0, %s0: int):\n"
       "  %a: f32[s0, 301]{301, 1}@cuda:0 = aten::_to_copy(%x, dtype=f32)\n"
@@ -301,24 +353,61 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
       "  %mx: f32[s0]{1}@cuda:0 = aten::amax(%ln, [-1])\n"
       "  %ng: f32[s0]{1}@cuda:0 = aten::mul.Tensor(%mx, %s0)\n"
       "  %e: bf16[7, 5]{1, 7}@cuda:0 = aten::exp(%y)\n"
-      "  return (%ln, %mu, %ng, %e)\n";
-  std::vector<Program> programs = cuda_programs(text);
-  ASSERT_GE(programs.size(), 1u);
-  std::string all;
-  for (size_t i = 0; i < programs.size(); ++i) {
-    std::string src = cuda::generate_source(programs[i], "k" + std::to_string(i));
-    EXPECT_NE(src.find("extern \"C\" __global__ void k" + std::to_string(i) + "(Params p)"), std::string::npos);
-    all += src;
-  }
-  if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
-  for (size_t i = 0; i < programs.size(); ++i) {
-    std::string path = ::testing::TempDir() + "ember_codegen_" + std::to_string(i) + ".cu";
-    {
-      std::ofstream f(path);
-      f << cuda::generate_source(programs[i], "k" + std::to_string(i));
+      "  return (%ln, %mu, %ng, %e)\n"});
+  return graphs;
+}
+
+TEST(CudaCodegen, EntryPointsPerFamily) {
+  for (const auto& [label, text] : codegen_graphs()) {
+    std::vector<Program> programs = cuda_programs(text);
+    ASSERT_GE(programs.size(), 1u) << label;
+    for (const Program& program : programs) {
+      cuda::CudaSource src = cuda::generate(program, "k");
+      EXPECT_NE(src.text.find("extern \"C\" __global__ void k(Params p)"), std::string::npos) << label;
+      if (!program.has_reduction) {
+        EXPECT_EQ(src.vector_entry, "k_vec") << label;
+        EXPECT_NE(src.text.find("void k_vec(Params p)"), std::string::npos) << label;
+      }
+      for (const cuda::RowVariant& v : src.rows)
+        EXPECT_NE(src.text.find("void " + v.entry + "(Params p)"), std::string::npos) << label;
+      bool f32 = label.find("f32") != std::string::npos;
+      if (label.rfind("softmax_", 0) == 0 && label.find("1024") == std::string::npos)
+        EXPECT_EQ(src.rows.size(), 6u) << label;  // w1 b1 w2 b2 w4 w8
+      if (label.rfind("softmax_1024", 0) == 0) {
+        ASSERT_EQ(src.rows.size(), 1u) << label;
+        EXPECT_EQ(src.rows[0].entry, f32 ? "k_w8" : "k_w4") << label;
+      }
+      if (label.rfind("layer_norm_768", 0) == 0) {
+        ASSERT_EQ(src.rows.size(), 1u) << label;  // three cached inputs bound the warp variants below 768
+        EXPECT_EQ(src.rows[0].entry, "k_b1") << label;
+      }
     }
-    std::string cmd = "nvcc -std=c++17 -arch=sm_90 --cubin -o " + path + ".cubin " + path + " > " + path + ".log 2>&1";
-    EXPECT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << "\n" << all;
+  }
+  EXPECT_EQ(cuda::choose_row_variant(5000, 4, {}), std::nullopt);
+}
+
+// Every variant of every family through nvcc (PTX for sm_90); NVRTC sources include nothing, so nvcc
+// sees exactly what NVRTC compiles. The f32 vector kernel must use 16-byte global loads and stores.
+TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
+  if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
+  for (const auto& [label, text] : codegen_graphs()) {
+    std::vector<Program> programs = cuda_programs(text);
+    for (size_t i = 0; i < programs.size(); ++i) {
+      std::string path = ::testing::TempDir() + "ember_codegen_" + label + "_" + std::to_string(i);
+      std::string source = cuda::generate_source(programs[i], "k");
+      {
+        std::ofstream f(path + ".cu");
+        f << source;
+      }
+      std::string cmd = "nvcc -std=c++17 -arch=sm_90 --ptx -x cu -o " + path + ".ptx " + path + ".cu > " + path + ".log 2>&1";
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << ".cu (log in " << path << ".log)";
+      if (label == "pointwise_f32") {
+        std::ifstream f(path + ".ptx");
+        std::string ptx((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+        EXPECT_NE(ptx.find("ld.global.v4"), std::string::npos) << path << ".ptx";
+        EXPECT_NE(ptx.find("st.global.v4"), std::string::npos) << path << ".ptx";
+      }
+    }
   }
 }
 

@@ -1,0 +1,50 @@
+// The CUDA C++ printed for a fusion group's Program: one NVRTC module with several entry points, so
+// the launcher can pick, per call and without recompiling, the fastest one the call's pointers and
+// shapes allow. Callable without a CUDA device (the nvcc check in test/cpp/fusion_test.cpp uses it).
+#pragma once
+
+#include "kernels/program.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace ember::cuda {
+
+// How a row group (reductions over the last dimension) maps rows onto threads.
+//  General: one block per row, every pass re-reads the row from global memory (any length).
+//  Warp:    one warp per row, several rows per block; each lane keeps `per_thread` values of every
+//           full input in registers, so the row is read once (short rows).
+//  Block:   one block per row, each thread keeps `per_thread` values per full input (rows up to a few
+//           thousand columns).
+struct RowVariant {
+  enum class Mode : uint8_t { General, Warp, Block } mode = Mode::General;
+  int chunks = 0;  // vectors of `vector_width` elements each thread holds; per_thread = chunks * width
+  std::string entry;
+};
+
+struct CudaSource {
+  std::string text;
+  std::string general;       // the strided kernel: flat groups, or General rows
+  std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty
+  int vector_width = 1;      // elements per 16-byte (at most) access, shared by every tensor of the group
+  std::vector<RowVariant> rows;  // row groups: the register-resident variants compiled (General excluded)
+};
+
+// Prints `program` with its entry points named `name`, `name`_vec, `name`_w<chunks>, `name`_b<chunks>.
+CudaSource generate(const Program& program, const std::string& name);
+
+// The source text alone (generate(...).text).
+std::string generate_source(const Program& program, const std::string& name);
+
+// The register-resident variant a row of `cols` columns runs with, among `compiled`; nullopt for the
+// general one-block-per-row kernel (rows too long, or no variant compiled for them).
+std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, const std::vector<RowVariant>& compiled);
+
+// Params' `vec` word: bit k (k < 31) says input k is read with vector loads, bit 31 that full outputs
+// are written with vector stores. Its `bcast` word: bit k says input k is one value for every element.
+constexpr int kMaxVectorInputs = 31;
+constexpr uint32_t kVectorOutputs = 1u << 31;
+
+}  // namespace ember::cuda
