@@ -31,6 +31,7 @@ class FusedCudaKernel final : public Kernel {
       : p_(std::move(program)), source_(std::move(source)), functions_(std::move(functions)), device_(device) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     max_blocks_ = std::max<int64_t>(1, multiprocessor_count(device_) * kBlocksPerMultiprocessor);
+    for (size_t i = 0; i < source_.rows.size(); ++i) row_max_threads_.push_back(max_threads_per_block(functions_[1 + i]));
   }
 
   std::string describe() const override {
@@ -50,7 +51,8 @@ class FusedCudaKernel final : public Kernel {
 
     // Params, laid out as the printed struct.
     const size_t in_words = std::max<size_t>(ni, 1), out_words = std::max<size_t>(no, 1);
-    std::vector<int64_t> words(in_words + out_words + rank + in_words * rank + 4 + (std::max<size_t>(p_.scalars.size(), 1) + 1) / 2, 0);
+    std::vector<int64_t> words(in_words + out_words + rank + in_words * rank + 5 + in_words +
+                               (std::max<size_t>(p_.scalars.size(), 1) + 1) / 2, 0);
     const size_t stride_base = in_words + out_words + rank;
     size_t w = 0;
     for (size_t k = 0; k < in_words; ++k, ++w)
@@ -75,18 +77,23 @@ class FusedCudaKernel final : public Kernel {
     words[w++] = numel;
     words[w++] = rows;
     words[w++] = cols;
-    uint32_t vec = 0, bcast = 0;
+    uint32_t masks[4] = {0, 0, 0, 0};  // vec, bcast, inner, unused
+    int64_t* period = &words[w + 2];
     for (size_t k = 0; k < ni && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
       if (p_.inputs[k].row) continue;
       const at::Tensor& t = buffers[reads[k]].toTensor();
       const int64_t* stride = &words[stride_base + k * rank];
-      if (!aligned(t.data_ptr(), width * t.element_size())) vec_never(k, stride, full, &bcast);
-      else if (p_.has_reduction ? row_vectorizable(stride, full, cols, width) : contiguous(stride, full)) vec |= 1u << k;
-      else vec_never(k, stride, full, &bcast);
+      const bool vector_aligned = aligned(t.data_ptr(), width * t.element_size());
+      if (vector_aligned && (p_.has_reduction ? row_vectorizable(stride, full, cols, width) : contiguous(stride, full)))
+        masks[0] |= 1u << k;
+      else if (one_value(stride, full))
+        masks[1] |= 1u << k;
+      else if (!p_.has_reduction && vector_aligned && (period[k] = repeat_period(stride, full)) > 0 && period[k] % width == 0)
+        masks[2] |= 1u << k;
     }
-    if (outputs_aligned && (!p_.has_reduction || cols % width == 0)) vec |= kVectorOutputs;
-    std::memcpy(&words[w++], &vec, sizeof(vec));
-    std::memcpy(reinterpret_cast<char*>(&words[w - 1]) + sizeof(vec), &bcast, sizeof(bcast));
+    if (outputs_aligned && (!p_.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
+    std::memcpy(&words[w], masks, sizeof(masks));
+    w += 2 + in_words;
     float* scalars = reinterpret_cast<float*>(&words[w]);
     for (size_t s = 0; s < p_.scalars.size(); ++s) {
       const c10::IValue& v = buffers[reads[ni + s]];
@@ -95,7 +102,7 @@ class FusedCudaKernel final : public Kernel {
 
     if (numel > 0 || (p_.has_reduction && rows > 0)) {
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
-      Launch l = p_.has_reduction ? row_launch(rows, cols) : flat_launch(numel, vec);
+      Launch l = p_.has_reduction ? row_launch(rows, cols) : flat_launch(numel, masks[0]);
       launch(l.function, l.blocks, l.threads, stream, words.data(), device_);
     }
     for (size_t k = 0; k < no; ++k) buffers[writes[k]] = std::move(outs[k]);
@@ -111,11 +118,26 @@ class FusedCudaKernel final : public Kernel {
     return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, max_blocks_));
   }
 
-  // Inputs without vector loads: one value for all elements (every aligned stride 0) is read once.
-  static void vec_never(size_t k, const int64_t* stride, const std::vector<int64_t>& full, uint32_t* bcast) {
+  // Every aligned stride 0 (or its dimension of size 1): one value for all elements.
+  static bool one_value(const int64_t* stride, const std::vector<int64_t>& full) {
     for (size_t d = 0; d < full.size(); ++d)
-      if (stride[d] != 0 && full[d] != 1) return;
-    *bcast |= 1u << k;
+      if (stride[d] != 0 && full[d] != 1) return false;
+    return true;
+  }
+
+  // Contiguous over the trailing dimensions and broadcast (stride 0) over the leading ones: the number
+  // of elements after which the input repeats; 0 where it does not have that form.
+  static int64_t repeat_period(const int64_t* stride, const std::vector<int64_t>& full) {
+    int64_t period = 1;
+    size_t d = full.size();
+    for (; d-- > 0;) {
+      if (full[d] == 1) continue;
+      if (stride[d] != period) break;
+      period *= full[d];
+    }
+    for (d = d + 1; d-- > 0;)
+      if (full[d] != 1 && stride[d] != 0) return 0;
+    return period;
   }
 
   // Contiguous in the iteration space (row-major over the full shape; size-1 dims take any stride).
@@ -145,19 +167,25 @@ class FusedCudaKernel final : public Kernel {
   }
 
   Launch row_launch(int64_t rows, int64_t cols) const {
-    const int64_t width = source_.vector_width;
-    std::optional<RowVariant> v = choose_row_variant(cols, source_.vector_width, source_.rows);
+    const int width = source_.vector_width;
+    auto launchable = [&](const RowVariant& v) {
+      int64_t most = row_max_threads_[variant_index(v)];
+      return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
+    };
+    std::optional<RowVariant> v = choose_row_variant(cols, width, source_.rows, launchable);
     if (!v) {
       unsigned threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);
       return {functions_[0], static_cast<unsigned>(std::min<int64_t>(rows, max_blocks_ * (kThreads / threads))), threads};
     }
-    void* function = functions_[1 + variant_index(*v)];
-    if (v->mode == RowVariant::Mode::Warp) return {function, blocks_for(rows, kThreads / 32), kThreads};
-    const int64_t per_thread = int64_t{v->chunks} * width;
-    const int64_t threads = std::clamp<int64_t>((cols + per_thread - 1) / per_thread, 32, 1024);
-    const unsigned rounded = static_cast<unsigned>((threads + 31) / 32 * 32);
-    const int64_t blocks = std::min<int64_t>(rows, max_blocks_ * kThreads / rounded);
-    return {function, static_cast<unsigned>(std::max<int64_t>(blocks, 1)), rounded};
+    const size_t index = variant_index(*v);
+    void* function = functions_[1 + index];
+    if (v->mode == RowVariant::Mode::Warp) {
+      const unsigned threads = static_cast<unsigned>(std::min<int64_t>(kThreads, row_max_threads_[index] / 32 * 32));
+      return {function, blocks_for(rows, threads / 32), threads};
+    }
+    const int64_t threads = std::max<int64_t>(block_threads(*v, cols, width), 32);
+    const int64_t blocks = std::clamp<int64_t>(max_blocks_ * kThreads / threads, 1, rows);
+    return {function, static_cast<unsigned>(blocks), static_cast<unsigned>(threads)};
   }
 
   size_t variant_index(const RowVariant& v) const {
@@ -171,6 +199,7 @@ class FusedCudaKernel final : public Kernel {
   std::vector<void*> functions_;  // general, then the vector kernel (flat) or the row variants in order
   int device_;
   int64_t max_blocks_ = 1;
+  std::vector<int64_t> row_max_threads_;  // per row variant: its registers bound its block
   std::vector<c10::ScalarType> out_dtypes_;
 };
 

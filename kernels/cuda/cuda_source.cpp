@@ -10,7 +10,8 @@
 //
 // The kernel's only argument is a Params struct; its layout (printed in the source and filled by
 // cuda_kernel.cpp) is: in[ni] pointers, out[no] pointers, size[rank], stride[ni][rank], numel, rows,
-// cols (int64), vec and bcast (uint32), scalar[ns] (float). Array lengths are at least 1.
+// cols (int64), vec, bcast, inner and one unused (uint32), period[ni] (int64), scalar[ns] (float).
+// Array lengths are at least 1.
 #include "kernels/cuda/cuda_source.h"
 
 #include "ember/error.h"
@@ -197,8 +198,8 @@ class Printer {
     Source o;
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
-      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast; float scalar["
-      << ns() << "]; };\n";
+      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, unused; i64 period["
+      << ni() << "]; float scalar[" << ns() << "]; };\n";
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
     if (p_.has_reduction) rows(o);
     else flat(o);
@@ -318,8 +319,10 @@ class Printer {
   }
 
   // The flat group over vectors of V elements: outputs are contiguous and aligned; each input is read
-  // with vector loads (contiguous and aligned: bit in p.vec), once (one value for all: bit in p.bcast),
-  // or element by element through its strides. The last numel % V elements run the general body.
+  // with vector loads (contiguous and aligned: bit in p.vec; contiguous over the trailing p.period[k]
+  // elements and repeated over the leading dimensions, a bias: bit in p.inner), once (one value for
+  // all: bit in p.bcast), or element by element through its strides. The last numel % V elements run
+  // the general body.
   void flat_vector(Source& o, const std::string& entry) {
     o << "extern \"C\" __global__ void " << entry << "(Params p) {\n";
     o << "  constexpr int V = " << width_ << ";\n";
@@ -333,6 +336,9 @@ class Printer {
       if (k < static_cast<size_t>(kMaxVectorInputs)) {
         o << "    if ((p.vec >> " << k << ") & 1u) {\n";
         o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i, r);\n";
+        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
+        o << "    } else if ((p.inner >> " << k << ") & 1u) {\n";
+        o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i % p.period[" << k << "], r);\n";
         o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
         o << "    } else if ((p.bcast >> " << k << ") & 1u) {\n";
         o << "      const float s = " << load(in_type(k), k, "0") << ";\n";
@@ -555,7 +561,13 @@ class Printer {
     if (!cols) return all;
     std::optional<RowVariant> chosen = choose_row_variant(*cols, width_, all);
     if (!chosen) return {};
-    return {*chosen};
+    // A block variant whose registers do not allow the block it needs hands over to one with more
+    // columns per thread (the launcher checks), so those come along.
+    std::vector<RowVariant> kept{*chosen};
+    for (const RowVariant& v : all)
+      if (chosen->mode == RowVariant::Mode::Block && v.mode == RowVariant::Mode::Block && v.chunks > chosen->chunks)
+        kept.push_back(v);
+    return kept;
   }
 
   // The row length where every full tensor of the group gives it as a constant.
@@ -598,10 +610,11 @@ CudaSource generate(const Program& program, const std::string& name) { return Pr
 
 std::string generate_source(const Program& program, const std::string& name) { return generate(program, name).text; }
 
-std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, const std::vector<RowVariant>& compiled) {
+std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, const std::vector<RowVariant>& compiled,
+                                             const std::function<bool(const RowVariant&)>& launchable) {
   auto find = [&](RowVariant::Mode mode, int chunks) -> const RowVariant* {
     for (const RowVariant& v : compiled)
-      if (v.mode == mode && v.chunks == chunks) return &v;
+      if (v.mode == mode && v.chunks == chunks && (!launchable || launchable(v))) return &v;
     return nullptr;
   };
   for (int chunks : {1, 2, 4, 8})
@@ -611,6 +624,11 @@ std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, con
     if (cols <= int64_t{chunks} * vector_width * 1024)
       if (const RowVariant* v = find(RowVariant::Mode::Block, chunks)) return *v;
   return std::nullopt;
+}
+
+int64_t block_threads(const RowVariant& v, int64_t cols, int vector_width) {
+  const int64_t per_thread = int64_t{v.chunks} * vector_width;
+  return ((cols + per_thread - 1) / per_thread + 31) / 32 * 32;
 }
 
 }  // namespace ember::cuda

@@ -6,6 +6,7 @@
 #include "kernels/program.h"
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -38,12 +39,20 @@ CudaSource generate(const Program& program, const std::string& name);
 // The source text alone (generate(...).text).
 std::string generate_source(const Program& program, const std::string& name);
 
-// The register-resident variant a row of `cols` columns runs with, among `compiled`; nullopt for the
-// general one-block-per-row kernel (rows too long, or no variant compiled for them).
-std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, const std::vector<RowVariant>& compiled);
+// The register-resident variant a row of `cols` columns runs with, among `compiled` (and, where given,
+// those `launchable` accepts); nullopt for the general one-block-per-row kernel (rows too long, or no
+// variant compiled or launchable for them). Preference: a warp per row, then a block per row, each
+// with the fewest columns per thread.
+std::optional<RowVariant> choose_row_variant(int64_t cols, int vector_width, const std::vector<RowVariant>& compiled,
+                                             const std::function<bool(const RowVariant&)>& launchable = {});
+
+// Threads of a block-per-row launch of `v` over rows of `cols` columns.
+int64_t block_threads(const RowVariant& v, int64_t cols, int vector_width);
 
 // Params' `vec` word: bit k (k < 31) says input k is read with vector loads, bit 31 that full outputs
 // are written with vector stores. Its `bcast` word: bit k says input k is one value for every element.
+// Its `inner` word (flat groups): bit k says input k repeats every period[k] elements, contiguous and
+// aligned within a period (a bias over the last dimensions), read with vector loads.
 constexpr int kMaxVectorInputs = 31;
 constexpr uint32_t kVectorOutputs = 1u << 31;
 

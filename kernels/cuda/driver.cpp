@@ -28,6 +28,7 @@ using nvrtcProgram = void*;
 constexpr int kComputeCapabilityMajor = 75;
 constexpr int kComputeCapabilityMinor = 76;
 constexpr int kMultiprocessorCount = 16;
+constexpr int kFunctionMaxThreadsPerBlock = 0;
 
 // The driver is needed to run anything; NVRTC only to compile what no image store holds.
 struct Api {
@@ -43,6 +44,7 @@ struct Api {
   CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                              void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuFuncGetAttribute)(int*, int, void*);
   // nvrtc
   nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
                                     const char* const*);
@@ -107,6 +109,7 @@ const Api& api() {
       bind(driver, "cuModuleGetFunction", a.cuModuleGetFunction);
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
+      bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
       if (a.cuInit(0) != 0) throw Error("cuInit failed");
     } catch (const Error& e) {
       failure = e.what();
@@ -271,6 +274,12 @@ int multiprocessor_count(int device) {
   check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
   check(a.cuDeviceGetAttribute(&count, kMultiprocessorCount, dev), "cuDeviceGetAttribute");
   return counts[device] = std::max(count, 1);
+}
+
+int max_threads_per_block(void* function) {
+  int threads = 0;
+  check(api().cuFuncGetAttribute(&threads, kFunctionMaxThreadsPerBlock, function), "cuFuncGetAttribute");
+  return threads;
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {

@@ -25,6 +25,9 @@ void* compile(const std::string& source, const std::string& name, int device, Im
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images = nullptr);
 
+// The largest block `function` launches with (its registers per thread bound it below 1024).
+int max_threads_per_block(void* function);
+
 // `device`'s multiprocessor count, queried once per device.
 int multiprocessor_count(int device);
 

@@ -378,12 +378,24 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         EXPECT_EQ(src.rows[0].entry, f32 ? "k_w8" : "k_w4") << label;
       }
       if (label.rfind("layer_norm_768", 0) == 0) {
-        ASSERT_EQ(src.rows.size(), 1u) << label;  // three cached inputs bound the warp variants below 768
+        // Three cached inputs bound the warp variants below 768 columns; b2 backs b1 up when b1's
+        // registers do not allow its block.
+        ASSERT_EQ(src.rows.size(), 2u) << label;
         EXPECT_EQ(src.rows[0].entry, "k_b1") << label;
+        EXPECT_EQ(src.rows[1].entry, "k_b2") << label;
       }
     }
   }
-  EXPECT_EQ(cuda::choose_row_variant(5000, 4, {}), std::nullopt);
+  std::vector<cuda::RowVariant> all = {{cuda::RowVariant::Mode::Warp, 1, "w1"}, {cuda::RowVariant::Mode::Block, 1, "b1"},
+                                       {cuda::RowVariant::Mode::Block, 2, "b2"}};
+  EXPECT_EQ(cuda::choose_row_variant(100, 4, all)->entry, "w1");
+  EXPECT_EQ(cuda::choose_row_variant(4096, 4, all)->entry, "b1");
+  EXPECT_EQ(cuda::choose_row_variant(4097, 4, all)->entry, "b2");
+  EXPECT_EQ(cuda::choose_row_variant(8193, 4, all), std::nullopt);
+  auto no_b1 = [](const cuda::RowVariant& v) { return v.entry != "b1"; };
+  EXPECT_EQ(cuda::choose_row_variant(4096, 4, all, no_b1)->entry, "b2");
+  EXPECT_EQ(cuda::block_threads(all[1], 4096, 4), 1024);
+  EXPECT_EQ(cuda::block_threads(all[2], 33, 4), 32);
 }
 
 // Every variant of every family through nvcc (PTX for sm_90); NVRTC sources include nothing, so nvcc

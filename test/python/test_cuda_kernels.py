@@ -1,0 +1,206 @@
+"""ember's generated CUDA kernels against eager: the flat kernel's 16-byte vector path and its strided
+fallback (broadcast, transposed and misaligned inputs), and the row kernels (a warp per row, a block per
+row with the row in registers, the general kernel for long rows) for softmax, log_softmax, layer norm
+and the entropy scorer, in f32, f16 and bf16, at row lengths around every variant's edges.
+
+Inputs go to eager and ember as they are (not copied), so a slice that starts one element into its
+storage reaches the kernel misaligned. Each test also checks that a CUDA fused kernel ran.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import EMBER_GRAPHS, assert_same, compile_ember
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+# Row reductions in 16-bit: eager reduces in float and rounds once, as ember does, but the pre-scale
+# rounds differently inside a fused group than between two eager kernels.
+TOL = {torch.float32: (2e-5, 1e-4), torch.float16: (2e-3, 1e-2), torch.bfloat16: (1.6e-2, 2e-2)}
+
+
+def cuda_fused_kernels():
+    return sum(g.describe().count("cuda fused group") for _, g in EMBER_GRAPHS)
+
+
+def compare(fn, *inputs, dynamic=False, compiled=None):
+    """fn eagerly and through ember on the same inputs; the outputs must agree."""
+    atol, rtol = TOL[inputs[0].dtype]
+    before = cuda_fused_kernels()
+    compiled = compiled or compile_ember(fn, dynamic=dynamic)
+    with torch.no_grad():
+        expected = fn(*inputs)
+        actual = compiled(*inputs)
+    assert_same(actual, expected, atol=atol, rtol=rtol)
+    return compiled, cuda_fused_kernels() - before
+
+
+def misaligned(*shape, dtype):
+    """A contiguous tensor whose data starts one element into its storage: no 16-byte loads."""
+    n = 1
+    for s in shape:
+        n *= s
+    t = torch.randn(n + 1, device="cuda", dtype=dtype)[1:].view(shape)
+    assert t.data_ptr() % 16 != 0
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------
+# flat groups
+# ---------------------------------------------------------------------------------------------------
+
+
+def silu_add(x, y):
+    return x * torch.sigmoid(x) + y
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("numel", [1, 7, 8, 1023, 4097, 1 << 20 | 3])
+def test_flat_contiguous_and_tail(dtype, numel):
+    x, y = (torch.randn(numel, device="cuda", dtype=dtype) for _ in range(2))
+    _, kernels = compare(silu_add, x, y)
+    assert kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", [1, 7, 1023, 4097])
+def test_flat_broadcast_transposed_misaligned(dtype, cols):
+    def fn(x, bias, col, scalar, xt, xm):
+        return (x * bias + col).sin() * scalar + xt - xm * 0.5
+
+    rows = 33
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    bias = torch.randn(cols, device="cuda", dtype=dtype)  # broadcast over rows
+    col = torch.randn(rows, 1, device="cuda", dtype=dtype)  # broadcast over columns
+    scalar = torch.randn((), device="cuda", dtype=dtype)  # one value for all
+    xt = torch.randn(cols, rows, device="cuda", dtype=dtype).t()  # non-contiguous
+    xm = misaligned(rows, cols, dtype=dtype)
+    _, kernels = compare(fn, x, bias, col, scalar, xt, xm)
+    assert kernels >= 1
+
+
+def test_flat_mixed_dtypes_and_bool():
+    def fn(x, h, m):
+        return torch.where(m, x.float() * 2, h.float()).exp().half(), (x * 3 > 0)
+
+    x = torch.randn(1000, 37, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(1000, 37, device="cuda", dtype=torch.float16)
+    m = torch.randn(1000, 37, device="cuda") > 0
+    _, kernels = compare(fn, x, h, m)
+    assert kernels >= 1
+
+
+def test_flat_misaligned_output_sized_inputs_and_shapes_under_dynamic():
+    compiled = None
+    for n in (4097, 8, 1 << 16, 3):
+        x = misaligned(n, dtype=torch.float32)
+        y = torch.randn(n, device="cuda")
+        compiled, _ = compare(silu_add, x, y, dynamic=True, compiled=compiled)
+        compiled, _ = compare(silu_add, y, y, dynamic=True, compiled=compiled)
+
+
+# ---------------------------------------------------------------------------------------------------
+# row groups
+# ---------------------------------------------------------------------------------------------------
+
+
+def scaled_softmax(x):
+    return torch.softmax(x * 0.75, -1)
+
+
+def scaled_log_softmax(x):
+    return torch.log_softmax(x * 0.75 + 0.1, -1)
+
+
+def entropy(x):
+    p = torch.softmax(x, -1)
+    return -(p * torch.log(p + 1e-8)).sum(-1)
+
+
+def make_layer_norm(cols, dtype):
+    w = torch.randn(cols, device="cuda", dtype=dtype)
+    b = torch.randn(cols, device="cuda", dtype=dtype)
+
+    def layer_norm(x):
+        return F.layer_norm(x * 2.0, (cols,), w, b, 1e-5)
+
+    return layer_norm
+
+
+ROW_FNS = {"softmax": lambda cols, dtype: scaled_softmax, "log_softmax": lambda cols, dtype: scaled_log_softmax,
+           "entropy": lambda cols, dtype: entropy, "layer_norm": make_layer_norm}
+# 1, 7: a warp per row, mostly idle lanes; 33: columns beyond one vector per lane; 1023: not a
+# multiple of the vector width (no vector loads); 1024: the largest f32 warp variant; 4097 and 8200:
+# a block per row, and past the register variants (the general kernel) for f32.
+COLS = [1, 7, 33, 1023, 1024, 4097, 8200]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", COLS)
+@pytest.mark.parametrize("family", list(ROW_FNS))
+def test_rows(family, cols, dtype):
+    fn = ROW_FNS[family](cols, dtype)
+    x = torch.randn(37, cols, device="cuda", dtype=dtype) * 3
+    _, kernels = compare(fn, x)
+    assert kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", [7, 1024, 4097])
+@pytest.mark.parametrize("family", list(ROW_FNS))
+def test_rows_transposed_and_misaligned(family, cols, dtype):
+    fn = ROW_FNS[family](cols, dtype)
+    xt = torch.randn(cols, 19, device="cuda", dtype=dtype).t()  # columns 19 elements apart
+    compare(fn, xt)
+    xm = misaligned(19, cols, dtype=dtype)  # rows contiguous, data one element off
+    compare(fn, xm)
+    xs = torch.randn(19, cols + 8, device="cuda", dtype=dtype)[:, 8:]  # aligned rows, padded: vector loads
+    compare(fn, xs)
+
+
+def test_rows_many_rows_and_3d():
+    x = torch.randn(8, 1000, 1024, device="cuda", dtype=torch.bfloat16)
+    _, kernels = compare(scaled_softmax, x)
+    assert kernels >= 1
+    compare(entropy, torch.randn(4, 196, 768, device="cuda"))
+
+
+@pytest.mark.parametrize("family", ["softmax", "layer_norm"])
+def test_rows_dynamic_lengths_pick_variants_per_call(family):
+    """Symbolic columns: one module holds every variant; each call picks by its row length."""
+    compiled = None
+    for cols in (5, 200, 1024, 3000, 5000, 9000):
+        fn = ROW_FNS[family](cols, torch.float32)
+        if family == "layer_norm":
+            compiled = None  # its weights are closed over per length
+        x = torch.randn(11, cols, device="cuda")
+        compiled, _ = compare(fn, x, dynamic=True, compiled=compiled)
+
+
+def test_softmax_nan_inf_rows():
+    x = torch.randn(6, 300, device="cuda")
+    x[1, 5] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, 7] = float("inf")
+    compare(scaled_softmax, x)
+
+
+def test_layer_norm_backward_row_kernels():
+    """Training: the backward's row groups (grad of the input) run through the same kernels."""
+    cols = 768
+    w = torch.randn(cols, device="cuda", requires_grad=True)
+    b = torch.randn(cols, device="cuda", requires_grad=True)
+
+    def fn(x):
+        return F.layer_norm(x * 2.0, (cols,), w, b, 1e-5).sin().sum()
+
+    x = torch.randn(64, cols, device="cuda", requires_grad=True)
+    xe = x.detach().clone().requires_grad_()
+    fn(xe).backward()
+    ge = xe.grad
+    xc = x.detach().clone().requires_grad_()
+    compile_ember(fn)(xc).backward()
+    torch.testing.assert_close(xc.grad, ge, atol=1e-4, rtol=1e-3)
