@@ -17,7 +17,8 @@ A backend that fails on a workload gets an `error` string and the harness goes o
 ember always runs with options={"fallback": "raise"}: a graph ember cannot compile is an error here, never an
 eager run timed as ember.
 
-Results: a table on stdout and JSON (default bench/results/harness_<device>.json; bench/results/ is ignored by git).
+Results: a table on stdout and JSON (default bench/results/harness_<device>.json; bench/results/ is ignored by git),
+and next to the JSON a PNG chart of the speedups (where matplotlib is installed).
 """
 
 import argparse
@@ -167,6 +168,44 @@ def build_gpt2(device):
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
     return model.to(device).eval(), (ids,)
+
+
+# The issue's bf16 workloads: inference in bfloat16 at the sizes the issue names; on the CPU one small
+# batch in float32 (bf16 there measures the CPU's bf16 support, not ember).
+@workload("resnet50_b64_bf16", "torchvision resnet50 (random weights), bf16, channels_last, 64x3x224x224",
+          cpu_shape="torchvision resnet50 (random weights), f32, channels_last, 1x3x224x224", needs=("torchvision",))
+def build_resnet50_bf16(device):
+    import torchvision
+
+    batch, dtype = (1, torch.float32) if device == "cpu" else (64, torch.bfloat16)
+    model = torchvision.models.resnet50(weights=None).to(device=device, dtype=dtype, memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 224, 224, device=device, dtype=dtype).to(memory_format=torch.channels_last)
+    return model.eval(), (x,)
+
+
+@workload("bert_b32_s512_bf16", "BertModel(BertConfig()) (random weights), bf16, input_ids 32x512",
+          cpu_shape="BertModel(BertConfig()) (random weights), f32, input_ids 1x128", needs=("transformers",))
+def build_bert_bf16(device):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig()
+    batch, seq, dtype = (1, 128, torch.float32) if device == "cpu" else (32, 512, torch.bfloat16)
+    model = BertModel(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model.eval(), (ids,)
+
+
+@workload("gpt2_b16_s512_bf16", "GPT2LMHeadModel(GPT2Config()) (random weights, no KV cache), bf16, input_ids 16x512",
+          cpu_shape="GPT2LMHeadModel(GPT2Config()) (random weights, no KV cache), f32, input_ids 1x128",
+          needs=("transformers",))
+def build_gpt2_bf16(device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(use_cache=False)
+    batch, seq, dtype = (1, 128, torch.float32) if device == "cpu" else (16, 512, torch.bfloat16)
+    model = GPT2LMHeadModel(config).to(device=device, dtype=dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return model.eval(), (ids,)
 
 
 @workload("mlp_train_b64", "MLP 512-1024-1024-10 training step: cross-entropy forward + backward, batch 64",
@@ -435,6 +474,39 @@ def print_table(results):
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
 
+def write_chart(results, path):
+    """A PNG of each workload's speedup over eager per backend, next to the JSON; skipped cleanly without
+    matplotlib. Returns the path written, or None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        print("matplotlib not installed: no chart", file=sys.stderr)
+        return None
+    rows = [r for r in results if "skipped" not in r]
+    backends = [b for b in BACKENDS if b != "eager" and any("speedup" in r["backends"].get(b, {}) for r in rows)]
+    if not rows or not backends:
+        return None
+    width = 0.8 / len(backends)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows) + 2), 4.5))
+    for i, backend in enumerate(backends):
+        xs = [j + (i - (len(backends) - 1) / 2) * width for j in range(len(rows))]
+        ys = [r["backends"].get(backend, {}).get("speedup", 0.0) for r in rows]
+        ax.bar(xs, ys, width, label=backend)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([r["workload"] for r in rows], rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("speedup over eager (higher is better)")
+    ax.set_title(os.path.splitext(os.path.basename(path))[0], fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def machine_info(device):
     info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
@@ -515,6 +587,9 @@ def main(argv=None):
         json.dump({"machine": machine_info(args.device), "repeat": args.repeat, "warmup": args.warmup,
                    "results": results}, f, indent=2)
     print(f"wrote {out}")
+    png = write_chart(results, os.path.splitext(out)[0] + ".png")
+    if png:
+        print(f"wrote {png}")
     return 0
 
 
