@@ -1,0 +1,175 @@
+// The host side of one fused-kernel call (call_plan.h): Params, outputs, entry point and grid.
+#include "kernels/cuda/call_plan.h"
+
+#include "ember/error.h"
+#include "kernels/iteration_space.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cstring>
+
+namespace ember::cuda {
+namespace {
+
+constexpr unsigned kThreads = 256;
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+unsigned blocks_for(int64_t work_items, int64_t per_block, int64_t max_blocks) {
+  return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, max_blocks));
+}
+
+// Every aligned stride 0 (or its dimension of size 1): one value for all elements.
+bool one_value(const int64_t* stride, const std::vector<int64_t>& full) {
+  for (size_t d = 0; d < full.size(); ++d)
+    if (stride[d] != 0 && full[d] != 1) return false;
+  return true;
+}
+
+// Contiguous over the trailing dimensions and broadcast (stride 0) over the leading ones: the number
+// of elements after which the input repeats; 0 where it does not have that form.
+int64_t repeat_period(const int64_t* stride, const std::vector<int64_t>& full) {
+  int64_t period = 1;
+  size_t d = full.size();
+  for (; d-- > 0;) {
+    if (full[d] == 1) continue;
+    if (stride[d] != period) break;
+    period *= full[d];
+  }
+  for (d = d + 1; d-- > 0;)
+    if (full[d] != 1 && stride[d] != 0) return 0;
+  return period;
+}
+
+// Contiguous in the iteration space (row-major over the full shape; size-1 dims take any stride).
+bool contiguous(const int64_t* stride, const std::vector<int64_t>& full) {
+  int64_t expected = 1;
+  for (size_t d = full.size(); d-- > 0;) {
+    if (full[d] == 1) continue;
+    if (stride[d] != expected) return false;
+    expected *= full[d];
+  }
+  return true;
+}
+
+// Row groups: every row's columns contiguous and every row start aligned to the vector width.
+bool row_vectorizable(const int64_t* stride, const std::vector<int64_t>& full, int64_t cols, int width) {
+  if (full.empty() || cols % width != 0 || (cols > 1 && stride[full.size() - 1] != 1)) return false;
+  for (size_t d = 0; d + 1 < full.size(); ++d)
+    if (stride[d] % width != 0) return false;
+  return true;
+}
+
+// Flat groups: the vector kernel where outputs are aligned (below one vector it would run only its tail).
+void plan_flat(CallPlan& plan, int64_t numel, uint32_t vec, int width, const LaunchLimits& limits) {
+  const bool vector = (vec & kVectorOutputs) && numel >= width;
+  plan.entry = vector ? 1 : 0;
+  plan.threads = kThreads;
+  plan.blocks = blocks_for(vector ? numel / width : numel, kThreads, limits.max_blocks);
+}
+
+void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& source, const LaunchLimits& limits) {
+  const int width = source.vector_width;
+  auto index_of = [&](const RowVariant& v) {
+    for (size_t i = 0; i < source.rows.size(); ++i)
+      if (source.rows[i].entry == v.entry) return i;
+    throw Error("CUDA fused kernel: row variant " + v.entry + " not compiled");
+  };
+  auto most_threads = [&](size_t i) { return i < limits.row_max_threads.size() ? limits.row_max_threads[i] : int64_t{1024}; };
+  auto launchable = [&](const RowVariant& v) {
+    const int64_t most = most_threads(index_of(v));
+    return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
+  };
+  std::optional<RowVariant> v = choose_row_variant(cols, width, source.rows, launchable);
+  if (!v) {
+    plan.entry = 0;
+    plan.threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);
+    plan.blocks = static_cast<unsigned>(std::clamp<int64_t>(limits.max_blocks * (kThreads / plan.threads), 1, rows));
+    return;
+  }
+  const size_t index = index_of(*v);
+  plan.entry = 1 + index;
+  if (v->mode == RowVariant::Mode::Warp) {
+    plan.threads = static_cast<unsigned>(std::min<int64_t>(kThreads, most_threads(index) / 32 * 32));
+    plan.blocks = blocks_for(rows, plan.threads / 32, limits.max_blocks);
+    return;
+  }
+  const int64_t threads = std::max<int64_t>(block_threads(*v, cols, width), 32);
+  plan.threads = static_cast<unsigned>(threads);
+  plan.blocks = static_cast<unsigned>(std::clamp<int64_t>(limits.max_blocks * kThreads / threads, 1, rows));
+}
+
+}  // namespace
+
+CallPlan plan_call(const Program& program, const CudaSource& source, const std::vector<c10::ScalarType>& out_dtypes,
+                   const std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads, c10::Device device,
+                   const LaunchLimits& limits) {
+  CallPlan plan;
+  const size_t ni = program.inputs.size(), no = program.outputs.size(), rank = std::max<size_t>(program.rank, 1);
+  const IterationSpace space = iteration_space(program, buffers, reads);
+  const std::vector<int64_t>& full = space.full;
+  const int64_t numel = space.numel, rows = space.rows, cols = space.cols;
+  const int width = source.vector_width;
+
+  // Params, laid out as the printed struct.
+  const size_t in_words = std::max<size_t>(ni, 1), out_words = std::max<size_t>(no, 1);
+  std::vector<int64_t>& words = plan.params;
+  words.assign(in_words + out_words + rank + in_words * rank + 5 + in_words +
+                             (std::max<size_t>(program.scalars.size(), 1) + 1) / 2, 0);
+  const size_t stride_base = in_words + out_words + rank;
+  size_t w = 0;
+  for (size_t k = 0; k < in_words; ++k, ++w)
+    if (k < ni) {
+      const void* ptr = buffers[reads[k]].toTensor().data_ptr();
+      std::memcpy(&words[w], &ptr, sizeof(ptr));
+    }
+  std::vector<at::Tensor>& outs = plan.outputs;
+  outs.reserve(no);
+  bool outputs_aligned = true;
+  for (size_t k = 0; k < out_words; ++k, ++w)
+    if (k < no) {
+      outs.push_back(at::empty(output_shape(program.outputs[k], full, program.has_reduction),
+                               at::TensorOptions().device(device).dtype(out_dtypes[k])));
+      void* ptr = outs.back().data_ptr();
+      outputs_aligned &= aligned(ptr, width * c10::elementSize(out_dtypes[k]));
+      std::memcpy(&words[w], &ptr, sizeof(ptr));
+    }
+  for (size_t d = 0; d < rank; ++d) words[w++] = d < full.size() ? full[d] : 1;
+  for (size_t k = 0; k < in_words; ++k, w += rank)
+    if (k < ni) aligned_strides(buffers[reads[k]].toTensor(), program.inputs[k].row ? space.row_shape : full, &words[w]);
+  words[w++] = numel;
+  words[w++] = rows;
+  words[w++] = cols;
+  uint32_t masks[4] = {0, 0, 0, 0};  // vec, bcast, inner, unused
+  int64_t* period = &words[w + 2];
+  for (size_t k = 0; k < ni && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
+    if (program.inputs[k].row) continue;
+    const at::Tensor& t = buffers[reads[k]].toTensor();
+    const int64_t* stride = &words[stride_base + k * rank];
+    const bool vector_aligned = aligned(t.data_ptr(), width * t.element_size());
+    if (vector_aligned && (program.has_reduction ? row_vectorizable(stride, full, cols, width) : contiguous(stride, full)))
+      masks[0] |= 1u << k;
+    else if (one_value(stride, full))
+      masks[1] |= 1u << k;
+    else if (!program.has_reduction && vector_aligned && (period[k] = repeat_period(stride, full)) > 0 && period[k] % width == 0)
+      masks[2] |= 1u << k;
+  }
+  if (outputs_aligned && (!program.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
+  std::memcpy(&words[w], masks, sizeof(masks));
+  w += 2 + in_words;
+  float* scalars = reinterpret_cast<float*>(&words[w]);
+  for (size_t s = 0; s < program.scalars.size(); ++s) {
+    const c10::IValue& v = buffers[reads[ni + s]];
+    scalars[s] = v.isDouble() ? static_cast<float>(v.toDouble()) : v.isBool() ? float(v.toBool()) : float(v.toInt());
+  }
+
+  plan.launch = numel > 0 || (program.has_reduction && rows > 0);
+  if (plan.launch) {
+    if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
+    else plan_flat(plan, numel, masks[0], width, limits);
+  }
+  return plan;
+}
+
+}  // namespace ember::cuda
