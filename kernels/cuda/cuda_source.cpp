@@ -15,6 +15,7 @@
 #include "kernels/cuda/cuda_source.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/cuda_prelude.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,101 +24,6 @@
 namespace ember::cuda {
 namespace {
 
-constexpr const char* kPrelude = R"(
-typedef long long i64;
-__device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
-__device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
-  unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-__device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
-__device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
-__device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }
-__device__ __forceinline__ float gelu_tanh(float x) { return x * 0.5f * (1.f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))); }
-__device__ __forceinline__ float gelu_backward(float g, float x) {
-  float cdf = 0.5f * (1.f + erff(x * 0.70710678118654752f));
-  float pdf = expf(-0.5f * x * x) * 0.39894228040143268f;
-  return g * (cdf + x * pdf);
-}
-template <int OP> __device__ __forceinline__ float combine(float a, float b) {
-  return OP == 0 ? a + b : (OP == 1 ? nan_max(a, b) : nan_min(a, b));
-}
-template <int OP> __device__ __forceinline__ float warp_reduce(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-// 16-byte (or narrower) loads and stores of V elements of T; the pointer is aligned to V * sizeof(T).
-struct alignas(16) ember_u4 { unsigned x, y, z, w; };
-struct alignas(8) ember_u2 { unsigned x, y; };
-template <class W, class T, int N> union ember_pack { W w; T t[N]; };
-template <class T, int V> __device__ __forceinline__ void ld_vec(const T* p, T* r) {
-  constexpr int B = V * (int)sizeof(T);
-  if constexpr (B >= 16) {
-    constexpr int N = 16 / (int)sizeof(T);
-#pragma unroll
-    for (int c = 0; c < B / 16; ++c) {
-      ember_pack<ember_u4, T, N> x; x.w = ((const ember_u4*)p)[c];
-#pragma unroll
-      for (int e = 0; e < N; ++e) r[c * N + e] = x.t[e];
-    }
-  } else if constexpr (B == 8) {
-    ember_pack<ember_u2, T, V> x; x.w = *(const ember_u2*)p;
-#pragma unroll
-    for (int e = 0; e < V; ++e) r[e] = x.t[e];
-  } else if constexpr (B == 4) {
-    ember_pack<unsigned, T, V> x; x.w = *(const unsigned*)p;
-#pragma unroll
-    for (int e = 0; e < V; ++e) r[e] = x.t[e];
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) r[e] = p[e];
-  }
-}
-template <class T, int V> __device__ __forceinline__ void st_vec(T* p, const T* r) {
-  constexpr int B = V * (int)sizeof(T);
-  if constexpr (B >= 16) {
-    constexpr int N = 16 / (int)sizeof(T);
-#pragma unroll
-    for (int c = 0; c < B / 16; ++c) {
-      ember_pack<ember_u4, T, N> x;
-#pragma unroll
-      for (int e = 0; e < N; ++e) x.t[e] = r[c * N + e];
-      ((ember_u4*)p)[c] = x.w;
-    }
-  } else if constexpr (B == 8) {
-    ember_pack<ember_u2, T, V> x;
-#pragma unroll
-    for (int e = 0; e < V; ++e) x.t[e] = r[e];
-    *(ember_u2*)p = x.w;
-  } else if constexpr (B == 4) {
-    ember_pack<unsigned, T, V> x;
-#pragma unroll
-    for (int e = 0; e < V; ++e) x.t[e] = r[e];
-    *(unsigned*)p = x.w;
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) p[e] = r[e];
-  }
-}
-template <int OP> __device__ float block_reduce(float v, float* shared) {
-  for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __syncthreads();
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    const float identity = OP == 0 ? 0.f : (OP == 1 ? __int_as_float(0xff800000) : __int_as_float(0x7f800000));
-    v = lane < (int)(blockDim.x >> 5) ? shared[lane] : identity;
-    for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  return shared[0];
-}
-)";
 
 const char* storage_type(c10::ScalarType t) {
   switch (t) {
