@@ -102,11 +102,15 @@ def test_conv1d_and_conv_transpose2d(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_cuda_linear_relu_and_tanh_gelu_fuse_into_addmm_activation(dtype, tmp_path):
-    """passes/addmm_activation.cpp: bias + ReLU / tanh-GELU as cuBLASLt's epilogue; forward and backward match
-    eager, and the plan holds aten::_addmm_activation instead of addmm + activation."""
+    """passes/addmm_activation.cpp: bias + ReLU / tanh-GELU as cuBLASLt's epilogue. Inference: the plan holds
+    aten::_addmm_activation instead of addmm + activation, and matches eager. Training: forward and backward
+    match eager (there GELU's backward reads the addmm result, which keeps that addmm as it is)."""
     model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 48), nn.GELU(approximate="tanh"),
                           nn.Linear(48, 5)).to("cuda", dtype)
     tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else MATMUL_TOL
-    check(model, torch.randn(7, 33, device="cuda", dtype=dtype), **tol, options={"debug_dir": str(tmp_path)})
-    plans = "".join(p.read_text() for p in tmp_path.glob("*forward*after_addmm_act.ir"))
+    with torch.no_grad():
+        check(model, torch.randn(7, 33, device="cuda", dtype=dtype), grad=False, **tol,
+              options={"debug_dir": str(tmp_path)})
+    plans = "".join(p.read_text() for p in tmp_path.glob("*inference*after_addmm_act.ir"))
     assert plans.count("aten::_addmm_activation") == 2, plans
+    check(model, torch.randn(7, 33, device="cuda", dtype=dtype), **tol)
