@@ -281,3 +281,18 @@ def test_batchnorm_in_training_is_not_folded():
     model = conv_bn_blocks((3, 5, 4), True, False).train()
     check(model, torch.randn(2, 3, 8, 8), **MATMUL_TOL)
     assert not any(what == "fold_batchnorm" for _, g in helpers.EMBER_GRAPHS for _, what in g.steps())
+
+
+@needs_onednn
+@pytest.mark.parametrize("params_made_in_inference_mode", [False, True], ids=["params", "inference_params"])
+def test_folded_batchnorm_under_inference_mode(params_made_in_inference_mode):
+    # Called under inference_mode the folded tensors are still made as normal tensors (cached, packed); with
+    # inference-tensor parameters (no version counter) the fold is redone on every call.
+    with torch.inference_mode(params_made_in_inference_mode):
+        model = conv_bn_blocks((3, 6, 5), False, False)
+    compiled = compile_ember(model)
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(2, 3, 9, 9)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+    assert [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()].count("fold_batchnorm") == 2
