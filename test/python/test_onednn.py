@@ -296,3 +296,34 @@ def test_folded_batchnorm_under_inference_mode(params_made_in_inference_mode):
             x = torch.randn(2, 3, 9, 9)
             torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
     assert [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()].count("fold_batchnorm") == 2
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: with both batch norms folded, two oneDNN convolutions carry every other op."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
+
+
+@needs_onednn
+def test_basic_block_becomes_two_convolutions_with_residual_post_op():
+    import ember
+
+    model = BasicBlock(7).eval()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+        check_calls(model, torch.randn(2, 7, 10, 9), grad=False, calls=3, **MATMUL_TOL)
+        report = ember.explain(model)(torch.randn(2, 7, 10, 9))
+    assert report.graphs[0].onednn == ["conv2d f32 +bias relu", "conv2d f32 +bias add relu"]
+    assert report.graphs[0].folded_batchnorms == 2 and not report.graphs[0].aten_ops
+    assert "folded  2 batch norm(s)" in str(report)
