@@ -275,11 +275,11 @@ def test_batchnorm_with_grad_is_not_folded():
 
 
 def test_batchnorm_in_training_is_not_folded():
-    # Training mode normalizes with batch statistics (another op): nothing to fold. (Compiled in the same
-    # test after an eval-mode compile of the same model, this one's gradients differ from eager's, with or
-    # without fold_batchnorm, on main too: a separate issue.)
+    # Training mode normalizes with batch statistics (another op): nothing to fold. 16x16 images: batch norms
+    # in training mode over few values per channel make gradients sensitive to rounding (test_models.py's
+    # resnet18 note), and 8x8 ones here moved conv weight gradients past the tolerance, with or without the pass.
     model = conv_bn_blocks((3, 5, 4), True, False).train()
-    check(model, torch.randn(2, 3, 8, 8), **MATMUL_TOL)
+    check(model, torch.randn(2, 3, 16, 16), **MATMUL_TOL)
     assert not any(what == "fold_batchnorm" for _, g in helpers.EMBER_GRAPHS for _, what in g.steps())
 
 
