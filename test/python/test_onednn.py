@@ -275,9 +275,9 @@ def test_batchnorm_with_grad_is_not_folded():
 
 
 def test_batchnorm_in_training_is_not_folded():
-    # Training mode normalizes with batch statistics (another op): nothing to fold. 16x16 images: batch norms
-    # in training mode over few values per channel make gradients sensitive to rounding (test_models.py's
-    # resnet18 note), and 8x8 ones here moved conv weight gradients past the tolerance, with or without the pass.
+    # Training mode normalizes with batch statistics (another op): nothing to fold. (Run in one test after the
+    # eval-mode check_calls above, on 8x8 images, this check's conv weight gradients missed eager's with or
+    # without the pass, on main's build too; not reproduced outside check(): left open, see cpu3's report.)
     model = conv_bn_blocks((3, 5, 4), True, False).train()
     check(model, torch.randn(2, 3, 16, 16), **MATMUL_TOL)
     assert not any(what == "fold_batchnorm" for _, g in helpers.EMBER_GRAPHS for _, what in g.steps())
