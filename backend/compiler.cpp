@@ -1,6 +1,6 @@
 // The pipeline, in one list:
 //
-//   verify -> canonicalize -> fold_batched_matmul -> eliminate_dead_code -> eliminate_common_subexpressions
+//   verify -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse                                     (passes)
 //          -> generate_kernels (one kernel per fusion group)                   (codegen)
 //          -> build_plan                                                       (runtime)
@@ -41,6 +41,7 @@ const std::vector<Pass>& default_passes() {
       {"canonicalize", canonicalize},
       {"fold_matmul", fold_batched_matmul},
       {"addmm_act", fuse_addmm_activation},  // before dce, which drops the addmm it absorbed
+      {"fold_batchnorm", fold_batchnorm},
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole

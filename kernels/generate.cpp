@@ -35,6 +35,13 @@ void parallel_for_each(size_t n, F make) {
   for (auto& t : threads) t.join();
 }
 
+// The ember::fold_batchnorm node that makes up `group` on its own (passes/fold_batchnorm.cpp), or null.
+const Node* fold_batchnorm_node(const Graph& graph, int group) {
+  for (const auto& n : graph.nodes())
+    if (n->group == group) return n->op == "ember::fold_batchnorm" ? n.get() : nullptr;
+  return nullptr;
+}
+
 }  // namespace
 
 std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const CompileOptions& options,
@@ -52,6 +59,13 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
   parallel_for_each(groups.size(), [&](size_t i) {
     Result& r = results[i];
     try {
+      if (const Node* fold = fold_batchnorm_node(graph, groups[i])) {
+        r.listing = "group " + std::to_string(groups[i]) + ": fold_batchnorm\n";
+        fold->for_each_input([&](const Value* v) { r.kernel.reads.push_back(v); });
+        r.kernel.writes = {fold->outputs[0], fold->outputs[1]};
+        r.kernel.kernel = cpu::make_fold_batchnorm_kernel(*fold, &r.why);
+        return;
+      }
       if (is_epilogue_group(graph, groups[i])) {
         std::optional<EpilogueGroup> m = lower_epilogue_group(graph, groups[i], &r.why);
         if (!m) return;

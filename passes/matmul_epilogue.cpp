@@ -15,6 +15,7 @@
 
 #include "ember/epilogue.h"
 
+#include <algorithm>
 #include <unordered_map>
 
 namespace ember {
@@ -45,7 +46,8 @@ class Claimer {
       });
     }
     for (const Arg& a : graph_.outputs()) a.for_each_value([&](const Value* v) { uses_[v] += 2; });
-    int next = 0;
+    int next = 0;  // after the groups earlier passes made (fold_batchnorm's)
+    for (const auto& n : nodes) next = std::max(next, n->group + 1);
     for (size_t i = 0; i < nodes.size(); ++i) {
       Node& n = *nodes[i];
       if (n.group >= 0 || !claimable_matmul(n)) continue;

@@ -7,6 +7,7 @@ namespace ember {
 
 void canonicalize(Graph& graph, PassContext& ctx);
 void fold_batched_matmul(Graph& graph, PassContext& ctx);
+void fold_batchnorm(Graph& graph, PassContext& ctx);
 void eliminate_dead_code(Graph& graph, PassContext& ctx);
 void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
 void claim_matmul_epilogues(Graph& graph, PassContext& ctx);

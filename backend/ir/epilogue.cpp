@@ -123,6 +123,9 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 }
 
 const Value* input_behind(const Value* v) {
+  // Batch-norm-folded weights are handed back as the same tensor while the parameters are unchanged
+  // (kernels/cpu/fold_batchnorm_kernel.cpp): as good as a parameter for packing.
+  if (v->producer && v->producer->op == "ember::fold_batchnorm" && v == v->producer->outputs[0]) return v;
   for (int depth = 0; depth < 4 && v->producer; ++depth) {
     const Node& p = *v->producer;
     if (p.op != "aten::permute" && p.op != "aten::t" && p.op != "aten::transpose.int") return nullptr;

@@ -19,5 +19,8 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* wh
 std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not);
 // The same for a claimed 2-D convolution group (kernels/cpu/conv_kernel.cpp).
 std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& group, std::string* why_not);
+// An ember::fold_batchnorm node (passes/fold_batchnorm.cpp) that caches the folded weights and bias while
+// its inputs are unchanged (kernels/cpu/fold_batchnorm_kernel.cpp); it reads the node's tensor arguments in order.
+std::shared_ptr<const Kernel> make_fold_batchnorm_kernel(const Node& fold, std::string* why_not);
 
 }  // namespace ember::cpu

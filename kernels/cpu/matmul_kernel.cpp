@@ -5,7 +5,7 @@
 //     are packed once into oneDNN's layout on their second sight and reused (WeightsPacking).
 //  3. Operands oneDNN does not take as they are (neither rows nor columns contiguous, an empty dimension,
 //     an addend that is not contiguous) run the same computation through ATen, so every input is correct;
-//     so do a few rows against unpacked weights, where MKL's matrix-vector product is faster.
+//     so do a few rows, where MKL's matrix-vector product is faster.
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/epilogue_support.h"
 
@@ -78,12 +78,14 @@ class MatmulKernel final : public Kernel {
       call.addends.push_back(a.data_ptr());
       if (!addend_is_row_[i]) call.addend_row_stride.push_back(call.N);
     }
+    // A few rows: MKL's matrix-vector product through ATen beats oneDNN, against weights as they lie
+    // (one thread, 1x1024 @ 1024x1024: 180 vs 300 us) and, narrowly, against packed weights too (the
+    // 512-1024-1024-10 MLP called as a plan, min of 400 interleaved calls on 2 threads: 153 vs 159 us at 1
+    // row, 154 vs 160 at 2, 164 vs 175 at 4); no primitive is made for them either.
+    if (call.M < kFewRows) return false;
     bool first = weights_input && packing_.first_sight();
     uint64_t packing = weights_input ? packing_.generation(*weights_input, weights) : 0;
     if (first) return false;
-    // A few rows against weights as they lie: oneDNN's matrix-vector path is about 2x slower than MKL's
-    // (one thread, 1x1024 @ 1024x1024: 300 vs 180 us); packed weights make it as fast (185 us).
-    if (packing == 0 && call.M < kFewRows) return false;
     call.src = src.data_ptr();
     call.weights = weights.data_ptr();
     *out = at::empty({call.M, call.N}, src.options());

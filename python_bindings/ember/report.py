@@ -39,7 +39,13 @@ class GraphReport:
     @property
     def kernels(self):
         """Fused kernels ember generated (oneDNN calls are listed apart, in `onednn`)."""
-        return [what for kind, what in self.steps if kind == "kernel" and not what.startswith("onednn")]
+        return [what for kind, what in self.steps
+                if kind == "kernel" and not what.startswith("onednn") and what != "fold_batchnorm"]
+
+    @property
+    def folded_batchnorms(self):
+        """Eval batch norms folded into the weights and bias of the convolution before them."""
+        return sum(1 for kind, what in self.steps if kind == "kernel" and what == "fold_batchnorm")
 
     @property
     def onednn(self):
@@ -69,6 +75,8 @@ class ExplainReport:
                 lines.append(f"    kernel  {k}")
             for k in g.onednn:
                 lines.append(f"    oneDNN  {k}")
+            if g.folded_batchnorms:
+                lines.append(f"    folded  {g.folded_batchnorms} batch norm(s) into convolution weights")
             if aten:
                 lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
             if g.cuda_graphs:

@@ -159,6 +159,7 @@ TEST(PassManager, UnknownDisabledPassIsAnError) {
   EXPECT_THROW(compile(parse("graph(%x: f32[1]{1}@cpu):\n  return (%x)\n"), {}, options), Error);
 }
 
+
 }  // namespace
 }  // namespace ember
 
@@ -274,6 +275,60 @@ TEST(AddmmActivation, LeavesCpuErfGeluSharedAndScaledAddmmAlone) {
     PassContext ctx{options};
     fuse_addmm_activation(g, ctx);
     EXPECT_EQ(print(g), text);
+  }
+}
+
+// A conv -> eval batch norm -> relu block as AOTAutograd hands it over: parameters and buffers are inputs.
+const char* kConvBnRelu =
+    "graph(%w: f32[5, 3, 3, 3]{27, 9, 3, 1}@cpu, %x: f32[2, 3, 7, 7]{147, 49, 7, 1}@cpu, %mean: f32[5]{1}@cpu, "
+    "%var: f32[5]{1}@cpu, %gamma: f32[5]{1}@cpu, %beta: f32[5]{1}@cpu):\n"
+    "  %conv: f32[2, 5, 7, 7]{245, 49, 7, 1}@cpu = aten::convolution(%x, %w, None, [1, 1], [1, 1], [1, 1], false, [0, 0], 1)\n"
+    "  %bn: f32[2, 5, 7, 7]{245, 49, 7, 1}@cpu, %bn_1: f32[0]{1}@cpu, %bn_2: f32[0]{1}@cpu = "
+    "aten::_native_batch_norm_legit_no_training(%conv, %gamma, %beta, %mean, %var, 0.1, 1e-05)\n"
+    "  %relu: f32[2, 5, 7, 7]{245, 49, 7, 1}@cpu = aten::relu(%bn)\n"
+    "  return (%relu)\n";
+
+TEST(FoldBatchNorm, ConvBatchNormBecomesConvWithFoldedWeights) {
+  const std::string expected =
+      "graph(%w: f32[5, 3, 3, 3]{27, 9, 3, 1}@cpu, %x: f32[2, 3, 7, 7]{147, 49, 7, 1}@cpu, %mean: f32[5]{1}@cpu, "
+      "%var: f32[5]{1}@cpu, %gamma: f32[5]{1}@cpu, %beta: f32[5]{1}@cpu):\n"
+      "  %bn_w: f32[5, 3, 3, 3]{27, 9, 3, 1}@cpu, %bn_b: f32[5]{1}@cpu = ember::fold_batchnorm(%w, None, %gamma, %beta, "
+      "%mean, %var, 1e-05) #0\n"
+      "  %bn_conv: f32[2, 5, 7, 7]{245, 49, 7, 1}@cpu = aten::convolution(%x, %bn_w, %bn_b, [1, 1], [1, 1], [1, 1], "
+      "false, [0, 0], 1)\n"
+      "  %relu: f32[2, 5, 7, 7]{245, 49, 7, 1}@cpu = aten::relu(%bn_conv)\n"
+      "  return (%relu)\n";
+  EXPECT_EQ(run_pass(fold_batchnorm, kConvBnRelu), expected);
+
+  // The whole pipeline, against the graph with the pass off, on several calls (the fold is cached, the
+  // convolution packs its weights from the second call on), and after a parameter changes in place.
+  at::Tensor w = at::randn({5, 3, 3, 3}), x = at::randn({2, 3, 7, 7}), mean = at::randn({5}),
+             var = at::rand({5}) + 0.5, gamma = at::randn({5}), beta = at::randn({5});
+  auto eager = [&] { return at::relu(at::batch_norm(at::conv2d(x, w, {}, 1, 1), gamma, beta, mean, var, false, 0.1, 1e-5, false)); };
+  CompileOptions options;
+  auto compiled = compile(parse(kConvBnRelu), {}, options);
+  for (int call = 0; call < 4; ++call) {
+    if (call == 3) gamma.mul_(2);  // moves the version counter: the fold must be redone
+    auto out = compiled->run({w, x, mean, var, gamma, beta});
+    EXPECT_TRUE(at::allclose(out[0].toTensor(), eager(), 1e-4, 1e-5)) << "call " << call;
+  }
+  EXPECT_NE(compiled->describe().find("fold_batchnorm"), std::string::npos);
+}
+
+TEST(FoldBatchNorm, LeavesBatchNormAloneWhenTheConvResultIsUsedElsewhere) {
+  std::string shared = kConvBnRelu;
+  shared.replace(shared.find("return (%relu)"), 14, "return (%relu, %conv)");
+  std::string computed_weights = kConvBnRelu;  // weights computed in the graph: not a parameter
+  computed_weights.replace(computed_weights.find("  %conv"), 0,
+                           "  %w2: f32[5, 3, 3, 3]{27, 9, 3, 1}@cpu = aten::neg(%w)\n");
+  computed_weights.replace(computed_weights.find("(%x, %w,"), 8, "(%x, %w2,");
+  std::string stats_used = kConvBnRelu;
+  stats_used.replace(stats_used.find("return (%relu)"), 14, "return (%relu, %bn_1)");
+  std::string on_double = kConvBnRelu;
+  for (size_t at = on_double.find("f32"); at != std::string::npos; at = on_double.find("f32", at)) on_double.replace(at, 3, "f64");
+  for (const std::string& text : {shared, computed_weights, stats_used, on_double}) {
+    std::string canonical = print(parse(text));
+    EXPECT_EQ(run_pass(fold_batchnorm, text), canonical);
   }
 }
 

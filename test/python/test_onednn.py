@@ -215,3 +215,115 @@ def test_clone_of_input_returned_through_a_view_stays_a_copy():
     assert out.data_ptr() != x.data_ptr()
     out.add_(1)
     torch.testing.assert_close(x + 1, out.view(3, 4))
+
+
+def conv_bn_blocks(channels, bias, channels_last):
+    """Two conv-bn(-relu) blocks in eval mode with non-trivial running statistics and affine parameters."""
+    c0, c1, c2 = channels
+    model = nn.Sequential(
+        nn.Conv2d(c0, c1, 3, padding=1, bias=bias), nn.BatchNorm2d(c1), nn.ReLU(),
+        nn.Conv2d(c1, c2, 1, stride=2, bias=bias), nn.BatchNorm2d(c2, affine=False),
+    )
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_()
+                m.running_var.uniform_(0.5, 2.0)
+                if m.affine:
+                    m.weight.normal_()
+                    m.bias.normal_()
+    model = model.eval()
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+@needs_onednn
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("channels", [(3, 8, 16), (5, 7, 3)], ids=["even", "odd"])
+def test_conv_batchnorm_folded_in_inference(channels, bias, channels_last):
+    model = conv_bn_blocks(channels, bias, channels_last)
+    x = torch.randn(2, channels[0], 11, 9)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        eager, compiled = check_calls(model, x, grad=False, calls=4, **MATMUL_TOL)
+    assert compiled.stride() == eager.stride()
+    steps = [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()]
+    assert steps.count("fold_batchnorm") == 2
+    assert not any("batch_norm" in what for what in steps)
+    assert "onednn conv2d f32 +bias relu" in steps
+
+
+@needs_onednn
+def test_folded_batchnorm_follows_parameter_changes():
+    model = conv_bn_blocks((4, 6, 5), False, False)
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for step in range(5):  # the fold is cached from the second call on, the weights packed from the third
+            x = torch.randn(2, 4, 8, 8)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+            if step == 2:
+                model[1].running_var.mul_(3)
+                model[0].weight.add_(0.5)
+
+
+def test_batchnorm_with_grad_is_not_folded():
+    # Eval mode with grad on: the backward reads the convolution's result, so the batch norm stays.
+    model = conv_bn_blocks((3, 5, 4), True, False)
+    check_calls(model, torch.randn(2, 3, 8, 8), **MATMUL_TOL)
+    assert not any(what == "fold_batchnorm" for _, g in helpers.EMBER_GRAPHS for _, what in g.steps())
+
+
+def test_batchnorm_in_training_is_not_folded():
+    # Training mode normalizes with batch statistics (another op): nothing to fold. A fresh model: check()
+    # compares .grad of the eager module with that of a fresh deep copy (deepcopy drops .grad), so a module
+    # that went through an earlier check with grad carries stale gradients into the comparison.
+    model = conv_bn_blocks((3, 5, 4), True, False).train()
+    check(model, torch.randn(2, 3, 8, 8), **MATMUL_TOL)
+    assert not any(what == "fold_batchnorm" for _, g in helpers.EMBER_GRAPHS for _, what in g.steps())
+
+
+@needs_onednn
+@pytest.mark.parametrize("params_made_in_inference_mode", [False, True], ids=["params", "inference_params"])
+def test_folded_batchnorm_under_inference_mode(params_made_in_inference_mode):
+    # Called under inference_mode the folded tensors are still made as normal tensors (cached, packed); with
+    # inference-tensor parameters (no version counter) the fold is redone on every call.
+    with torch.inference_mode(params_made_in_inference_mode):
+        model = conv_bn_blocks((3, 6, 5), False, False)
+    compiled = compile_ember(model)
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(2, 3, 9, 9)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+    assert [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()].count("fold_batchnorm") == 2
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: with both batch norms folded, two oneDNN convolutions carry every other op."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
+
+
+@needs_onednn
+def test_basic_block_becomes_two_convolutions_with_residual_post_op():
+    import ember
+
+    model = BasicBlock(7).eval()
+    with torch.no_grad():
+        for bn in (model.bn1, model.bn2):
+            bn.running_mean.normal_()
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.normal_()
+        check_calls(model, torch.randn(2, 7, 10, 9), grad=False, calls=3, **MATMUL_TOL)
+        report = ember.explain(model)(torch.randn(2, 7, 10, 9))
+    assert report.graphs[0].onednn == ["conv2d f32 +bias relu", "conv2d f32 +bias add relu"]
+    assert report.graphs[0].folded_batchnorms == 2 and not report.graphs[0].aten_ops
+    assert "folded  2 batch norm(s)" in str(report)

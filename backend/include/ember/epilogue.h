@@ -31,7 +31,8 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 
 // The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
 // starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
-// call in inference. Null when `v` is computed.
+// call in inference; or weights with a batch norm folded in (ember::fold_batchnorm's first output), which its
+// kernel hands back unchanged while the parameters are. Null when `v` is computed otherwise.
 const Value* input_behind(const Value* v);
 
 }  // namespace ember
