@@ -29,7 +29,7 @@ echo "build: $(( $(date +%s) - start )) s"
 export EMBER_PACKAGE_TEST_DIR=/tmp/ember_packages
 python3 test/python/write_test_packages.py "$EMBER_PACKAGE_TEST_DIR" --device cuda > "$OUT/packages.log" 2>&1 || tail -20 "$OUT/packages.log"
 ./build/py/test/cpp/ember_tests --gtest_brief=1 2>&1 | tee "$OUT/gtest.log" | tail -3
-(cd test/python && python3 -m pytest -q -rs -p no:cacheprovider "${@:-.}" 2>&1) | tee "$OUT/pytest.log" | tail -25
+(cd test/python && python3 -m pytest -q -rfs -p no:cacheprovider "${@:-.}" 2>&1) | tee "$OUT/pytest.log" | tail -25
 for script in ${EMBER_GPU_BENCH:-}; do
   echo "== $script"
   timeout 300 python3 $script 2>&1 | tee -a "$OUT/bench.log" | tail -40
