@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 
 namespace ember::cuda {
 namespace {
@@ -118,29 +117,14 @@ class Printer {
       out.rows = row_variants(name);
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
-        o << "extern \"C\" __global__ " << warp_bounds(v) << "void " << v.entry << "(Params p) { rows_cached<"
-          << v.chunks << ", " << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
+        o << "extern \"C\" __global__ void " << v.entry << "(Params p) { rows_cached<" << v.chunks << ", "
+          << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
     }
     out.text = std::move(o.s);
     return out;
   }
 
  private:
-  // Warp-per-row variants run 256 threads a block (call_plan.cpp). Unbounded, the compiler kept a
-  // second copy of the row (the exp values of a softmax) and used 104-108 registers for 32 elements a
-  // thread: two blocks, 16 warps, a multiprocessor. __launch_bounds__(256, 3) caps them at 85 registers
-  // (nvcc for sm_90: 80, no spills, for softmax / entropy in f32 and bf16 up to 32 elements a thread);
-  // wider variants spill under the cap and stay unbounded. EMBER_CUDA_WARP_ROW_BLOCKS=0 removes the
-  // bound (for measuring it).
-  std::string warp_bounds(const RowVariant& v) const {
-    static const bool bounded = [] {
-      const char* e = std::getenv("EMBER_CUDA_WARP_ROW_BLOCKS");
-      return !(e && e[0] == '0');
-    }();
-    if (!bounded || v.mode != RowVariant::Mode::Warp || v.chunks * width_ > 32) return "";
-    return "__launch_bounds__(256, 3) ";
-  }
-
   size_t ni() const { return std::max<size_t>(p_.inputs.size(), 1); }
   size_t no() const { return std::max<size_t>(p_.outputs.size(), 1); }
   size_t ns() const { return std::max<size_t>(p_.scalars.size(), 1); }
