@@ -171,6 +171,7 @@ def test_epilogue_pass_can_be_switched_off():
     assert not onednn_kernels()
 
 
+@pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
@@ -188,6 +189,7 @@ def test_conv2d_epilogues(channels_last, groups, stride, padding, dilation, act)
     assert onednn_kernels() and onednn_kernels()[0].startswith("onednn conv2d f32 +bias")
 
 
+@pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
 def test_conv2d_residual_and_repeated_calls():
     conv = nn.Conv2d(6, 6, 3, padding=1, bias=False).eval()
@@ -217,6 +219,22 @@ def test_clone_of_input_returned_through_a_view_stays_a_copy():
     torch.testing.assert_close(x + 1, out.view(3, 4))
 
 
+@pytest.fixture
+def onednn_conv(monkeypatch):
+    """Convolutions through oneDNN (off by default: passes/matmul_epilogue.cpp, item 5)."""
+    monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
+
+
+@needs_onednn
+def test_convolutions_stay_aten_by_default_with_batchnorm_folded():
+    model = conv_bn_blocks((3, 8, 16), True, False)
+    with torch.no_grad():
+        check_calls(model, torch.randn(2, 3, 11, 9), grad=False, calls=2, **MATMUL_TOL)
+    steps = [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()]
+    assert steps.count("fold_batchnorm") == 2 and steps.count("aten::convolution") == 2
+    assert not any("onednn conv2d" in what for what in steps)
+
+
 def conv_bn_blocks(channels, bias, channels_last):
     """Two conv-bn(-relu) blocks in eval mode with non-trivial running statistics and affine parameters."""
     c0, c1, c2 = channels
@@ -236,6 +254,7 @@ def conv_bn_blocks(channels, bias, channels_last):
     return model.to(memory_format=torch.channels_last) if channels_last else model
 
 
+@pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -254,6 +273,7 @@ def test_conv_batchnorm_folded_in_inference(channels, bias, channels_last):
     assert "onednn conv2d f32 +bias relu" in steps
 
 
+@pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
 def test_folded_batchnorm_follows_parameter_changes():
     model = conv_bn_blocks((4, 6, 5), False, False)
@@ -312,6 +332,7 @@ class BasicBlock(nn.Module):
         return torch.relu(self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x))))) + x)
 
 
+@pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
 def test_basic_block_becomes_two_convolutions_with_residual_post_op():
     import ember
