@@ -194,6 +194,10 @@ def run_once(fn, inputs, grad_idx, backward, weights=None, seed=0):
     """Runs fn on inputs (already copied); returns outputs, loss weights, input grads, param grads."""
     for i in grad_idx:
         inputs[i].requires_grad_(True)
+    mod = getattr(fn, "_orig_mod", fn)
+    if backward and isinstance(mod, torch.nn.Module):
+        for p in mod.parameters():  # a module checked twice must not compare gradients left by the first check
+            p.grad = None
     outputs = fn(*inputs)
     input_grads, param_grads = None, None
     if backward:
@@ -203,10 +207,8 @@ def run_once(fn, inputs, grad_idx, backward, weights=None, seed=0):
         assert loss is not None and loss.requires_grad, "grad=True but no output requires grad"
         loss.backward()
         input_grads = [inputs[i].grad for i in grad_idx]
-        if isinstance(fn, torch.nn.Module) or hasattr(fn, "_orig_mod"):
-            mod = getattr(fn, "_orig_mod", fn)
-            if isinstance(mod, torch.nn.Module):
-                param_grads = {n: p.grad for n, p in mod.named_parameters()}
+        if isinstance(mod, torch.nn.Module):
+            param_grads = {n: p.grad for n, p in mod.named_parameters()}
     return outputs, weights, input_grads, param_grads
 
 
