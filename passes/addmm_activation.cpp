@@ -1,17 +1,22 @@
-// addmm_activation ("addmm_act")
-//  1. On CUDA, relu(addmm(bias, a, b)) and gelu(addmm(bias, a, b), approximate="tanh") become one
-//     aten::_addmm_activation(bias, a, b, use_gelu=...) when the addmm has beta = alpha = 1, a 1-D bias of
-//     the result's width, f32/f16/bf16 operands, and no other use: cuBLASLt then applies bias and
-//     activation as the GEMM's epilogue instead of a second kernel reading and writing the result.
-//  2. ATen's op falls back to addmm + activation itself where cuBLASLt cannot, so the rewrite never
-//     changes results beyond the library's rounding; erf-GELU (the default) has no Lt epilogue and stays.
-//  3. The activation node is rewritten in place (its value keeps every use); the addmm is left for dead
-//     code elimination.
+// addmm_activation ("addmm_act"): CUDA matmul epilogues that cuBLASLt applies inside the GEMM.
+//  1. Bias: add(mm(a, b), bias) with a 1-D bias of the result's width becomes addmm(bias, a, b). A linear
+//     on a 3-D input reaches the graph that way once fold_matmul has turned its batched product back into
+//     one mm (nn.MultiheadAttention's input projection with batch_first=True).
+//  2. Activation: relu(addmm(bias, a, b)) and gelu(addmm(bias, a, b), approximate="tanh") become one
+//     aten::_addmm_activation(bias, a, b, use_gelu=...). ATen's op falls back to addmm + activation itself
+//     where cuBLASLt cannot, so the rewrite never changes results beyond the library's rounding; erf-GELU
+//     (the default) has no Lt epilogue and stays.
+//  3. Both look through views that only reshape the contiguous product (a linear on a 3-D input: mm, then
+//     view to [B, S, N]) and rewrite only where every intermediate has no other use, beta = alpha = 1, and
+//     the operands are f32/f16/bf16 on CUDA. The rewritten op's result is viewed back to the shape the old
+//     one had and takes over its uses; the old nodes are left for dead code elimination.
 #include "passes/passes.h"
 
 #include "ember/epilogue.h"
 
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace ember {
 namespace {
@@ -33,28 +38,137 @@ int activation_kind(const Node& n) {
   return a && a->kind == Arg::Kind::String && a->s == "tanh" ? 2 : 0;
 }
 
+bool contiguous(const TensorType& t) {
+  int64_t expected = 1;
+  for (size_t d = t.sizes.size(); d-- > 0;) {
+    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
+    if (t.sizes[d].value != 1 && t.strides[d].value != expected) return false;
+    expected *= t.sizes[d].value;
+  }
+  return true;
+}
+
+int64_t numel(const TensorType& t) {
+  int64_t n = 1;
+  for (const Dim& d : t.sizes) n *= d.value;
+  return n;
+}
+
+class Rewriter {
+ public:
+  explicit Rewriter(Graph& graph) : graph_(graph) {
+    for (const auto& n : graph.nodes()) n->for_each_input([&](const Value* v) { ++uses_[v]; });
+    for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { uses_[v] += 2; });
+  }
+
+  // The CUDA matmul behind `v` through single-use reshaping views, with its operands; null otherwise.
+  const Node* matmul_behind(const Value* v, const Value** src, const Value** weights, const Value** bias) {
+    while (v->producer && uses_[v] == 1 && (v->producer->op == "aten::view" || v->producer->op == "aten::_unsafe_view") &&
+           !v->producer->args.empty() && v->producer->args[0].is_value() && v->producer->group < 0 &&
+           contiguous(v->type.tensor))
+      v = v->producer->args[0].value;
+    const Node* mm = v->producer;
+    if (!mm || mm->group >= 0 || uses_[v] != 1 || !as_matmul(*mm, src, weights, bias)) return nullptr;
+    const TensorType& out = v->type.tensor;
+    if (!v->type.is_tensor() || !out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2 ||
+        !contiguous(out))
+      return nullptr;
+    return mm;
+  }
+
+  // Makes `node` (whose result is `old`) op(args): in place where it has the matmul's shape, else as
+  // op(args) with the matmul's result type viewed as `old` (same element count, contiguous), put before
+  // `node`, which then loses its uses.
+  void replace(Node& node, const Value* old, const Node* mm, std::string op, std::vector<Arg> args,
+               std::vector<std::pair<std::string, Arg>> kwargs) {
+    const Value* product = mm->outputs[0];
+    if (old->type.tensor.sizes == product->type.tensor.sizes) {
+      node.op = std::move(op);
+      node.args = std::move(args);
+      node.kwargs = std::move(kwargs);
+      return;
+    }
+    Value* fused = graph_.add_node(std::move(op), std::move(args), std::move(kwargs),
+                                   {{old->name + "_gemm", product->type}})->outputs[0];
+    std::vector<Arg> shape;
+    for (const Dim& d : old->type.tensor.sizes) shape.push_back(Arg::of_int(d.value));
+    Value* result = graph_.add_node("aten::view", {Arg::of(fused), Arg::of_list(std::move(shape))}, {},
+                                    {{old->name + "_view", old->type}})->outputs[0];
+    graph_.move_last_before(2, &node);
+    graph_.replace_uses({{old, result}});
+  }
+
+  // 1. add(view*(mm(a, b)), bias) -> view(addmm(bias, a, b)).
+  bool bias(Node& n) {
+    if (n.op != "aten::add.Tensor" || n.group >= 0 || n.outputs.size() != 1 || n.args.size() < 2 ||
+        !n.args[0].is_value() || !n.args[1].is_value())
+      return false;
+    const Arg* alpha = find_arg(n, 2, "alpha");
+    if (alpha && !((alpha->kind == Arg::Kind::Int && alpha->i == 1) || (alpha->kind == Arg::Kind::Float && alpha->f == 1.0)))
+      return false;
+    const Value* out = n.outputs[0];
+    if (!uses_[out] || !out->type.is_tensor() || !contiguous(out->type.tensor)) return false;  // dead: rewritten before
+    for (int side = 0; side < 2; ++side) {
+      const Value* x = n.args[side].value;
+      const Value* row = n.args[1 - side].value;
+      const Value *src, *weights, *old_bias;
+      const Node* mm = matmul_behind(x, &src, &weights, &old_bias);
+      if (!mm || old_bias || !row->type.is_tensor()) continue;
+      const TensorType& product = mm->outputs[0]->type.tensor;
+      const TensorType& r = row->type.tensor;
+      if (r.sizes.size() != 1 || !(r.sizes[0] == product.sizes[1]) || r.dtype != product.dtype ||
+          out->type.tensor.dtype != product.dtype || numel(out->type.tensor) != numel(product) || x == row)
+        continue;
+      replace(n, out, mm, "aten::addmm",
+              {Arg::of(const_cast<Value*>(row)), Arg::of(const_cast<Value*>(src)), Arg::of(const_cast<Value*>(weights))}, {});
+      return true;
+    }
+    return false;
+  }
+
+  // 2. act(view*(addmm(bias, a, b))) -> view(_addmm_activation(bias, a, b)).
+  bool activation(Node& n) {
+    const int kind = activation_kind(n);
+    if (!kind || n.group >= 0 || !n.args[0].is_value() || n.outputs.size() != 1) return false;
+    const Value* out = n.outputs[0];
+    const Value *src, *weights, *bias;
+    const Node* addmm = matmul_behind(n.args[0].value, &src, &weights, &bias);
+    if (!uses_[out] || !addmm || !bias || !out->type.is_tensor() || !contiguous(out->type.tensor)) return false;
+    const TensorType& product = addmm->outputs[0]->type.tensor;
+    const TensorType& b = bias->type.tensor;
+    if (b.sizes.size() != 1 || !(b.sizes[0] == product.sizes[1]) || b.dtype != product.dtype ||
+        out->type.tensor.dtype != product.dtype)
+      return false;
+    replace(n, out, addmm, "aten::_addmm_activation",
+            {Arg::of(const_cast<Value*>(bias)), Arg::of(const_cast<Value*>(src)), Arg::of(const_cast<Value*>(weights))},
+            {{"use_gelu", Arg::of_bool(kind == 2)}});
+    return true;
+  }
+
+ private:
+  Graph& graph_;
+  std::unordered_map<const Value*, int> uses_;
+};
+
 }  // namespace
 
 void fuse_addmm_activation(Graph& graph, PassContext&) {
-  std::unordered_map<const Value*, int> uses;
-  for (const auto& n : graph.nodes()) n->for_each_input([&](const Value* v) { ++uses[v]; });
-  for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { uses[v] += 2; });
-  for (const auto& n : graph.nodes()) {
-    int kind = activation_kind(*n);
-    if (!kind || n->group >= 0 || !n->args[0].is_value()) continue;
-    const Value* mm = n->args[0].value;
-    const Node* addmm = mm->producer;
-    const Value *src, *weights, *bias;
-    if (!addmm || addmm->op != "aten::addmm" || addmm->group >= 0 || uses[mm] != 1 ||
-        !as_matmul(*addmm, &src, &weights, &bias) || !bias)
-      continue;
-    const TensorType& out = mm->type.tensor;
-    if (!mm->type.is_tensor() || !out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2) continue;
-    const TensorType& b = bias->type.tensor;
-    if (b.sizes.size() != 1 || !(b.sizes[0] == out.sizes[1]) || b.dtype != out.dtype) continue;
-    n->op = "aten::_addmm_activation";
-    n->args = {Arg::of(const_cast<Value*>(bias)), Arg::of(const_cast<Value*>(src)), Arg::of(const_cast<Value*>(weights))};
-    n->kwargs = {{"use_gelu", Arg::of_bool(kind == 2)}};
+  // Biases first, so that an activation after a bias added to an mm finds the addmm it became. Each rewrite
+  // changes use counts, so each round recounts; a round rewrites at most one node per matmul.
+  for (int stage = 0; stage < 2; ++stage) {
+    bool changed = true;
+    while (changed) {
+      changed = false;
+      Rewriter rewriter(graph);
+      std::vector<Node*> nodes;
+      for (const auto& n : graph.nodes()) nodes.push_back(n.get());
+      for (Node* n : nodes) {
+        if (stage == 0 ? rewriter.bias(*n) : rewriter.activation(*n)) {
+          changed = true;
+          break;
+        }
+      }
+    }
   }
 }
 

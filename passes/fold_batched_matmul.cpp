@@ -4,8 +4,10 @@
 //     (A made contiguous first when it is not). ATen's matmul folds only contiguous batches; a linear on a
 //     transposed input (nn.MultiheadAttention with batch_first=True) reaches the graph as 64 products of
 //     2 rows each, ten times slower on the CPU than the folded one (TransformerEncoderLayer 256/4, 2x64).
-//  2. Only for constant shapes and a contiguous bmm result (the folded result has the same layout), and
-//     only on the CPU: on the GPU cuBLAS runs broadcast batches well (and this path is not measured there).
+//  2. Only for constant shapes and a contiguous bmm result (the folded result has the same layout). The GPU
+//     needs it as much: on the H100, nn.TransformerEncoderLayer(256, 8, batch_first=True) at 8x128 ran its
+//     input projection as a bmm of 128 products of 8 rows in 79 us where the folded mm (as eager's linear
+//     runs it, after the same copy) takes about 19 us.
 // The replaced bmm and the expand chain are left for dead code elimination.
 #include "passes/passes.h"
 
@@ -84,7 +86,7 @@ void fold_batched_matmul(Graph& graph, PassContext&) {
     if (!a->type.is_tensor() || !out->type.is_tensor()) continue;
     const TensorType& at = a->type.tensor;
     const TensorType& ot = out->type.tensor;
-    if (!ot.device.is_cpu() || !constant_sizes(at) || !constant_sizes(ot) || at.sizes.size() != 3) continue;
+    if (!(ot.device.is_cpu() || ot.device.is_cuda()) || !constant_sizes(at) || !constant_sizes(ot) || at.sizes.size() != 3) continue;
     const Value* w = broadcast_weight(bmm->args[1].value);
     if (!w || w->type.tensor.dtype != at.dtype) continue;
     std::vector<int64_t> as = sizes_of(at), os = sizes_of(ot);

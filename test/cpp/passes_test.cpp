@@ -200,22 +200,89 @@ TEST(FoldBatchedMatmul, BroadcastWeightBatchBecomesOneMm) {
   EXPECT_EQ(out.strides(), ref.strides());
 }
 
-TEST(FoldBatchedMatmul, LeavesRealBatchesAndGpuGraphsAlone) {
+TEST(FoldBatchedMatmul, LeavesRealBatchesAlone) {
   const std::string batched =
       "graph(%a: f32[4, 3, 5]{15, 5, 1}@cpu, %b: f32[4, 5, 2]{10, 2, 1}@cpu):\n"
       "  %c: f32[4, 3, 2]{6, 2, 1}@cpu = aten::bmm(%a, %b)\n"
       "  return (%c)\n";
-  const std::string on_gpu =
-      "graph(%x: f32[8, 2, 16]{32, 16, 1}@cuda:0, %w: f32[16, 24]{24, 1}@cuda:0):\n"
-      "  %we: f32[8, 16, 24]{0, 24, 1}@cuda:0 = aten::expand(%w, [8, 16, 24])\n"
-      "  %b: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::bmm(%x, %we)\n"
-      "  return (%b)\n";
-  for (const std::string& text : {batched, on_gpu}) {
-    Graph g = parse(text);
-    CompileOptions options;
-    PassContext ctx{options};
-    fold_batched_matmul(g, ctx);
-    EXPECT_EQ(print(g), text);
+  Graph g = parse(batched);
+  CompileOptions options;
+  PassContext ctx{options};
+  fold_batched_matmul(g, ctx);
+  EXPECT_EQ(print(g), batched);
+}
+
+// A linear on a transposed 3-D CUDA input (nn.MultiheadAttention's input projection, batch_first=True):
+// the batched product folds to one mm, its bias add becomes an addmm and the relu after it cuBLASLt's
+// epilogue, each through the views the decomposition left between them.
+TEST(AddmmActivation, CudaLinearOnTransposedInputBecomesOneAddmmActivation) {
+  const std::string in =
+      "graph(%x: f32[2, 8, 16]{128, 16, 1}@cuda:0, %w: f32[24, 16]{16, 1}@cuda:0, %b: f32[24]{1}@cuda:0):\n"
+      "  %xt: f32[8, 2, 16]{16, 128, 1}@cuda:0 = aten::permute(%x, [1, 0, 2])\n"
+      "  %wt: f32[16, 24]{1, 16}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %we: f32[8, 16, 24]{0, 1, 16}@cuda:0 = aten::expand(%wt, [8, 16, 24])\n"
+      "  %p: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::bmm(%xt, %we)\n"
+      "  %v: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::view(%p, [8, 2, 24])\n"
+      "  %y: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::add.Tensor(%v, %b)\n"
+      "  %r: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::relu(%y)\n"
+      "  return (%r)\n";
+  const std::string expected =
+      "graph(%x: f32[2, 8, 16]{128, 16, 1}@cuda:0, %w: f32[24, 16]{16, 1}@cuda:0, %b: f32[24]{1}@cuda:0):\n"
+      "  %xt: f32[8, 2, 16]{16, 128, 1}@cuda:0 = aten::permute(%x, [1, 0, 2])\n"
+      "  %wt: f32[16, 24]{1, 16}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %p_fold_a: f32[8, 2, 16]{32, 16, 1}@cuda:0 = aten::clone(%xt, memory_format=contiguous_format)\n"
+      "  %p_fold_rows: f32[16, 16]{16, 1}@cuda:0 = aten::view(%p_fold_a, [16, 16])\n"
+      "  %r_gemm: f32[16, 24]{24, 1}@cuda:0 = aten::_addmm_activation(%b, %p_fold_rows, %wt, use_gelu=false)\n"
+      "  %r_view: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::view(%r_gemm, [8, 2, 24])\n"
+      "  return (%r_view)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fold_batched_matmul(g, ctx);
+  fuse_addmm_activation(g, ctx);
+  eliminate_dead_code(g, ctx);
+  EXPECT_EQ(print(g), expected);
+  g.verify();
+}
+
+TEST(AddmmActivation, CudaMmPlusRowBiasBecomesAddmm) {
+  const std::string in =
+      "graph(%x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0, %b: f32[8]{1}@cuda:0):\n"
+      "  %m: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %y: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%b, %m)\n"
+      "  return (%y)\n";
+  const std::string expected =
+      "graph(%x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0, %b: f32[8]{1}@cuda:0):\n"
+      "  %y: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  return (%y)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse_addmm_activation(g, ctx);
+  eliminate_dead_code(g, ctx);
+  EXPECT_EQ(print(g), expected);
+  // Left alone: a bias that is not one row, alpha != 1, an mm whose result is used twice, the CPU.
+  const std::string alone[] = {
+      "graph(%x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0, %b: f32[4, 8]{8, 1}@cuda:0):\n"
+      "  %m: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %y: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%m, %b)\n"
+      "  return (%y)\n",
+      "graph(%x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0, %b: f32[8]{1}@cuda:0):\n"
+      "  %m: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %y: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%m, %b, alpha=2)\n"
+      "  return (%y)\n",
+      "graph(%x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0, %b: f32[8]{1}@cuda:0):\n"
+      "  %m: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %y: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%m, %b)\n"
+      "  return (%y, %m)\n",
+      "graph(%x: f32[4, 16]{16, 1}@cpu, %w: f32[16, 8]{8, 1}@cpu, %b: f32[8]{1}@cpu):\n"
+      "  %m: f32[4, 8]{8, 1}@cpu = aten::mm(%x, %w)\n"
+      "  %y: f32[4, 8]{8, 1}@cpu = aten::add.Tensor(%m, %b)\n"
+      "  return (%y)\n"};
+  for (const std::string& text : alone) {
+    Graph h = parse(text);
+    fuse_addmm_activation(h, ctx);
+    EXPECT_EQ(print(h), text);
   }
 }
 

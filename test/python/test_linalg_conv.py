@@ -114,3 +114,20 @@ def test_cuda_linear_relu_and_tanh_gelu_fuse_into_addmm_activation(dtype, tmp_pa
     plans = "".join(p.read_text() for p in tmp_path.glob("*inference*after_addmm_act.ir"))
     assert plans.count("aten::_addmm_activation") == 2, plans
     check(model, torch.randn(7, 33, device="cuda", dtype=dtype), **tol)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_linear_on_transposed_3d_input_folds_to_one_addmm(dtype, tmp_path):
+    """fold_matmul + addmm_act on CUDA: a linear on a transposed 3-D input (batch_first attention's input
+    projection) reaches the graph as a batched product against the expanded weight, a bias add and the
+    activation; it becomes one GEMM with bias and ReLU as its epilogue, and matches eager, forward and
+    backward."""
+    model = Wrap(lambda m, x: torch.relu(m.lin(x.transpose(0, 1))) + 1, lin=nn.Linear(24, 40)).to("cuda", dtype)
+    tol = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else MATMUL_TOL
+    with torch.no_grad():
+        check(model, torch.randn(5, 9, 24, device="cuda", dtype=dtype), grad=False, **tol,
+              options={"debug_dir": str(tmp_path)})
+    plans = "".join(p.read_text() for p in tmp_path.glob("*inference*after_dce.ir"))
+    assert "aten::bmm" not in plans and plans.count("aten::_addmm_activation") == 1, plans
+    check(model, torch.randn(5, 9, 24, device="cuda", dtype=dtype), **tol)
