@@ -59,6 +59,17 @@ struct GroupKernel {
   std::vector<const Value*> writes;
 };
 
+// A view op (permute, view, expand, select, ...) over a tensor whose sizes and strides the IR knows: the
+// plan computes the view's geometry once, on a meta tensor, and the executor builds the view directly
+// (one TensorImpl sharing the input's storage) whenever the input has the expected sizes and strides,
+// skipping the boxed dispatcher call; any other input takes the op's own path.
+struct StaticView {
+  uint32_t input = 0;
+  int32_t output = -1;
+  std::vector<int64_t> in_sizes, in_strides, out_sizes, out_strides;
+  int64_t offset = 0;  // the view's storage offset minus its input's
+};
+
 struct Step {
   const c10::OperatorHandle* op = nullptr;  // null for a prim or kernel step
   std::shared_ptr<const Kernel> kernel;     // a generated kernel replacing a whole fusion group
@@ -70,6 +81,7 @@ struct Step {
   std::vector<ListSlot> lists;
   std::vector<int32_t> outputs;  // buffer for each return; -1 drops it
   bool expand_list = false;      // the op returns one Tensor[] spread over `outputs`
+  std::shared_ptr<const StaticView> view;  // set for view ops over a statically shaped input
   std::vector<uint32_t> frees;   // buffers whose last use is this step
   const Node* node = nullptr;    // for error messages only; valid while the owning Graph lives
 };
