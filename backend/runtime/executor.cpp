@@ -97,24 +97,6 @@ c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
   throw Error("internal: unknown prim op");
 }
 
-// StaticView's fast path: the view as one TensorImpl on the input's storage, as ATen's own view kernels
-// make it below the ADInplaceOrView key (where the executor runs). False when the input is not the plain
-// strided tensor of the expected sizes and strides; the step then calls the op.
-bool make_static_view(const StaticView& v, std::vector<c10::IValue>& buffers) {
-  const c10::IValue& in = buffers[v.input];
-  if (!in.isTensor()) return false;
-  const at::Tensor& t = in.toTensor();
-  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  if (t.layout() != at::kStrided || !impl->has_storage() || impl->is_nested() || impl->has_symbolic_sizes_strides() ||
-      impl->is_python_dispatch() || t.sizes() != at::IntArrayRef(v.in_sizes) || t.strides() != at::IntArrayRef(v.in_strides))
-    return false;
-  at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
-                                                             t.key_set(), t.dtype());
-  out.unsafeGetTensorImpl()->set_sizes_and_strides(v.out_sizes, v.out_strides, t.storage_offset() + v.offset);
-  buffers[v.output] = std::move(out);
-  return true;
-}
-
 }  // namespace
 
 std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) const {
@@ -145,7 +127,7 @@ void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, siz
       for (uint32_t b : step.frees) buffers[b] = c10::IValue();
       continue;
     }
-    if (step.view && make_static_view(*step.view, buffers)) {
+    if (step.fast && step.fast->run(buffers)) {
       for (uint32_t b : step.frees) buffers[b] = c10::IValue();
       continue;
     }
@@ -213,6 +195,7 @@ std::string CompiledGraph::describe() const {
     out += "  " + std::to_string(s) + ": " + what + " reads [" + list(reads) +
            "] writes [" + writes + "]";
     if (!st.frees.empty()) out += " frees [" + list(st.frees) + "]";
+    if (st.fast) out += " fast path: " + st.fast->describe();
     out += "\n";
   }
   if (runner_) out += runner_->describe();

@@ -4,9 +4,10 @@
 //     to the exact IValue kind the schema asks for (an int literal for a float argument is a double).
 //  2. Values live in a buffer table: inputs first, then one buffer per defined value.
 //  3. Every buffer that is not a graph output is released right after the step that reads it last.
-//  4. View ops over statically shaped tensors get their geometry precomputed (StaticView in runtime.h):
-//     a view step costs the executor one TensorImpl instead of a boxed dispatcher call. In
-//     TransformerEncoderLayer's plan 25 of 45 steps are views; host time per call is what such plans pay.
+//  4. ATen steps may get a FastPath (runtime.h). Views over statically shaped tensors get their geometry
+//     precomputed (StaticView, below): a view step costs the executor one TensorImpl instead of a boxed
+//     dispatcher call. In TransformerEncoderLayer's plan 25 of 45 steps are views; host time per call is
+//     what such plans pay. Other makers register themselves (kernels/cuda/gemm.cpp).
 #include "ember/error.h"
 #include "ember/op_table.h"
 #include "ember/runtime.h"
@@ -21,6 +22,40 @@
 
 namespace ember {
 namespace {
+
+std::vector<FastPathMaker>& fast_path_makers() {
+  static std::vector<FastPathMaker> makers;
+  return makers;
+}
+
+// A view over a tensor whose sizes and strides the IR knows: the geometry comes from running the op once
+// on a meta tensor, and run() builds the view as ATen's own view kernels do below the ADInplaceOrView key
+// (where the executor runs): one TensorImpl on the input's storage. Any input that is not the plain strided
+// tensor of the expected sizes and strides takes the op's own path.
+class StaticView final : public FastPath {
+ public:
+  uint32_t input = 0;
+  int32_t output = -1;
+  std::vector<int64_t> in_sizes, in_strides, out_sizes, out_strides;
+  int64_t offset = 0;  // the view's storage offset minus its input's
+
+  bool run(std::vector<c10::IValue>& buffers) const override {
+    const c10::IValue& in = buffers[input];
+    if (!in.isTensor()) return false;
+    const at::Tensor& t = in.toTensor();
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (t.layout() != at::kStrided || !impl->has_storage() || impl->is_nested() ||
+        impl->has_symbolic_sizes_strides() || impl->is_python_dispatch() || t.sizes() != at::IntArrayRef(in_sizes) ||
+        t.strides() != at::IntArrayRef(in_strides))
+      return false;
+    at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
+                                                               t.key_set(), t.dtype());
+    out.unsafeGetTensorImpl()->set_sizes_and_strides(out_sizes, out_strides, t.storage_offset() + offset);
+    buffers[output] = std::move(out);
+    return true;
+  }
+  std::string describe() const override { return "view"; }
+};
 
 PrimOp prim_of(const std::string& op) {
   static const std::unordered_map<std::string, PrimOp> table = {
@@ -153,7 +188,11 @@ class PlanBuilder {
       bind_schema(n, step);
     }
     bind_outputs(n, step);
-    step.view = static_view(n, step);
+    if (step.op) {
+      step.fast = static_view(n, step);
+      for (FastPathMaker make : fast_path_makers())
+        if (!step.fast) step.fast = make(n, step);
+    }
     return step;
   }
 
@@ -184,7 +223,7 @@ class PlanBuilder {
 
   // The view's geometry from running the op once on a meta tensor of the input's IR type; null where the
   // op is not a view, an argument is computed per call, or the result disagrees with the IR's type.
-  std::shared_ptr<const StaticView> static_view(const Node& n, const Step& step) const {
+  std::shared_ptr<const FastPath> static_view(const Node& n, const Step& step) const {
     if (!step.op || !is_view_op(n.op) || step.from_buffer.size() != 1 || !step.scalar_from_buffer.empty() ||
         !step.lists.empty() || step.expand_list || step.outputs.size() != 1 || step.outputs[0] < 0 ||
         n.outputs.size() != 1 || !n.args[0].is_value())
@@ -371,6 +410,8 @@ class PlanBuilder {
 };
 
 }  // namespace
+
+void register_fast_path(FastPathMaker maker) { fast_path_makers().push_back(maker); }
 
 Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
                 const std::unordered_map<int, GroupKernel>& kernels) {

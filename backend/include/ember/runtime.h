@@ -59,16 +59,22 @@ struct GroupKernel {
   std::vector<const Value*> writes;
 };
 
-// A view op (permute, view, expand, select, ...) over a tensor whose sizes and strides the IR knows: the
-// plan computes the view's geometry once, on a meta tensor, and the executor builds the view directly
-// (one TensorImpl sharing the input's storage) whenever the input has the expected sizes and strides,
-// skipping the boxed dispatcher call; any other input takes the op's own path.
-struct StaticView {
-  uint32_t input = 0;
-  int32_t output = -1;
-  std::vector<int64_t> in_sizes, in_strides, out_sizes, out_strides;
-  int64_t offset = 0;  // the view's storage offset minus its input's
+// A cheaper way to run one ATen step, chosen when the plan is built: run() writes the step's result and
+// returns true, or returns false for an input it was not made for, and the step calls its op as usual.
+//  - views over statically shaped tensors (runtime/plan.cpp): the view built directly;
+//  - CUDA GEMMs (kernels/cuda/gemm.cpp, CUDA builds): one cuBLASLt call with a plan made once.
+class FastPath {
+ public:
+  virtual ~FastPath() = default;
+  virtual bool run(std::vector<c10::IValue>& buffers) const = 0;
+  virtual std::string describe() const = 0;  // for the plan's listing
 };
+
+struct Step;
+// Makes a fast path for node `n` bound as `step`, or null. Makers registered here are asked for every ATen
+// step, in registration order; the first non-null answer wins.
+using FastPathMaker = std::shared_ptr<const FastPath> (*)(const Node& n, const Step& step);
+void register_fast_path(FastPathMaker maker);
 
 struct Step {
   const c10::OperatorHandle* op = nullptr;  // null for a prim or kernel step
@@ -81,7 +87,7 @@ struct Step {
   std::vector<ListSlot> lists;
   std::vector<int32_t> outputs;  // buffer for each return; -1 drops it
   bool expand_list = false;      // the op returns one Tensor[] spread over `outputs`
-  std::shared_ptr<const StaticView> view;  // set for view ops over a statically shaped input
+  std::shared_ptr<const FastPath> fast;  // tried before the op (FastPath)
   std::vector<uint32_t> frees;   // buffers whose last use is this step
   const Node* node = nullptr;    // for error messages only; valid while the owning Graph lives
 };

