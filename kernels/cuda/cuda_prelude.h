@@ -84,6 +84,40 @@ template <class T, int V> __device__ __forceinline__ void st_vec(T* p, const T* 
     for (int e = 0; e < V; ++e) p[e] = r[e];
   }
 }
+// Vectors held as 32-bit words: a 16-bit vector of 8 stays in 4 registers until each element is used,
+// instead of 8 (one per element) or 8 floats. Inputs are never written by the kernel that reads them
+// (outputs are fresh allocations), so loads take the read-only path (ld.global.nc), which the compiler
+// may also move ahead of stores. W words (1, 2 or 4) at a 4 * W-byte aligned address.
+template <int W> __device__ __forceinline__ void ld_words(const void* p, unsigned* w) {
+  if constexpr (W == 4)
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+  else if constexpr (W == 2)
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  else
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+}
+template <int W> __device__ __forceinline__ void st_words(void* p, const unsigned* w) {
+  if constexpr (W == 4) *(ember_u4*)p = ember_u4{w[0], w[1], w[2], w[3]};
+  else if constexpr (W == 2) *(ember_u2*)p = ember_u2{w[0], w[1]};
+  else *(unsigned*)p = w[0];
+}
+// Element e of the words (T: float, unsigned short or unsigned char), and setting it (words start at 0).
+template <class T> __device__ __forceinline__ T get_elem(const unsigned* w, int e) {
+  if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
+  else if constexpr (sizeof(T) == 2) return (T)(w[e >> 1] >> ((e & 1) * 16));
+  else return (T)(w[e >> 2] >> ((e & 3) * 8));
+}
+template <class T> __device__ __forceinline__ void set_elem(unsigned* w, int e, T v) {
+  if constexpr (sizeof(T) == 4) w[e] = __float_as_uint(v);
+  else if constexpr (sizeof(T) == 2) w[e >> 1] |= (unsigned)v << ((e & 1) * 16);
+  else w[e >> 2] |= (unsigned)v << ((e & 3) * 8);
+}
+// Words whose every element is v.
+template <class T> __device__ __forceinline__ unsigned splat(T v) {
+  if constexpr (sizeof(T) == 4) return __float_as_uint(v);
+  else if constexpr (sizeof(T) == 2) return (unsigned)v * 0x10001u;
+  else return (unsigned)v * 0x1010101u;
+}
 template <int OP> __device__ float block_reduce(float v, float* shared) {
   for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

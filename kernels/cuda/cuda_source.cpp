@@ -101,6 +101,7 @@ class Printer {
     CudaSource out;
     out.general = name;
     out.vector_width = width_;
+    if (!p_.has_reduction) out.flat_unroll = flat_unroll();
     Source o;
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
@@ -112,12 +113,16 @@ class Printer {
     o << "}\n";
     if (!p_.has_reduction) {
       out.vector_entry = name + "_vec";
-      flat_vector(o, out.vector_entry);
+      out.strided_vector_entry = name + "_vec_strided";
+      flat_vector(o);
+      o << "extern \"C\" __global__ void " << out.vector_entry << "(Params p) { flat_vec<false>(p); }\n";
+      o << "extern \"C\" __global__ void " << out.strided_vector_entry << "(Params p) { flat_vec<true>(p); }\n";
     } else {
       out.rows = row_variants(name);
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
-        o << "extern \"C\" __global__ void " << v.entry << "(Params p) { rows_cached<" << v.chunks << ", "
+        o << "extern \"C\" __global__ void " << (bounded(v) ? "__launch_bounds__(256, 4) " : "") << v.entry
+          << "(Params p) { rows_cached<" << v.chunks << ", "
           << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
     }
     out.text = std::move(o.s);
@@ -227,52 +232,73 @@ class Printer {
   // The flat group over vectors of V elements: outputs are contiguous and aligned; each input is read
   // with vector loads (contiguous and aligned: bit in p.vec; contiguous over the trailing p.period[k]
   // elements and repeated over the leading dimensions, a bias: bit in p.inner), once (one value for
-  // all: bit in p.bcast), or element by element through its strides. The last numel % V elements run
-  // the general body.
-  void flat_vector(Source& o, const std::string& entry) {
-    o << "extern \"C\" __global__ void " << entry << "(Params p) {\n";
-    o << "  constexpr int V = " << width_ << ";\n";
+  // all: bit in p.bcast), or, in the STRIDED entry only, element by element through its strides. The
+  // last numel % V elements run the general body.
+  //
+  // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
+  // issues every input's loads before any compute: U times the bytes in flight of one vector per thread,
+  // which is what keeps a grid of one wave (call_plan.cpp) at copy bandwidth. Loaded vectors stay packed
+  // in 32-bit words and each element converts to float where it is used. The entry without strided
+  // inputs has no index arithmetic in its loop, so it needs far fewer registers than the one with.
+  void flat_vector(Source& o) {
+    const int unroll = flat_unroll();
+    o << "template <bool STRIDED> __device__ __forceinline__ void flat_vec(const Params& p) {\n";
+    o << "  constexpr int V = " << width_ << ", U = " << unroll << ";\n";
     o << "  const i64 chunks = p.numel / V, step = (i64)gridDim.x * blockDim.x;\n";
-    o << "  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;\n";
-    o << "  for (i64 c = first; c < chunks; c += step) {\n";
-    o << "    const i64 i = c * V;\n";
+    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k)
+      o << "  const unsigned s" << k << " = (p.bcast >> " << k << ") & 1u ? splat<" << storage_type(in_type(k)) << ">("
+        << in_ptr(in_type(k), k) << "[0]) : 0u;\n";
+    o << "  for (i64 base = (i64)blockIdx.x * blockDim.x * U + threadIdx.x; base < chunks; base += step * U) {\n";
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      const std::string a = "a" + str(k), t = storage_type(in_type(k));
-      o << "    float " << a << "[V];\n";
+      const std::string a = "a" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+      o << "    unsigned " << a << "[U][" << w << "] = {};\n";
+      o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
+      o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
+      o << "      if (chunk >= chunks) break;\n";
       if (k < static_cast<size_t>(kMaxVectorInputs)) {
-        o << "    if ((p.vec >> " << k << ") & 1u) {\n";
-        o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i, r);\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
-        o << "    } else if ((p.inner >> " << k << ") & 1u) {\n";
-        o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i % p.period[" << k << "], r);\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
-        o << "    } else if ((p.bcast >> " << k << ") & 1u) {\n";
-        o << "      const float s = " << load(in_type(k), k, "0") << ";\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = s;\n";
-        o << "    } else {\n";
+        o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
+        o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V % p.period[" << k
+          << "], " << a << "[u]);\n";
+        o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
+        o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
+        o << "      } else if constexpr (STRIDED) {\n";
       } else {
-        o << "    {\n";
+        o << "      {\n";
       }
-      o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
-      offset(o, k, "i + v", "off", "        ");
-      o << "        " << a << "[v] = " << load(in_type(k), k, "off") << ";\n";
-      o << "      }\n    }\n";
+      o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
+      offset(o, k, "chunk * V + v", "off", "          ");
+      o << "          set_elem<" << t << ">(" << a << "[u], v, " << in_ptr(in_type(k), k) << "[off]);\n";
+      o << "        }\n      }\n    }\n";
     }
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "    float y" << k << "[V];\n";
-    o << "#pragma unroll\n    for (int v = 0; v < V; ++v) {\n";
-    for (size_t k = 0; k < p_.inputs.size(); ++k) o << "      float " << reg(p_.inputs[k].reg) << " = a" << k << "[v];\n";
-    for (const Instr& n : p_.code) o << "      float " << reg(n.dst) << " = " << expr(n) << ";\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      y" << k << "[v] = " << reg(p_.outputs[k].reg) << ";\n";
-    o << "    }\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) {
-      const std::string t = storage_type(out_type(k));
-      o << "    { " << t << " r[V];\n#pragma unroll\n      for (int v = 0; v < V; ++v) r[v] = " << from_float(out_type(k), "y" + str(k) + "[v]")
-        << ";\n      st_vec<" << t << ", V>(" << out_ptr(out_type(k), k) << " + i, r); }\n";
-    }
-    o << "  }\n";
-    o << "  for (i64 i = chunks * V + first; i < p.numel; i += step) {\n";
+    o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
+    o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
+    o << "      if (chunk >= chunks) break;\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+    o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      o << "        float " << reg(p_.inputs[k].reg) << " = "
+        << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(a" + str(k) + "[u], v)") << ";\n";
+    for (const Instr& n : p_.code) o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), reg(p_.outputs[k].reg))
+        << ");\n";
+    o << "      }\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
+    o << "    }\n  }\n";
+    o << "  for (i64 i = chunks * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.numel; i += step) {\n";
     element(o, "i", "    ");
     o << "  }\n}\n";
+  }
+
+  // 32-bit words holding one vector of `width_` elements of dtype t (vectors are 4 to 16 bytes).
+  int words(c10::ScalarType t) const { return std::max<int>(1, width_ * static_cast<int>(c10::elementSize(t)) / 4); }
+
+  // Vectors per thread per iteration in flat_vec: 4 for one or two inputs (up to 128 bytes in flight
+  // per thread), fewer where more inputs would hold more registers than they buy.
+  int flat_unroll() const {
+    const size_t n = std::max<size_t>(p_.inputs.size(), 1);
+    return n <= 2 ? 4 : (n <= 4 ? 2 : 1);
   }
 
   // The elementwise values at column `col`: full inputs, then every full instruction before `end`.
@@ -355,100 +381,224 @@ class Printer {
     o << "    }\n";
   }
 
-  // Row kernels that read each full input once into registers: J vectors of V columns per thread,
+  // Row kernels that keep each full input's row in registers: J vectors of V columns per thread,
   // thread `lane` of T holding columns (j * T + lane) * V + v. WARP: a warp per row (T = 32, shuffle
-  // reductions); else a block per row (T = blockDim.x). Columns past the row's end hold 0 and are
+  // reductions); else a block per row (T = blockDim.x). Columns past the row's end read as zeros and are
   // neither reduced nor stored.
+  //
+  // The row runs as phases: one per reduction, then one writing the full outputs. Each phase computes,
+  // per column, only the values its result needs. What keeps registers down (and occupancy up):
+  //  - inputs stay packed in 32-bit words (a bf16 vector of 8 in 4 registers) and convert where used;
+  //  - an input is loaded when the first phase that needs it starts (a layer norm's weight and bias in
+  //    the output phase), and its registers free once the last phase that needs it is done;
+  //  - each output vector is stored as soon as its V values are computed, not held for the whole row;
+  //  - a value needed by a later phase is recomputed from the inputs unless it costs a transcendental
+  //    or a division (softmax's exp), in which case the phase that first computes it keeps it (a float
+  //    per column; at most kMaxKeptRows of them) in the variants where they fit in kMaxKeptValues.
   void rows_cached(Source& o) {
     o << "template <int J, bool WARP> __device__ __forceinline__ void rows_cached(const Params& p) {\n";
     o << "  constexpr int V = " << width_ << ", E = J * V;\n";
     o << "  __shared__ float shared[32];\n";
     o << "  const int T = WARP ? 32 : (int)blockDim.x;\n";
     o << "  const int lane = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;\n";
+    o << "  const int cols = (int)p.cols;\n";
     o << "  const i64 first = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;\n";
     o << "  const i64 step = WARP ? (i64)gridDim.x * (blockDim.x >> 5) : (i64)gridDim.x;\n";
+    RowPhases phases = plan_phases();
+    int kept_rows = 0;
+    for (int q : phases.kept_in) kept_rows += q >= 0;
+    // Kept values cost E registers each: variants with longer rows per thread recompute instead.
+    o << "  constexpr bool KEEP = " << (kept_rows ? "E * " + str(kept_rows) + " <= " + str(kMaxKeptValues) : std::string("false")) << ";\n";
     o << "  for (i64 row = first; row < p.rows; row += step) {\n";
     row_prologue(o);
-    const size_t lead = p_.rank - 1;
-    for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      if (p_.inputs[k].row) continue;
-      const std::string x = "x" + str(k), t = storage_type(in_type(k));
-      o << "    float " << x << "[E];\n";
-      if (k < static_cast<size_t>(kMaxVectorInputs)) {
-        o << "    if ((p.vec >> " << k << ") & 1u) {\n";
-        o << "#pragma unroll\n      for (int j = 0; j < J; ++j) {\n";
-        o << "        const i64 col = ((i64)j * T + lane) * V;\n";
-        o << "        " << t << " r[V];\n";
-        o << "        if (col < p.cols) ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + b" << k << " + col, r);\n";
-        o << "#pragma unroll\n        for (int v = 0; v < V; ++v) " << x << "[j * V + v] = col < p.cols ? "
-          << to_float(in_type(k), "r[v]") << " : 0.f;\n";
-        o << "      }\n    } else {\n";
-      } else {
-        o << "    {\n";
+    std::vector<bool> loaded(p_.inputs.size(), false);
+    size_t phase = 0;
+    for (size_t n = 0; n <= p_.code.size(); ++n) {
+      const bool output_phase = n == p_.code.size();
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        if (!p_.reg_is_row[i.dst]) continue;
+        if (!is_reduction(i)) {
+          o << "    float " << reg(i.dst) << " = " << expr(i) << ";\n";
+          continue;
+        }
+      } else if (phases.targets.size() == phase) {
+        break;  // no full outputs
       }
-      o << "#pragma unroll\n      for (int e = 0; e < E; ++e) {\n";
-      o << "        const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "        " << x << "[e] = col < p.cols ? " << load(in_type(k), k, "b" + str(k) + " + col * p.stride[" + str(k) + "][" + str(lead) + "]")
-        << " : 0.f;\n";
-      o << "      }\n    }\n";
-    }
-    auto cached_inputs = [&](const char* ind) {
+      const std::vector<bool>& need = phases.needed[phase];
       for (size_t k = 0; k < p_.inputs.size(); ++k)
-        if (!p_.inputs[k].row) o << ind << "float " << reg(p_.inputs[k].reg) << " = x" << k << "[e];\n";
-    };
-    for (size_t n = 0; n < p_.code.size(); ++n) {
-      const Instr& i = p_.code[n];
-      if (!p_.reg_is_row[i.dst]) continue;
-      if (!is_reduction(i)) {
-        o << "    float " << reg(i.dst) << " = " << expr(i) << ";\n";
-        continue;
+        if (!p_.inputs[k].row && need[p_.inputs[k].reg] && !loaded[k]) {
+          load_row_input(o, k);
+          loaded[k] = true;
+        }
+      for (size_t r = 0; r < phases.kept_in.size(); ++r)
+        if (phases.kept_in[r] == static_cast<int>(phase)) o << "    float k" << r << "[KEEP ? E : 1];\n";
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        int kind = reduction_kind(i);
+        o << "    float acc" << n << " = " << identity(kind) << ";\n";
       }
-      int kind = reduction_kind(i);
-      o << "    float acc" << n << " = " << identity(kind) << ";\n";
-      o << "#pragma unroll\n    for (int e = 0; e < E; ++e) {\n";
-      o << "      const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "      if (col < p.cols) {\n";
-      cached_inputs("        ");
-      full_code(o, n, "        ");
-      o << "        acc" << n << " = combine<" << kind << ">(acc" << n << ", " << operand(i.a) << ");\n";
-      o << "      }\n    }\n";
-      o << "    float " << reg(i.dst) << ";\n";
-      o << "    if constexpr (WARP) " << reg(i.dst) << " = warp_reduce<" << kind << ">(acc" << n << ");\n";
-      o << "    else " << reg(i.dst) << " = block_reduce<" << kind << ">(acc" << n << ", shared);\n";
-      if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)p.cols;\n";
-    }
-    bool any_full_output = false;
-    for (const ProgramOutput& out : p_.outputs) any_full_output |= !out.row;
-    if (any_full_output) {
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "    float y" << k << "[E];\n";
-      o << "#pragma unroll\n    for (int e = 0; e < E; ++e) {\n";
-      cached_inputs("      ");
-      full_code(o, p_.code.size(), "      ");
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "      y" << k << "[e] = " << reg(p_.outputs[k].reg) << ";\n";
-      o << "    }\n";
-      o << "    if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
-      o << "#pragma unroll\n      for (int j = 0; j < J; ++j) {\n";
-      o << "        const i64 col = ((i64)j * T + lane) * V;\n";
-      o << "        if (col >= p.cols) continue;\n";
-      for (size_t k = 0; k < p_.outputs.size(); ++k) {
-        if (p_.outputs[k].row) continue;
-        const std::string t = storage_type(out_type(k));
-        o << "        { " << t << " r[V];\n#pragma unroll\n          for (int v = 0; v < V; ++v) r[v] = "
-          << from_float(out_type(k), "y" + str(k) + "[j * V + v]") << ";\n          st_vec<" << t << ", V>("
-          << out_ptr(out_type(k), k) << " + row * p.cols + col, r); }\n";
+      o << "#pragma unroll\n    for (int j = 0; j < J; ++j) {\n";
+      o << "      const int col0 = (j * T + lane) * V;\n";
+      if (output_phase)
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+      // Every column is computed, those past the row's end from zeros, and only the reduction and the
+      // stores are masked: branching around each column costed the unrolled code a third more registers.
+      o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
+      for (size_t k = 0; k < p_.inputs.size(); ++k)
+        if (!p_.inputs[k].row && need[p_.inputs[k].reg])
+          o << "        float " << reg(p_.inputs[k].reg) << " = "
+            << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(x" + str(k) + "[j], v)") << ";\n";
+      for (size_t m = 0; m < p_.code.size(); ++m) {
+        const Instr& i = p_.code[m];
+        if (p_.reg_is_row[i.dst] || !need[i.dst]) continue;
+        const int kept_in = phases.kept_in[i.dst];
+        if (kept_in >= 0 && kept_in < static_cast<int>(phase)) {
+          o << "        float " << reg(i.dst) << ";\n";
+          o << "        if constexpr (KEEP) " << reg(i.dst) << " = k" << i.dst << "[j * V + v]; else " << reg(i.dst) << " = " << expr(i)
+            << ";\n";
+          continue;
+        }
+        o << "        float " << reg(i.dst) << " = " << expr(i) << ";\n";
+        if (kept_in == static_cast<int>(phase)) o << "        if constexpr (KEEP) k" << i.dst << "[j * V + v] = " << reg(i.dst) << ";\n";
       }
-      o << "      }\n    } else {\n";
-      o << "#pragma unroll\n      for (int e = 0; e < E; ++e) {\n";
-      o << "        const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "        if (col >= p.cols) continue;\n";
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "        " << store(out_type(k), k, "row * p.cols + col", "y" + str(k) + "[e]") << "\n";
-      o << "      }\n    }\n";
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        o << "        if (col0 + v < cols) acc" << n << " = combine<" << reduction_kind(i) << ">(acc" << n << ", " << operand(i.a) << ");\n";
+        o << "      }\n    }\n";
+        o << "    float " << reg(i.dst) << ";\n";
+        o << "    if constexpr (WARP) " << reg(i.dst) << " = warp_reduce<" << reduction_kind(i) << ">(acc" << n << ");\n";
+        o << "    else " << reg(i.dst) << " = block_reduce<" << reduction_kind(i) << ">(acc" << n << ", shared);\n";
+        if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)p.cols;\n";
+      } else {
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, "
+              << from_float(out_type(k), reg(p_.outputs[k].reg)) << ");\n";
+        o << "      }\n";
+        o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
+        o << "        if (col0 < cols) {\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * p.cols + col0, y" << k << ");\n";
+        o << "        }\n      } else {\n";
+        o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
+        o << "          if (col0 + v >= cols) continue;\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "          " << out_ptr(out_type(k), k) << "[row * p.cols + col0 + v] = get_elem<" << storage_type(out_type(k)) << ">(y"
+              << k << ", v);\n";
+        o << "        }\n      }\n    }\n";
+      }
+      ++phase;
     }
     row_outputs(o, "lane == 0");
     o << "  }\n}\n";
+  }
+
+  // Warp variants of one full input and one full output with at most 32 values per thread (softmax,
+  // log_softmax, a scorer) are held to 64 registers: 4 blocks of 256 per multiprocessor, half its
+  // threads. Left alone, ptxas schedules their unrolled columns into 80-100 registers, a quarter of
+  // the threads and too few bytes in flight. With more inputs or values per thread the bound spilled
+  // (layer norm's w2, the 64-value w8): those stay unbounded. CudaCodegen.BoundedVariantsDoNotSpill
+  // checks every bounded variant of the test corpus with ptxas.
+  bool bounded(const RowVariant& v) const {
+    size_t full_inputs = 0, full_outputs = 0;
+    for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
+    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
+    return v.mode == RowVariant::Mode::Warp && v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1;
+  }
+
+  // Input k's row as packed words x<k>[J][W]: vector loads where p.vec says so, else element by element.
+  void load_row_input(Source& o, size_t k) {
+    const std::string x = "x" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+    o << "    unsigned " << x << "[J][" << w << "] = {};\n";
+    if (k < static_cast<size_t>(kMaxVectorInputs)) {
+      o << "    if ((p.vec >> " << k << ") & 1u) {\n";
+      o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
+      o << "        if ((j * T + lane) * V < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k
+        << " + (j * T + lane) * V, " << x << "[j]);\n";
+      o << "    } else {\n";
+    } else {
+      o << "    {\n";
+    }
+    o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
+    o << "#pragma unroll\n        for (int v = 0; v < V; ++v)\n";
+    o << "          if ((j * T + lane) * V + v < cols) set_elem<" << t << ">(" << x << "[j], v, " << in_ptr(in_type(k), k) << "[b" << k
+      << " + (i64)((j * T + lane) * V + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
+    o << "    }\n";
+  }
+
+  // Per phase (each reduction in code order, then the full outputs), the registers it computes or
+  // reads, and the phase (if any) that keeps each full register for later ones (-1: recomputed; a
+  // kept register is still recomputed in variants where KEEP is false, so `needed` holds its inputs).
+  struct RowPhases {
+    std::vector<int> targets;                // the register each phase reduces; -1: the output phase
+    std::vector<std::vector<bool>> needed;   // [phase][register]
+    std::vector<int> kept_in;                // [register]
+  };
+
+  RowPhases plan_phases() const {
+    const size_t regs = p_.reg_is_row.size();
+    std::vector<int> def(regs, -1);
+    for (size_t n = 0; n < p_.code.size(); ++n) def[p_.code[n].dst] = static_cast<int>(n);
+    RowPhases ph;
+    ph.kept_in.assign(regs, -1);
+    std::vector<std::vector<int>> roots;
+    for (const Instr& i : p_.code)
+      if (p_.reg_is_row[i.dst] && is_reduction(i) && i.a.kind == Operand::Kind::Reg) {
+        ph.targets.push_back(i.a.index);
+        roots.push_back({i.a.index});
+      } else if (p_.reg_is_row[i.dst] && is_reduction(i)) {
+        ph.targets.push_back(-1);
+        roots.push_back({});
+      }
+    std::vector<int> outs;
+    for (const ProgramOutput& out : p_.outputs)
+      if (!out.row) outs.push_back(out.reg);
+    if (!outs.empty()) {
+      ph.targets.push_back(-1);
+      roots.push_back(outs);
+    }
+    // The full registers a phase needs, down to inputs and row registers.
+    auto closure = [&](const std::vector<int>& from, const std::vector<bool>& stop) {
+      std::vector<bool> need(regs, false);
+      std::vector<int> work = from;
+      while (!work.empty()) {
+        int r = work.back();
+        work.pop_back();
+        if (r < 0 || static_cast<size_t>(r) >= regs || need[r] || p_.reg_is_row[r]) continue;
+        need[r] = true;
+        if (stop[r] || def[r] < 0) continue;
+        for (const Operand* a : {&p_.code[def[r]].a, &p_.code[def[r]].b, &p_.code[def[r]].c})
+          if (a->kind == Operand::Kind::Reg) work.push_back(a->index);
+      }
+      return need;
+    };
+    const std::vector<bool> none(regs, false);
+    for (const std::vector<int>& r : roots) ph.needed.push_back(closure(r, none));
+    int kept_rows = 0;
+    for (size_t q = 0; q < roots.size(); ++q)
+      for (size_t r = 0; r < regs; ++r) {
+        if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || def[r] < 0 || !costly(p_.code[def[r]].op)) continue;
+        bool later = false;
+        for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
+        if (!later || kept_rows == kMaxKeptRows) continue;
+        ph.kept_in[r] = static_cast<int>(q);
+        ++kept_rows;
+      }
+    return ph;
+  }
+
+  static bool costly(OpCode op) {
+    switch (op) {
+      case OpCode::Exp: case OpCode::Log: case OpCode::Log1p: case OpCode::Expm1: case OpCode::Sin: case OpCode::Cos:
+      case OpCode::Tanh: case OpCode::Sigmoid: case OpCode::Erf: case OpCode::Gelu: case OpCode::GeluTanh:
+      case OpCode::Silu: case OpCode::Div: case OpCode::Reciprocal: case OpCode::Pow: case OpCode::GeluBackward:
+        return true;
+      default: return false;
+    }
   }
 
   // The register-resident row variants worth compiling: those whose registers stay bounded, and where
@@ -505,6 +655,8 @@ class Printer {
   }
 
   static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
+  static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
+  static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 
   const Program& p_;
   int width_;

@@ -334,6 +334,11 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
   std::vector<std::pair<std::string, std::string>> graphs;
   for (std::string t : {"f32", "f16", "bf16"}) {
     graphs.push_back({"pointwise_" + t, pointwise(t)});
+    graphs.push_back({"silu_add_" + t, "graph(%x: " + t + "[s0]{1}@cuda:0, %y: " + t + "[s0]{1}@cuda:0, %s0: int):\n"
+                                       "  %g: " + t + "[s0]{1}@cuda:0 = aten::sigmoid(%x)\n"
+                                       "  %m: " + t + "[s0]{1}@cuda:0 = aten::mul.Tensor(%x, %g)\n"
+                                       "  %a: " + t + "[s0]{1}@cuda:0 = aten::add.Tensor(%m, %y)\n"
+                                       "  return (%a)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
@@ -367,9 +372,11 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
       if (!program.has_reduction) {
         EXPECT_EQ(src.vector_entry, "k_vec") << label;
         EXPECT_NE(src.text.find("void k_vec(Params p)"), std::string::npos) << label;
+        EXPECT_EQ(src.strided_vector_entry, "k_vec_strided") << label;
+        EXPECT_NE(src.text.find("void k_vec_strided(Params p)"), std::string::npos) << label;
       }
       for (const cuda::RowVariant& v : src.rows)
-        EXPECT_NE(src.text.find("void " + v.entry + "(Params p)"), std::string::npos) << label;
+        EXPECT_NE(src.text.find(" " + v.entry + "(Params p)"), std::string::npos) << label;
       bool f32 = label.find("f32") != std::string::npos;
       if (label.rfind("softmax_", 0) == 0 && label.find("1024") == std::string::npos)
         EXPECT_EQ(src.rows.size(), 6u) << label;  // w1 b1 w2 b2 w4 w8
@@ -416,11 +423,38 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
       if (label == "pointwise_f32") {
         std::ifstream f(path + ".ptx");
         std::string ptx((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-        EXPECT_NE(ptx.find("ld.global.v4"), std::string::npos) << path << ".ptx";
+        EXPECT_NE(ptx.find("ld.global.nc.v4"), std::string::npos) << path << ".ptx";
         EXPECT_NE(ptx.find("st.global.v4"), std::string::npos) << path << ".ptx";
       }
     }
   }
+}
+
+// The register bound some warp variants carry (cuda_source.cpp, `bounded`) must not make ptxas spill.
+TEST(CudaCodegen, BoundedVariantsDoNotSpill) {
+  if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
+  int bounded = 0;
+  for (const auto& [label, text] : codegen_graphs()) {
+    std::vector<Program> programs = cuda_programs(text);
+    for (size_t i = 0; i < programs.size(); ++i) {
+      std::string source = cuda::generate_source(programs[i], "k");
+      if (source.find("__launch_bounds__") == std::string::npos) continue;
+      ++bounded;
+      std::string path = ::testing::TempDir() + "ember_bounded_" + label + "_" + std::to_string(i);
+      {
+        std::ofstream f(path + ".cu");
+        f << source;
+      }
+      std::string cmd = "nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -x cu -o " + path + ".cubin " + path + ".cu > " + path +
+                        ".log 2>&1";
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << ".cu";
+      std::ifstream f(path + ".log");
+      for (std::string line; std::getline(f, line);)
+        if (line.find("bytes spill") != std::string::npos)
+          EXPECT_NE(line.find(" 0 bytes spill stores, 0 bytes spill loads"), std::string::npos) << path << ".log: " << line;
+    }
+  }
+  EXPECT_GT(bounded, 0);
 }
 
 }  // namespace
