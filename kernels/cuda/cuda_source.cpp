@@ -121,7 +121,8 @@ class Printer {
       out.rows = row_variants(name);
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
-        o << "extern \"C\" __global__ void " << (bounded(v) ? "__launch_bounds__(256, 4) " : "") << v.entry
+        o << "extern \"C\" __global__ void "
+          << (min_resident_blocks(v) ? "__launch_bounds__(256, " + str(min_resident_blocks(v)) + ") " : std::string()) << v.entry
           << "(Params p) { rows_cached<" << v.chunks << ", "
           << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
     }
@@ -497,17 +498,20 @@ class Printer {
     o << "  }\n}\n";
   }
 
-  // Warp variants of one full input and one full output with at most 32 values per thread (softmax,
-  // log_softmax, a scorer) are held to 64 registers: 4 blocks of 256 per multiprocessor, half its
-  // threads. Left alone, ptxas schedules their unrolled columns into 80-100 registers, a quarter of
-  // the threads and too few bytes in flight. With more inputs or values per thread the bound spilled
-  // (layer norm's w2, the 64-value w8): those stay unbounded. CudaCodegen.BoundedVariantsDoNotSpill
-  // checks every bounded variant of the test corpus with ptxas.
-  bool bounded(const RowVariant& v) const {
+  // Warp variants (256 threads) carry a register bound: left alone, ptxas schedules their unrolled
+  // columns into as many registers as it likes (80-100 for softmax's w4, 237 for a 16-bit w8), which
+  // leaves a quarter of the threads or fewer and too few bytes in flight. Those of one full input and
+  // one full output with at most 32 values per thread (softmax, log_softmax, a scorer) are held to
+  // 4 blocks per multiprocessor (64 registers, half its threads); the rest to 2 (128 registers):
+  // tighter bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with
+  // up to 1024 threads, where any bound would be tight: they stay unbounded. The
+  // CudaCodegen.BoundedVariantsDoNotSpill test checks every bounded variant of its corpus with ptxas.
+  int min_resident_blocks(const RowVariant& v) const {
+    if (v.mode != RowVariant::Mode::Warp) return 0;
     size_t full_inputs = 0, full_outputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    return v.mode == RowVariant::Mode::Warp && v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1;
+    return v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1 ? 4 : 2;
   }
 
   // Input k's row as packed words x<k>[J][W]: vector loads where p.vec says so, else element by element.

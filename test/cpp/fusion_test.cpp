@@ -430,7 +430,7 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
   }
 }
 
-// The register bound some warp variants carry (cuda_source.cpp, `bounded`) must not make ptxas spill.
+// The register bound warp variants carry (cuda_source.cpp, min_resident_blocks) must not make ptxas spill.
 TEST(CudaCodegen, BoundedVariantsDoNotSpill) {
   if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
   int bounded = 0;
