@@ -10,11 +10,17 @@ typedef long long i64;
 __device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
+// bf16 rounding (to nearest even, every NaN to 0x7fc0: ATen's c10::BFloat16) of f, as the high half
+// of a float's bits. sm_80's one-instruction cvt.rn.bf16x2.f32 gives the same bits for non-NaN floats,
+// but the NaN select it then needs made ptxas spill the 64-register row kernels: integer form kept.
+__device__ __forceinline__ unsigned bf_bits(float f) {
   unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc00000u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
+__device__ __forceinline__ unsigned short f2bf(float f) { return (unsigned short)(bf_bits(f) >> 16); }
+// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops.
+__device__ __forceinline__ float bf_round(float f) { return __uint_as_float(bf_bits(f)); }
 __device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 __device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }

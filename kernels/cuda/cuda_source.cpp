@@ -141,6 +141,18 @@ class Printer {
   c10::ScalarType out_type(size_t k) const { return dtype(p_.outputs[k].value); }
   static std::string str(size_t n) { return std::to_string(n); }
 
+  // The value output k stores. A rounding to the output's own 16-bit dtype just before the store is
+  // skipped: rounding twice gives the same bits as once (a NaN stores as the same NaN either way),
+  // and the store rounds anyway.
+  std::string stored(size_t k) const {
+    const int r = p_.outputs[k].reg;
+    for (const Instr& i : p_.code)
+      if (i.dst == r && ((i.op == OpCode::RoundBFloat16 && out_type(k) == c10::kBFloat16) ||
+                         (i.op == OpCode::RoundHalf && out_type(k) == c10::kHalf)))
+        return operand(i.a);
+    return reg(r);
+  }
+
   std::string operand(const Operand& a) const {
     switch (a.kind) {
       case Operand::Kind::Reg: return reg(a.index);
@@ -171,7 +183,7 @@ class Printer {
       case OpCode::Reciprocal: return "(1.f / " + a + ")";
       case OpCode::Erf: return "erff(" + a + ")";
       case OpCode::RoundHalf: return "h2f(f2h(" + a + "))";
-      case OpCode::RoundBFloat16: return "bf2f(f2bf(" + a + "))";
+      case OpCode::RoundBFloat16: return "bf_round(" + a + ")";
       case OpCode::ToBool: return "(" + a + " != 0.f ? 1.f : 0.f)";
       case OpCode::Gelu: return "gelu_erf(" + a + ")";
       case OpCode::GeluTanh: return "gelu_tanh(" + a + ")";
@@ -221,7 +233,7 @@ class Printer {
     for (size_t k = 0; k < p_.inputs.size(); ++k)
       o << ind << "float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "o" + str(k)) << ";\n";
     for (const Instr& n : p_.code) o << ind << "float " << reg(n.dst) << " = " << expr(n) << ";\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << ind << store(out_type(k), k, i, reg(p_.outputs[k].reg)) << "\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) o << ind << store(out_type(k), k, i, stored(k)) << "\n";
   }
 
   void flat(Source& o) {
@@ -281,7 +293,7 @@ class Printer {
         << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(a" + str(k) + "[u], v)") << ";\n";
     for (const Instr& n : p_.code) o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), reg(p_.outputs[k].reg))
+      o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), stored(k))
         << ");\n";
     o << "      }\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
@@ -368,7 +380,7 @@ class Printer {
     o << "    for (i64 col = threadIdx.x; col < p.cols; col += blockDim.x) {\n";
     column_body(o, p_.code.size(), "      ");
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (!p_.outputs[k].row) o << "      " << store(out_type(k), k, "row * p.cols + col", reg(p_.outputs[k].reg)) << "\n";
+      if (!p_.outputs[k].row) o << "      " << store(out_type(k), k, "row * p.cols + col", stored(k)) << "\n";
     o << "    }\n";
     row_outputs(o, "threadIdx.x == 0");
     o << "    __syncthreads();\n";
@@ -378,7 +390,7 @@ class Printer {
   void row_outputs(Source& o, const char* writer) {
     o << "    if (" << writer << ") {\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "row", reg(p_.outputs[k].reg)) << "\n";
+      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "row", stored(k)) << "\n";
     o << "    }\n";
   }
 
@@ -476,7 +488,7 @@ class Printer {
         for (size_t k = 0; k < p_.outputs.size(); ++k)
           if (!p_.outputs[k].row)
             o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, "
-              << from_float(out_type(k), reg(p_.outputs[k].reg)) << ");\n";
+              << from_float(out_type(k), stored(k)) << ");\n";
         o << "      }\n";
         o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
         o << "        if (col0 < cols) {\n";
