@@ -407,7 +407,8 @@ class Printer {
   //  - each output vector is stored as soon as its V values are computed, not held for the whole row;
   //  - a value needed by a later phase is recomputed from the inputs unless it costs a transcendental
   //    or a division (softmax's exp), in which case the phase that first computes it keeps it (a float
-  //    per column; at most kMaxKeptRows of them) in the variants where they fit in kMaxKeptValues.
+  //    per column; at most kMaxKeptRows of them) in the variants where they fit in kMaxKeptValues;
+  //    a value rounded to bf16 is kept packed (two per register) instead of rounded again.
   void rows_cached(Source& o) {
     o << "template <int J, bool WARP> __device__ __forceinline__ void rows_cached(const Params& p) {\n";
     o << "  constexpr int V = " << width_ << ", E = J * V;\n";
@@ -422,6 +423,11 @@ class Printer {
     for (int q : phases.kept_in) kept_rows += q >= 0;
     // Kept values cost E registers each: variants with longer rows per thread recompute instead.
     o << "  constexpr bool KEEP = " << (kept_rows ? "E * " + str(kept_rows) + " <= " + str(kMaxKeptValues) : std::string("false")) << ";\n";
+    int packed_rows = 0;
+    for (int q : phases.packed_in) packed_rows += q >= 0;
+    // Packed bf16 values cost E / 2 registers each.
+    o << "  constexpr bool PACK = " << (packed_rows ? "E * " + str(packed_rows) + " <= " + str(2 * kMaxKeptValues) : std::string("false"))
+      << ";\n";
     o << "  for (i64 row = first; row < p.rows; row += step) {\n";
     row_prologue(o);
     std::vector<bool> loaded(p_.inputs.size(), false);
@@ -446,6 +452,8 @@ class Printer {
         }
       for (size_t r = 0; r < phases.kept_in.size(); ++r)
         if (phases.kept_in[r] == static_cast<int>(phase)) o << "    float k" << r << "[KEEP ? E : 1];\n";
+      for (size_t r = 0; r < phases.packed_in.size(); ++r)
+        if (phases.packed_in[r] == static_cast<int>(phase)) o << "    unsigned h" << r << "[PACK ? J : 1][V / 2] = {};\n";
       if (!output_phase) {
         const Instr& i = p_.code[n];
         int kind = reduction_kind(i);
@@ -466,7 +474,13 @@ class Printer {
       for (size_t m = 0; m < p_.code.size(); ++m) {
         const Instr& i = p_.code[m];
         if (p_.reg_is_row[i.dst] || !need[i.dst]) continue;
-        const int kept_in = phases.kept_in[i.dst];
+        const int kept_in = phases.kept_in[i.dst], packed_in = phases.packed_in[i.dst];
+        if (packed_in >= 0 && packed_in < static_cast<int>(phase)) {
+          o << "        float " << reg(i.dst) << ";\n";
+          o << "        if constexpr (PACK) " << reg(i.dst) << " = bf2f(get_elem<unsigned short>(h" << i.dst << "[j], v)); else " << reg(i.dst)
+            << " = " << expr(i) << ";\n";
+          continue;
+        }
         if (kept_in >= 0 && kept_in < static_cast<int>(phase)) {
           o << "        float " << reg(i.dst) << ";\n";
           o << "        if constexpr (KEEP) " << reg(i.dst) << " = k" << i.dst << "[j * V + v]; else " << reg(i.dst) << " = " << expr(i)
@@ -475,6 +489,9 @@ class Printer {
         }
         o << "        float " << reg(i.dst) << " = " << expr(i) << ";\n";
         if (kept_in == static_cast<int>(phase)) o << "        if constexpr (KEEP) k" << i.dst << "[j * V + v] = " << reg(i.dst) << ";\n";
+        if (packed_in == static_cast<int>(phase))
+          o << "        if constexpr (PACK) set_elem<unsigned short>(h" << i.dst << "[j], v, (unsigned short)(__float_as_uint(" << reg(i.dst)
+            << ") >> 16));\n";
       }
       if (!output_phase) {
         const Instr& i = p_.code[n];
@@ -553,6 +570,7 @@ class Printer {
     std::vector<int> targets;                // the register each phase reduces; -1: the output phase
     std::vector<std::vector<bool>> needed;   // [phase][register]
     std::vector<int> kept_in;                // [register]
+    std::vector<int> packed_in;              // [register] the same for bf16-rounded values kept packed
   };
 
   RowPhases plan_phases() const {
@@ -561,6 +579,7 @@ class Printer {
     for (size_t n = 0; n < p_.code.size(); ++n) def[p_.code[n].dst] = static_cast<int>(n);
     RowPhases ph;
     ph.kept_in.assign(regs, -1);
+    ph.packed_in.assign(regs, -1);
     std::vector<std::vector<int>> roots;
     for (const Instr& i : p_.code)
       if (p_.reg_is_row[i.dst] && is_reduction(i) && i.a.kind == Operand::Kind::Reg) {
@@ -603,6 +622,20 @@ class Printer {
         if (!later || kept_rows == kMaxKeptRows) continue;
         ph.kept_in[r] = static_cast<int>(q);
         ++kept_rows;
+      }
+    // A value rounded to bf16 is exact in 16 bits: kept packed, it costs what the input it usually
+    // comes from costs (which then frees), and spares later phases the rounding's integer work.
+    int packed_rows = 0;
+    for (size_t q = 0; q < roots.size(); ++q)
+      for (size_t r = 0; r < regs; ++r) {
+        if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || ph.packed_in[r] >= 0 || def[r] < 0 ||
+            p_.code[def[r]].op != OpCode::RoundBFloat16)
+          continue;
+        bool later = false;
+        for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
+        if (!later || packed_rows == kMaxKeptRows) continue;
+        ph.packed_in[r] = static_cast<int>(q);
+        ++packed_rows;
       }
     return ph;
   }
