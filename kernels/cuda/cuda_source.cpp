@@ -16,6 +16,8 @@
 
 #include "ember/error.h"
 #include "kernels/cuda/cuda_prelude.h"
+#include "kernels/cuda/cuda_text.h"
+#include "kernels/cuda/row_phases.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,75 +25,6 @@
 
 namespace ember::cuda {
 namespace {
-
-
-const char* storage_type(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return "float";
-    case c10::kHalf:
-    case c10::kBFloat16: return "unsigned short";
-    case c10::kBool: return "unsigned char";
-    default: break;
-  }
-  throw Error(std::string("CUDA fused kernel: unsupported dtype ") + c10::toString(t));
-}
-
-// Storage value `raw` as float, and float `v` as storage.
-std::string to_float(c10::ScalarType t, const std::string& raw) {
-  switch (t) {
-    case c10::kHalf: return "h2f(" + raw + ")";
-    case c10::kBFloat16: return "bf2f(" + raw + ")";
-    case c10::kBool: return "(" + raw + " ? 1.f : 0.f)";
-    default: return raw;
-  }
-}
-
-std::string from_float(c10::ScalarType t, const std::string& v) {
-  switch (t) {
-    case c10::kHalf: return "f2h(" + v + ")";
-    case c10::kBFloat16: return "f2bf(" + v + ")";
-    case c10::kBool: return "(unsigned char)((" + v + ") != 0.f)";
-    default: return v;
-  }
-}
-
-std::string in_ptr(c10::ScalarType t, size_t input) {
-  return "((const " + std::string(storage_type(t)) + "*)p.in[" + std::to_string(input) + "])";
-}
-
-std::string out_ptr(c10::ScalarType t, size_t output) {
-  return "((" + std::string(storage_type(t)) + "*)p.out[" + std::to_string(output) + "])";
-}
-
-std::string load(c10::ScalarType t, size_t input, const std::string& offset) {
-  return to_float(t, in_ptr(t, input) + "[" + offset + "]");
-}
-
-std::string store(c10::ScalarType t, size_t output, const std::string& index, const std::string& v) {
-  return out_ptr(t, output) + "[" + index + "] = " + from_float(t, v) + ";";
-}
-
-std::string float_literal(float f) {
-  if (f != f) return "__int_as_float(0x7fffffff)";
-  if (f == INFINITY) return "__int_as_float(0x7f800000)";
-  if (f == -INFINITY) return "__int_as_float(0xff800000)";
-  char buf[48];
-  std::snprintf(buf, sizeof(buf), "%.9gf", f);
-  std::string s = buf;
-  if (s.find_first_of(".e") == std::string::npos) s.insert(s.size() - 1, ".0");
-  return s;
-}
-
-// A string builder with stream syntax. iostreams are avoided on purpose: formatting integers through
-// std::ostringstream crashed inside the Python process on the GPU machine (locale facets), while the
-// same code ran in the C++ test binary.
-struct Source {
-  std::string s;
-  Source& operator<<(const std::string& x) { s += x; return *this; }
-  Source& operator<<(const char* x) { s += x; return *this; }
-  Source& operator<<(size_t n) { s += std::to_string(n); return *this; }
-  Source& operator<<(int n) { s += std::to_string(n); return *this; }
-};
 
 class Printer {
  public:
@@ -333,9 +266,7 @@ class Printer {
     }
   }
 
-  static bool is_reduction(const Instr& i) {
-    return i.op == OpCode::RowSum || i.op == OpCode::RowMean || i.op == OpCode::RowMax || i.op == OpCode::RowMin;
-  }
+  static bool is_reduction(const Instr& i) { return is_row_reduction(i.op); }
   static int reduction_kind(const Instr& i) { return i.op == OpCode::RowMax ? 1 : (i.op == OpCode::RowMin ? 2 : 0); }
   static const char* identity(int kind) {
     return kind == 0 ? "0.f" : (kind == 1 ? "__int_as_float(0xff800000)" : "__int_as_float(0x7f800000)");
@@ -418,7 +349,7 @@ class Printer {
     o << "  const int cols = (int)p.cols;\n";
     o << "  const i64 first = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;\n";
     o << "  const i64 step = WARP ? (i64)gridDim.x * (blockDim.x >> 5) : (i64)gridDim.x;\n";
-    RowPhases phases = plan_phases();
+    const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
     int kept_rows = 0;
     for (int q : phases.kept_in) kept_rows += q >= 0;
     // Kept values cost E registers each: variants with longer rows per thread recompute instead.
@@ -561,93 +492,6 @@ class Printer {
     o << "          if ((j * T + lane) * V + v < cols) set_elem<" << t << ">(" << x << "[j], v, " << in_ptr(in_type(k), k) << "[b" << k
       << " + (i64)((j * T + lane) * V + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
     o << "    }\n";
-  }
-
-  // Per phase (each reduction in code order, then the full outputs), the registers it computes or
-  // reads, and the phase (if any) that keeps each full register for later ones (-1: recomputed; a
-  // kept register is still recomputed in variants where KEEP is false, so `needed` holds its inputs).
-  struct RowPhases {
-    std::vector<int> targets;                // the register each phase reduces; -1: the output phase
-    std::vector<std::vector<bool>> needed;   // [phase][register]
-    std::vector<int> kept_in;                // [register]
-    std::vector<int> packed_in;              // [register] the same for bf16-rounded values kept packed
-  };
-
-  RowPhases plan_phases() const {
-    const size_t regs = p_.reg_is_row.size();
-    std::vector<int> def(regs, -1);
-    for (size_t n = 0; n < p_.code.size(); ++n) def[p_.code[n].dst] = static_cast<int>(n);
-    RowPhases ph;
-    ph.kept_in.assign(regs, -1);
-    ph.packed_in.assign(regs, -1);
-    std::vector<std::vector<int>> roots;
-    for (const Instr& i : p_.code)
-      if (p_.reg_is_row[i.dst] && is_reduction(i) && i.a.kind == Operand::Kind::Reg) {
-        ph.targets.push_back(i.a.index);
-        roots.push_back({i.a.index});
-      } else if (p_.reg_is_row[i.dst] && is_reduction(i)) {
-        ph.targets.push_back(-1);
-        roots.push_back({});
-      }
-    std::vector<int> outs;
-    for (const ProgramOutput& out : p_.outputs)
-      if (!out.row) outs.push_back(out.reg);
-    if (!outs.empty()) {
-      ph.targets.push_back(-1);
-      roots.push_back(outs);
-    }
-    // The full registers a phase needs, down to inputs and row registers.
-    auto closure = [&](const std::vector<int>& from, const std::vector<bool>& stop) {
-      std::vector<bool> need(regs, false);
-      std::vector<int> work = from;
-      while (!work.empty()) {
-        int r = work.back();
-        work.pop_back();
-        if (r < 0 || static_cast<size_t>(r) >= regs || need[r] || p_.reg_is_row[r]) continue;
-        need[r] = true;
-        if (stop[r] || def[r] < 0) continue;
-        for (const Operand* a : {&p_.code[def[r]].a, &p_.code[def[r]].b, &p_.code[def[r]].c})
-          if (a->kind == Operand::Kind::Reg) work.push_back(a->index);
-      }
-      return need;
-    };
-    const std::vector<bool> none(regs, false);
-    for (const std::vector<int>& r : roots) ph.needed.push_back(closure(r, none));
-    int kept_rows = 0;
-    for (size_t q = 0; q < roots.size(); ++q)
-      for (size_t r = 0; r < regs; ++r) {
-        if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || def[r] < 0 || !costly(p_.code[def[r]].op)) continue;
-        bool later = false;
-        for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
-        if (!later || kept_rows == kMaxKeptRows) continue;
-        ph.kept_in[r] = static_cast<int>(q);
-        ++kept_rows;
-      }
-    // A value rounded to bf16 is exact in 16 bits: kept packed, it costs what the input it usually
-    // comes from costs (which then frees), and spares later phases the rounding's integer work.
-    int packed_rows = 0;
-    for (size_t q = 0; q < roots.size(); ++q)
-      for (size_t r = 0; r < regs; ++r) {
-        if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || ph.packed_in[r] >= 0 || def[r] < 0 ||
-            p_.code[def[r]].op != OpCode::RoundBFloat16)
-          continue;
-        bool later = false;
-        for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
-        if (!later || packed_rows == kMaxKeptRows) continue;
-        ph.packed_in[r] = static_cast<int>(q);
-        ++packed_rows;
-      }
-    return ph;
-  }
-
-  static bool costly(OpCode op) {
-    switch (op) {
-      case OpCode::Exp: case OpCode::Log: case OpCode::Log1p: case OpCode::Expm1: case OpCode::Sin: case OpCode::Cos:
-      case OpCode::Tanh: case OpCode::Sigmoid: case OpCode::Erf: case OpCode::Gelu: case OpCode::GeluTanh:
-      case OpCode::Silu: case OpCode::Div: case OpCode::Reciprocal: case OpCode::Pow: case OpCode::GeluBackward:
-        return true;
-      default: return false;
-    }
   }
 
   // The register-resident row variants worth compiling: those whose registers stay bounded, and where
