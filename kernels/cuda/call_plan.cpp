@@ -16,8 +16,9 @@ constexpr unsigned kThreads = 256;
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-unsigned blocks_for(int64_t work_items, int64_t per_block, int64_t max_blocks) {
-  return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, max_blocks));
+// Enough blocks for `work_items` at `per_block` each, at most one wave of `entry`.
+unsigned blocks_for(int64_t work_items, int64_t per_block, const LaunchLimits& limits, size_t entry, unsigned threads) {
+  return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, limits.wave(entry, threads)));
 }
 
 // Every aligned stride 0 (or its dimension of size 1): one value for all elements.
@@ -61,12 +62,18 @@ bool row_vectorizable(const int64_t* stride, const std::vector<int64_t>& full, i
   return true;
 }
 
-// Flat groups: the vector kernel where outputs are aligned (below one vector it would run only its tail).
-void plan_flat(CallPlan& plan, int64_t numel, uint32_t vec, int width, const LaunchLimits& limits) {
-  const bool vector = (vec & kVectorOutputs) && numel >= width;
-  plan.entry = vector ? 1 : 0;
+// Flat groups: the vector kernel where outputs are aligned (below one vector it would run only its
+// tail), its strided entry where some input is neither vector-loaded nor one value.
+void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[3], size_t inputs, int width, int unroll,
+               const LaunchLimits& limits) {
+  const bool vector = (masks[0] & kVectorOutputs) && numel >= width;
+  bool strided = inputs > static_cast<size_t>(kMaxVectorInputs);
+  for (size_t k = 0; k < inputs && k < static_cast<size_t>(kMaxVectorInputs); ++k)
+    strided |= !(((masks[0] | masks[1] | masks[2]) >> k) & 1u);
+  plan.entry = vector ? (strided ? 2 : 1) : 0;
   plan.threads = kThreads;
-  plan.blocks = blocks_for(vector ? numel / width : numel, kThreads, limits.max_blocks);
+  plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads)
+                       : blocks_for(numel, kThreads, limits, plan.entry, kThreads);
 }
 
 void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& source, const LaunchLimits& limits) {
@@ -76,31 +83,35 @@ void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& sou
       if (source.rows[i].entry == v.entry) return i;
     throw Error("CUDA fused kernel: row variant " + v.entry + " not compiled");
   };
-  auto most_threads = [&](size_t i) { return i < limits.row_max_threads.size() ? limits.row_max_threads[i] : int64_t{1024}; };
   auto launchable = [&](const RowVariant& v) {
-    const int64_t most = most_threads(index_of(v));
+    const int64_t most = limits.most_threads(1 + index_of(v));
     return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
   };
   std::optional<RowVariant> v = choose_row_variant(cols, width, source.rows, launchable);
   if (!v) {
     plan.entry = 0;
     plan.threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);
-    plan.blocks = static_cast<unsigned>(std::clamp<int64_t>(limits.max_blocks * (kThreads / plan.threads), 1, rows));
+    plan.blocks = blocks_for(rows, 1, limits, 0, plan.threads);
     return;
   }
-  const size_t index = index_of(*v);
-  plan.entry = 1 + index;
+  plan.entry = 1 + index_of(*v);
   if (v->mode == RowVariant::Mode::Warp) {
-    plan.threads = static_cast<unsigned>(std::min<int64_t>(kThreads, most_threads(index) / 32 * 32));
-    plan.blocks = blocks_for(rows, plan.threads / 32, limits.max_blocks);
+    plan.threads = static_cast<unsigned>(std::min<int64_t>(kThreads, limits.most_threads(plan.entry) / 32 * 32));
+    plan.blocks = blocks_for(rows, plan.threads / 32, limits, plan.entry, plan.threads);
     return;
   }
-  const int64_t threads = std::max<int64_t>(block_threads(*v, cols, width), 32);
-  plan.threads = static_cast<unsigned>(threads);
-  plan.blocks = static_cast<unsigned>(std::clamp<int64_t>(limits.max_blocks * kThreads / threads, 1, rows));
+  plan.threads = static_cast<unsigned>(std::max<int64_t>(block_threads(*v, cols, width), 32));
+  plan.blocks = blocks_for(rows, 1, limits, plan.entry, plan.threads);
 }
 
 }  // namespace
+
+int64_t LaunchLimits::wave(size_t entry, unsigned threads) const {
+  const size_t size = (std::clamp<unsigned>(threads, 32, 1024) + 31) / 32 - 1;
+  int per_multiprocessor = entry < resident.size() && size < resident[entry].size() ? resident[entry][size]
+                                                                                     : static_cast<int>(2048 / std::max(threads, 32u));
+  return std::max<int64_t>(1, multiprocessors * std::max(per_multiprocessor, 1));
+}
 
 CallPlan plan_call(const Program& program, const CudaSource& source, const std::vector<c10::ScalarType>& out_dtypes,
                    const std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads, c10::Device device,
@@ -167,7 +178,7 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   plan.launch = numel > 0 || (program.has_reduction && rows > 0);
   if (plan.launch) {
     if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
-    else plan_flat(plan, numel, masks[0], width, limits);
+    else plan_flat(plan, numel, masks, ni, width, source.flat_unroll, limits);
   }
   return plan;
 }

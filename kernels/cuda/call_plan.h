@@ -2,11 +2,15 @@
 // tested) without a GPU: the Params words, the outputs, which entry point, and the grid. Choices:
 //  - flat groups take the 16-byte vector kernel when outputs are aligned; inside it each input gets
 //    vector loads where contiguous and aligned (or contiguous within a repeating period: a bias), a
-//    single load where it is one value, strided loads otherwise;
+//    single load where it is one value; the strided vector entry where some input needs its strides;
 //  - row groups take the register-resident variant for their row length that the function's
 //    registers allow (cuda_source.h), else the general kernel; full inputs get vector loads where rows
 //    are contiguous and aligned;
-//  - grids fill the device (limits.max_blocks), grid-stride loops do the rest.
+//  - grids are at most one wave: the blocks of the chosen size that every multiprocessor holds at
+//    once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid of
+//    SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
+//    resident blocks, leaving SMs idle for the second; a single wave of persistent blocks keeps every
+//    SM busy to the end, and the kernels keep enough bytes in flight per thread to need no more.
 #pragma once
 
 #include "kernels/cuda/cuda_source.h"
@@ -18,9 +22,18 @@
 
 namespace ember::cuda {
 
+// What the device allows each entry point, queried once when the kernel is loaded (cuda_kernel.cpp).
 struct LaunchLimits {
-  int64_t max_blocks = 1;                 // blocks that fill the device
-  std::vector<int64_t> row_max_threads;   // per row variant of the source: its largest block
+  int64_t multiprocessors = 1;
+  // Per entry point, in the order of CallPlan::entry: its largest block, and the blocks of 32 * (i + 1)
+  // threads one multiprocessor holds at once (resident[entry][i]; 0: not launchable). Empty: unknown.
+  std::vector<int64_t> max_threads;
+  std::vector<std::vector<int>> resident;
+
+  // The largest block `entry` launches with (1024 where unknown).
+  int64_t most_threads(size_t entry) const { return entry < max_threads.size() ? max_threads[entry] : 1024; }
+  // Blocks of `threads` threads of `entry` that fill the device once: one full wave.
+  int64_t wave(size_t entry, unsigned threads) const;
 };
 
 struct CallPlan {

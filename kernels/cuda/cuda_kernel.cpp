@@ -1,6 +1,7 @@
 // A fused CUDA kernel: the group's module (cuda_source.h), compiled with NVRTC when the plan is built,
 // launched on ATen's current stream with the entry point and grid call_plan.h picks per call. The
-// device's multiprocessor count and each row variant's largest block are queried once, here.
+// device's multiprocessor count, and each entry point's largest block and resident blocks per
+// multiprocessor, are queried once, here.
 #include "kernels/cuda/cuda_kernel.h"
 
 #include "ember/error.h"
@@ -16,15 +17,20 @@
 namespace ember::cuda {
 namespace {
 
-constexpr int64_t kBlocksPerMultiprocessor = 8;  // 8 x 256 threads: a full H100/H200 multiprocessor
-
 class FusedCudaKernel final : public Kernel {
  public:
   FusedCudaKernel(Program program, CudaSource source, std::vector<void*> functions, int device)
       : p_(std::move(program)), source_(std::move(source)), functions_(std::move(functions)), device_(device) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
-    limits_.max_blocks = std::max<int64_t>(1, multiprocessor_count(device_) * kBlocksPerMultiprocessor);
-    for (size_t i = 0; i < source_.rows.size(); ++i) limits_.row_max_threads.push_back(max_threads_per_block(functions_[1 + i]));
+    // Every block size each entry may launch with, asked once here so that calls ask the driver nothing.
+    limits_.multiprocessors = multiprocessor_count(device_);
+    for (void* function : functions_) {
+      const int most = max_threads_per_block(function);
+      limits_.max_threads.push_back(most);
+      std::vector<int>& resident = limits_.resident.emplace_back();
+      for (int threads = 32; threads <= 1024; threads += 32)
+        resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
+    }
   }
 
   std::string describe() const override {
@@ -47,7 +53,7 @@ class FusedCudaKernel final : public Kernel {
  private:
   Program p_;
   CudaSource source_;
-  std::vector<void*> functions_;  // general, then the vector kernel (flat) or the row variants in order
+  std::vector<void*> functions_;  // general, then the vector entries (flat) or the row variants in order
   int device_;
   LaunchLimits limits_;
   std::vector<c10::ScalarType> out_dtypes_;
@@ -65,6 +71,7 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   if (listing) *listing += "// group " + std::to_string(program.group) + "\n" + source.text + "\n";
   std::vector<std::string> entries{source.general};
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
+  if (!source.strided_vector_entry.empty()) entries.push_back(source.strided_vector_entry);
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
   std::vector<void*> functions = compile(source.text, entries, device, images);
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(functions), device);

@@ -10,11 +10,17 @@ typedef long long i64;
 __device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
-__device__ __forceinline__ unsigned short f2bf(float f) {
+// bf16 rounding (to nearest even, every NaN to 0x7fc0: ATen's c10::BFloat16) of f, as the high half
+// of a float's bits. sm_80's one-instruction cvt.rn.bf16x2.f32 gives the same bits for non-NaN floats,
+// but the NaN select it then needs made ptxas spill the 64-register row kernels: integer form kept.
+__device__ __forceinline__ unsigned bf_bits(float f) {
   unsigned u = __float_as_uint(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc00000u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
+__device__ __forceinline__ unsigned short f2bf(float f) { return (unsigned short)(bf_bits(f) >> 16); }
+// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops.
+__device__ __forceinline__ float bf_round(float f) { return __uint_as_float(bf_bits(f)); }
 __device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 __device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }
@@ -83,6 +89,40 @@ template <class T, int V> __device__ __forceinline__ void st_vec(T* p, const T* 
 #pragma unroll
     for (int e = 0; e < V; ++e) p[e] = r[e];
   }
+}
+// Vectors held as 32-bit words: a 16-bit vector of 8 stays in 4 registers until each element is used,
+// instead of 8 (one per element) or 8 floats. Inputs are never written by the kernel that reads them
+// (outputs are fresh allocations), so loads take the read-only path (ld.global.nc), which the compiler
+// may also move ahead of stores. W words (1, 2 or 4) at a 4 * W-byte aligned address.
+template <int W> __device__ __forceinline__ void ld_words(const void* p, unsigned* w) {
+  if constexpr (W == 4)
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+  else if constexpr (W == 2)
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  else
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+}
+template <int W> __device__ __forceinline__ void st_words(void* p, const unsigned* w) {
+  if constexpr (W == 4) *(ember_u4*)p = ember_u4{w[0], w[1], w[2], w[3]};
+  else if constexpr (W == 2) *(ember_u2*)p = ember_u2{w[0], w[1]};
+  else *(unsigned*)p = w[0];
+}
+// Element e of the words (T: float, unsigned short or unsigned char), and setting it (words start at 0).
+template <class T> __device__ __forceinline__ T get_elem(const unsigned* w, int e) {
+  if constexpr (sizeof(T) == 4) return __uint_as_float(w[e]);
+  else if constexpr (sizeof(T) == 2) return (T)(w[e >> 1] >> ((e & 1) * 16));
+  else return (T)(w[e >> 2] >> ((e & 3) * 8));
+}
+template <class T> __device__ __forceinline__ void set_elem(unsigned* w, int e, T v) {
+  if constexpr (sizeof(T) == 4) w[e] = __float_as_uint(v);
+  else if constexpr (sizeof(T) == 2) w[e >> 1] |= (unsigned)v << ((e & 1) * 16);
+  else w[e >> 2] |= (unsigned)v << ((e & 3) * 8);
+}
+// Words whose every element is v.
+template <class T> __device__ __forceinline__ unsigned splat(T v) {
+  if constexpr (sizeof(T) == 4) return __float_as_uint(v);
+  else if constexpr (sizeof(T) == 2) return (unsigned)v * 0x10001u;
+  else return (unsigned)v * 0x1010101u;
 }
 template <int OP> __device__ float block_reduce(float v, float* shared) {
   for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));

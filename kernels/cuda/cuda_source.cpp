@@ -16,6 +16,8 @@
 
 #include "ember/error.h"
 #include "kernels/cuda/cuda_prelude.h"
+#include "kernels/cuda/cuda_text.h"
+#include "kernels/cuda/row_phases.h"
 
 #include <algorithm>
 #include <cmath>
@@ -23,75 +25,6 @@
 
 namespace ember::cuda {
 namespace {
-
-
-const char* storage_type(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return "float";
-    case c10::kHalf:
-    case c10::kBFloat16: return "unsigned short";
-    case c10::kBool: return "unsigned char";
-    default: break;
-  }
-  throw Error(std::string("CUDA fused kernel: unsupported dtype ") + c10::toString(t));
-}
-
-// Storage value `raw` as float, and float `v` as storage.
-std::string to_float(c10::ScalarType t, const std::string& raw) {
-  switch (t) {
-    case c10::kHalf: return "h2f(" + raw + ")";
-    case c10::kBFloat16: return "bf2f(" + raw + ")";
-    case c10::kBool: return "(" + raw + " ? 1.f : 0.f)";
-    default: return raw;
-  }
-}
-
-std::string from_float(c10::ScalarType t, const std::string& v) {
-  switch (t) {
-    case c10::kHalf: return "f2h(" + v + ")";
-    case c10::kBFloat16: return "f2bf(" + v + ")";
-    case c10::kBool: return "(unsigned char)((" + v + ") != 0.f)";
-    default: return v;
-  }
-}
-
-std::string in_ptr(c10::ScalarType t, size_t input) {
-  return "((const " + std::string(storage_type(t)) + "*)p.in[" + std::to_string(input) + "])";
-}
-
-std::string out_ptr(c10::ScalarType t, size_t output) {
-  return "((" + std::string(storage_type(t)) + "*)p.out[" + std::to_string(output) + "])";
-}
-
-std::string load(c10::ScalarType t, size_t input, const std::string& offset) {
-  return to_float(t, in_ptr(t, input) + "[" + offset + "]");
-}
-
-std::string store(c10::ScalarType t, size_t output, const std::string& index, const std::string& v) {
-  return out_ptr(t, output) + "[" + index + "] = " + from_float(t, v) + ";";
-}
-
-std::string float_literal(float f) {
-  if (f != f) return "__int_as_float(0x7fffffff)";
-  if (f == INFINITY) return "__int_as_float(0x7f800000)";
-  if (f == -INFINITY) return "__int_as_float(0xff800000)";
-  char buf[48];
-  std::snprintf(buf, sizeof(buf), "%.9gf", f);
-  std::string s = buf;
-  if (s.find_first_of(".e") == std::string::npos) s.insert(s.size() - 1, ".0");
-  return s;
-}
-
-// A string builder with stream syntax. iostreams are avoided on purpose: formatting integers through
-// std::ostringstream crashed inside the Python process on the GPU machine (locale facets), while the
-// same code ran in the C++ test binary.
-struct Source {
-  std::string s;
-  Source& operator<<(const std::string& x) { s += x; return *this; }
-  Source& operator<<(const char* x) { s += x; return *this; }
-  Source& operator<<(size_t n) { s += std::to_string(n); return *this; }
-  Source& operator<<(int n) { s += std::to_string(n); return *this; }
-};
 
 class Printer {
  public:
@@ -101,6 +34,7 @@ class Printer {
     CudaSource out;
     out.general = name;
     out.vector_width = width_;
+    if (!p_.has_reduction) out.flat_unroll = flat_unroll();
     Source o;
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
@@ -112,12 +46,17 @@ class Printer {
     o << "}\n";
     if (!p_.has_reduction) {
       out.vector_entry = name + "_vec";
-      flat_vector(o, out.vector_entry);
+      out.strided_vector_entry = name + "_vec_strided";
+      flat_vector(o);
+      o << "extern \"C\" __global__ void " << out.vector_entry << "(Params p) { flat_vec<false>(p); }\n";
+      o << "extern \"C\" __global__ void " << out.strided_vector_entry << "(Params p) { flat_vec<true>(p); }\n";
     } else {
       out.rows = row_variants(name);
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
-        o << "extern \"C\" __global__ void " << v.entry << "(Params p) { rows_cached<" << v.chunks << ", "
+        o << "extern \"C\" __global__ void "
+          << (min_resident_blocks(v) ? "__launch_bounds__(256, " + str(min_resident_blocks(v)) + ") " : std::string()) << v.entry
+          << "(Params p) { rows_cached<" << v.chunks << ", "
           << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
     }
     out.text = std::move(o.s);
@@ -134,6 +73,18 @@ class Printer {
   c10::ScalarType in_type(size_t k) const { return dtype(p_.inputs[k].value); }
   c10::ScalarType out_type(size_t k) const { return dtype(p_.outputs[k].value); }
   static std::string str(size_t n) { return std::to_string(n); }
+
+  // The value output k stores. A rounding to the output's own 16-bit dtype just before the store is
+  // skipped: rounding twice gives the same bits as once (a NaN stores as the same NaN either way),
+  // and the store rounds anyway.
+  std::string stored(size_t k) const {
+    const int r = p_.outputs[k].reg;
+    for (const Instr& i : p_.code)
+      if (i.dst == r && ((i.op == OpCode::RoundBFloat16 && out_type(k) == c10::kBFloat16) ||
+                         (i.op == OpCode::RoundHalf && out_type(k) == c10::kHalf)))
+        return operand(i.a);
+    return reg(r);
+  }
 
   std::string operand(const Operand& a) const {
     switch (a.kind) {
@@ -165,7 +116,7 @@ class Printer {
       case OpCode::Reciprocal: return "(1.f / " + a + ")";
       case OpCode::Erf: return "erff(" + a + ")";
       case OpCode::RoundHalf: return "h2f(f2h(" + a + "))";
-      case OpCode::RoundBFloat16: return "bf2f(f2bf(" + a + "))";
+      case OpCode::RoundBFloat16: return "bf_round(" + a + ")";
       case OpCode::ToBool: return "(" + a + " != 0.f ? 1.f : 0.f)";
       case OpCode::Gelu: return "gelu_erf(" + a + ")";
       case OpCode::GeluTanh: return "gelu_tanh(" + a + ")";
@@ -215,7 +166,7 @@ class Printer {
     for (size_t k = 0; k < p_.inputs.size(); ++k)
       o << ind << "float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "o" + str(k)) << ";\n";
     for (const Instr& n : p_.code) o << ind << "float " << reg(n.dst) << " = " << expr(n) << ";\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << ind << store(out_type(k), k, i, reg(p_.outputs[k].reg)) << "\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) o << ind << store(out_type(k), k, i, stored(k)) << "\n";
   }
 
   void flat(Source& o) {
@@ -227,52 +178,73 @@ class Printer {
   // The flat group over vectors of V elements: outputs are contiguous and aligned; each input is read
   // with vector loads (contiguous and aligned: bit in p.vec; contiguous over the trailing p.period[k]
   // elements and repeated over the leading dimensions, a bias: bit in p.inner), once (one value for
-  // all: bit in p.bcast), or element by element through its strides. The last numel % V elements run
-  // the general body.
-  void flat_vector(Source& o, const std::string& entry) {
-    o << "extern \"C\" __global__ void " << entry << "(Params p) {\n";
-    o << "  constexpr int V = " << width_ << ";\n";
+  // all: bit in p.bcast), or, in the STRIDED entry only, element by element through its strides. The
+  // last numel % V elements run the general body.
+  //
+  // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
+  // issues every input's loads before any compute: U times the bytes in flight of one vector per thread,
+  // which is what keeps a grid of one wave (call_plan.cpp) at copy bandwidth. Loaded vectors stay packed
+  // in 32-bit words and each element converts to float where it is used. The entry without strided
+  // inputs has no index arithmetic in its loop, so it needs far fewer registers than the one with.
+  void flat_vector(Source& o) {
+    const int unroll = flat_unroll();
+    o << "template <bool STRIDED> __device__ __forceinline__ void flat_vec(const Params& p) {\n";
+    o << "  constexpr int V = " << width_ << ", U = " << unroll << ";\n";
     o << "  const i64 chunks = p.numel / V, step = (i64)gridDim.x * blockDim.x;\n";
-    o << "  const i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x;\n";
-    o << "  for (i64 c = first; c < chunks; c += step) {\n";
-    o << "    const i64 i = c * V;\n";
+    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k)
+      o << "  const unsigned s" << k << " = (p.bcast >> " << k << ") & 1u ? splat<" << storage_type(in_type(k)) << ">("
+        << in_ptr(in_type(k), k) << "[0]) : 0u;\n";
+    o << "  for (i64 base = (i64)blockIdx.x * blockDim.x * U + threadIdx.x; base < chunks; base += step * U) {\n";
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      const std::string a = "a" + str(k), t = storage_type(in_type(k));
-      o << "    float " << a << "[V];\n";
+      const std::string a = "a" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+      o << "    unsigned " << a << "[U][" << w << "] = {};\n";
+      o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
+      o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
+      o << "      if (chunk >= chunks) break;\n";
       if (k < static_cast<size_t>(kMaxVectorInputs)) {
-        o << "    if ((p.vec >> " << k << ") & 1u) {\n";
-        o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i, r);\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
-        o << "    } else if ((p.inner >> " << k << ") & 1u) {\n";
-        o << "      " << t << " r[V]; ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + i % p.period[" << k << "], r);\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = " << to_float(in_type(k), "r[v]") << ";\n";
-        o << "    } else if ((p.bcast >> " << k << ") & 1u) {\n";
-        o << "      const float s = " << load(in_type(k), k, "0") << ";\n";
-        o << "#pragma unroll\n      for (int v = 0; v < V; ++v) " << a << "[v] = s;\n";
-        o << "    } else {\n";
+        o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
+        o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V % p.period[" << k
+          << "], " << a << "[u]);\n";
+        o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
+        o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
+        o << "      } else if constexpr (STRIDED) {\n";
       } else {
-        o << "    {\n";
+        o << "      {\n";
       }
-      o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
-      offset(o, k, "i + v", "off", "        ");
-      o << "        " << a << "[v] = " << load(in_type(k), k, "off") << ";\n";
-      o << "      }\n    }\n";
+      o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
+      offset(o, k, "chunk * V + v", "off", "          ");
+      o << "          set_elem<" << t << ">(" << a << "[u], v, " << in_ptr(in_type(k), k) << "[off]);\n";
+      o << "        }\n      }\n    }\n";
     }
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "    float y" << k << "[V];\n";
-    o << "#pragma unroll\n    for (int v = 0; v < V; ++v) {\n";
-    for (size_t k = 0; k < p_.inputs.size(); ++k) o << "      float " << reg(p_.inputs[k].reg) << " = a" << k << "[v];\n";
-    for (const Instr& n : p_.code) o << "      float " << reg(n.dst) << " = " << expr(n) << ";\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      y" << k << "[v] = " << reg(p_.outputs[k].reg) << ";\n";
-    o << "    }\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k) {
-      const std::string t = storage_type(out_type(k));
-      o << "    { " << t << " r[V];\n#pragma unroll\n      for (int v = 0; v < V; ++v) r[v] = " << from_float(out_type(k), "y" + str(k) + "[v]")
-        << ";\n      st_vec<" << t << ", V>(" << out_ptr(out_type(k), k) << " + i, r); }\n";
-    }
-    o << "  }\n";
-    o << "  for (i64 i = chunks * V + first; i < p.numel; i += step) {\n";
+    o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
+    o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
+    o << "      if (chunk >= chunks) break;\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+    o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      o << "        float " << reg(p_.inputs[k].reg) << " = "
+        << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(a" + str(k) + "[u], v)") << ";\n";
+    for (const Instr& n : p_.code) o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), stored(k))
+        << ");\n";
+    o << "      }\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
+    o << "    }\n  }\n";
+    o << "  for (i64 i = chunks * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.numel; i += step) {\n";
     element(o, "i", "    ");
     o << "  }\n}\n";
+  }
+
+  // 32-bit words holding one vector of `width_` elements of dtype t (vectors are 4 to 16 bytes).
+  int words(c10::ScalarType t) const { return std::max<int>(1, width_ * static_cast<int>(c10::elementSize(t)) / 4); }
+
+  // Vectors per thread per iteration in flat_vec: 4 for one or two inputs (up to 128 bytes in flight
+  // per thread), fewer where more inputs would hold more registers than they buy.
+  int flat_unroll() const {
+    const size_t n = std::max<size_t>(p_.inputs.size(), 1);
+    return n <= 2 ? 4 : (n <= 4 ? 2 : 1);
   }
 
   // The elementwise values at column `col`: full inputs, then every full instruction before `end`.
@@ -294,9 +266,7 @@ class Printer {
     }
   }
 
-  static bool is_reduction(const Instr& i) {
-    return i.op == OpCode::RowSum || i.op == OpCode::RowMean || i.op == OpCode::RowMax || i.op == OpCode::RowMin;
-  }
+  static bool is_reduction(const Instr& i) { return is_row_reduction(i.op); }
   static int reduction_kind(const Instr& i) { return i.op == OpCode::RowMax ? 1 : (i.op == OpCode::RowMin ? 2 : 0); }
   static const char* identity(int kind) {
     return kind == 0 ? "0.f" : (kind == 1 ? "__int_as_float(0xff800000)" : "__int_as_float(0x7f800000)");
@@ -341,7 +311,7 @@ class Printer {
     o << "    for (i64 col = threadIdx.x; col < p.cols; col += blockDim.x) {\n";
     column_body(o, p_.code.size(), "      ");
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (!p_.outputs[k].row) o << "      " << store(out_type(k), k, "row * p.cols + col", reg(p_.outputs[k].reg)) << "\n";
+      if (!p_.outputs[k].row) o << "      " << store(out_type(k), k, "row * p.cols + col", stored(k)) << "\n";
     o << "    }\n";
     row_outputs(o, "threadIdx.x == 0");
     o << "    __syncthreads();\n";
@@ -351,104 +321,177 @@ class Printer {
   void row_outputs(Source& o, const char* writer) {
     o << "    if (" << writer << ") {\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "row", reg(p_.outputs[k].reg)) << "\n";
+      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "row", stored(k)) << "\n";
     o << "    }\n";
   }
 
-  // Row kernels that read each full input once into registers: J vectors of V columns per thread,
+  // Row kernels that keep each full input's row in registers: J vectors of V columns per thread,
   // thread `lane` of T holding columns (j * T + lane) * V + v. WARP: a warp per row (T = 32, shuffle
-  // reductions); else a block per row (T = blockDim.x). Columns past the row's end hold 0 and are
+  // reductions); else a block per row (T = blockDim.x). Columns past the row's end read as zeros and are
   // neither reduced nor stored.
+  //
+  // The row runs as phases: one per reduction, then one writing the full outputs. Each phase computes,
+  // per column, only the values its result needs. What keeps registers down (and occupancy up):
+  //  - inputs stay packed in 32-bit words (a bf16 vector of 8 in 4 registers) and convert where used;
+  //  - an input is loaded when the first phase that needs it starts (a layer norm's weight and bias in
+  //    the output phase), and its registers free once the last phase that needs it is done;
+  //  - each output vector is stored as soon as its V values are computed, not held for the whole row;
+  //  - a value needed by a later phase is recomputed from the inputs unless it costs a transcendental
+  //    or a division (softmax's exp), in which case the phase that first computes it keeps it (a float
+  //    per column; at most kMaxKeptRows of them) in the variants where they fit in kMaxKeptValues;
+  //    a value rounded to bf16 is kept packed (two per register) instead of rounded again.
   void rows_cached(Source& o) {
     o << "template <int J, bool WARP> __device__ __forceinline__ void rows_cached(const Params& p) {\n";
     o << "  constexpr int V = " << width_ << ", E = J * V;\n";
     o << "  __shared__ float shared[32];\n";
     o << "  const int T = WARP ? 32 : (int)blockDim.x;\n";
     o << "  const int lane = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;\n";
+    o << "  const int cols = (int)p.cols;\n";
     o << "  const i64 first = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;\n";
     o << "  const i64 step = WARP ? (i64)gridDim.x * (blockDim.x >> 5) : (i64)gridDim.x;\n";
+    const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
+    int kept_rows = 0;
+    for (int q : phases.kept_in) kept_rows += q >= 0;
+    // Kept values cost E registers each: variants with longer rows per thread recompute instead.
+    o << "  constexpr bool KEEP = " << (kept_rows ? "E * " + str(kept_rows) + " <= " + str(kMaxKeptValues) : std::string("false")) << ";\n";
+    int packed_rows = 0;
+    for (int q : phases.packed_in) packed_rows += q >= 0;
+    // Packed bf16 values cost E / 2 registers each.
+    o << "  constexpr bool PACK = " << (packed_rows ? "E * " + str(packed_rows) + " <= " + str(2 * kMaxKeptValues) : std::string("false"))
+      << ";\n";
     o << "  for (i64 row = first; row < p.rows; row += step) {\n";
     row_prologue(o);
-    const size_t lead = p_.rank - 1;
-    for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      if (p_.inputs[k].row) continue;
-      const std::string x = "x" + str(k), t = storage_type(in_type(k));
-      o << "    float " << x << "[E];\n";
-      if (k < static_cast<size_t>(kMaxVectorInputs)) {
-        o << "    if ((p.vec >> " << k << ") & 1u) {\n";
-        o << "#pragma unroll\n      for (int j = 0; j < J; ++j) {\n";
-        o << "        const i64 col = ((i64)j * T + lane) * V;\n";
-        o << "        " << t << " r[V];\n";
-        o << "        if (col < p.cols) ld_vec<" << t << ", V>(" << in_ptr(in_type(k), k) << " + b" << k << " + col, r);\n";
-        o << "#pragma unroll\n        for (int v = 0; v < V; ++v) " << x << "[j * V + v] = col < p.cols ? "
-          << to_float(in_type(k), "r[v]") << " : 0.f;\n";
-        o << "      }\n    } else {\n";
-      } else {
-        o << "    {\n";
+    std::vector<bool> loaded(p_.inputs.size(), false);
+    size_t phase = 0;
+    for (size_t n = 0; n <= p_.code.size(); ++n) {
+      const bool output_phase = n == p_.code.size();
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        if (!p_.reg_is_row[i.dst]) continue;
+        if (!is_reduction(i)) {
+          o << "    float " << reg(i.dst) << " = " << expr(i) << ";\n";
+          continue;
+        }
+      } else if (phases.targets.size() == phase) {
+        break;  // no full outputs
       }
-      o << "#pragma unroll\n      for (int e = 0; e < E; ++e) {\n";
-      o << "        const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "        " << x << "[e] = col < p.cols ? " << load(in_type(k), k, "b" + str(k) + " + col * p.stride[" + str(k) + "][" + str(lead) + "]")
-        << " : 0.f;\n";
-      o << "      }\n    }\n";
-    }
-    auto cached_inputs = [&](const char* ind) {
+      const std::vector<bool>& need = phases.needed[phase];
       for (size_t k = 0; k < p_.inputs.size(); ++k)
-        if (!p_.inputs[k].row) o << ind << "float " << reg(p_.inputs[k].reg) << " = x" << k << "[e];\n";
-    };
-    for (size_t n = 0; n < p_.code.size(); ++n) {
-      const Instr& i = p_.code[n];
-      if (!p_.reg_is_row[i.dst]) continue;
-      if (!is_reduction(i)) {
-        o << "    float " << reg(i.dst) << " = " << expr(i) << ";\n";
-        continue;
+        if (!p_.inputs[k].row && need[p_.inputs[k].reg] && !loaded[k]) {
+          load_row_input(o, k);
+          loaded[k] = true;
+        }
+      for (size_t r = 0; r < phases.kept_in.size(); ++r)
+        if (phases.kept_in[r] == static_cast<int>(phase)) o << "    float k" << r << "[KEEP ? E : 1];\n";
+      for (size_t r = 0; r < phases.packed_in.size(); ++r)
+        if (phases.packed_in[r] == static_cast<int>(phase)) o << "    unsigned h" << r << "[PACK ? J : 1][V / 2] = {};\n";
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        int kind = reduction_kind(i);
+        o << "    float acc" << n << " = " << identity(kind) << ";\n";
       }
-      int kind = reduction_kind(i);
-      o << "    float acc" << n << " = " << identity(kind) << ";\n";
-      o << "#pragma unroll\n    for (int e = 0; e < E; ++e) {\n";
-      o << "      const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "      if (col < p.cols) {\n";
-      cached_inputs("        ");
-      full_code(o, n, "        ");
-      o << "        acc" << n << " = combine<" << kind << ">(acc" << n << ", " << operand(i.a) << ");\n";
-      o << "      }\n    }\n";
-      o << "    float " << reg(i.dst) << ";\n";
-      o << "    if constexpr (WARP) " << reg(i.dst) << " = warp_reduce<" << kind << ">(acc" << n << ");\n";
-      o << "    else " << reg(i.dst) << " = block_reduce<" << kind << ">(acc" << n << ", shared);\n";
-      if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)p.cols;\n";
-    }
-    bool any_full_output = false;
-    for (const ProgramOutput& out : p_.outputs) any_full_output |= !out.row;
-    if (any_full_output) {
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "    float y" << k << "[E];\n";
-      o << "#pragma unroll\n    for (int e = 0; e < E; ++e) {\n";
-      cached_inputs("      ");
-      full_code(o, p_.code.size(), "      ");
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "      y" << k << "[e] = " << reg(p_.outputs[k].reg) << ";\n";
-      o << "    }\n";
-      o << "    if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
-      o << "#pragma unroll\n      for (int j = 0; j < J; ++j) {\n";
-      o << "        const i64 col = ((i64)j * T + lane) * V;\n";
-      o << "        if (col >= p.cols) continue;\n";
-      for (size_t k = 0; k < p_.outputs.size(); ++k) {
-        if (p_.outputs[k].row) continue;
-        const std::string t = storage_type(out_type(k));
-        o << "        { " << t << " r[V];\n#pragma unroll\n          for (int v = 0; v < V; ++v) r[v] = "
-          << from_float(out_type(k), "y" + str(k) + "[j * V + v]") << ";\n          st_vec<" << t << ", V>("
-          << out_ptr(out_type(k), k) << " + row * p.cols + col, r); }\n";
+      o << "#pragma unroll\n    for (int j = 0; j < J; ++j) {\n";
+      o << "      const int col0 = (j * T + lane) * V;\n";
+      if (output_phase)
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+      // Every column is computed, those past the row's end from zeros, and only the reduction and the
+      // stores are masked: branching around each column costed the unrolled code a third more registers.
+      o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
+      for (size_t k = 0; k < p_.inputs.size(); ++k)
+        if (!p_.inputs[k].row && need[p_.inputs[k].reg])
+          o << "        float " << reg(p_.inputs[k].reg) << " = "
+            << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(x" + str(k) + "[j], v)") << ";\n";
+      for (size_t m = 0; m < p_.code.size(); ++m) {
+        const Instr& i = p_.code[m];
+        if (p_.reg_is_row[i.dst] || !need[i.dst]) continue;
+        const int kept_in = phases.kept_in[i.dst], packed_in = phases.packed_in[i.dst];
+        if (packed_in >= 0 && packed_in < static_cast<int>(phase)) {
+          o << "        float " << reg(i.dst) << ";\n";
+          o << "        if constexpr (PACK) " << reg(i.dst) << " = bf2f(get_elem<unsigned short>(h" << i.dst << "[j], v)); else " << reg(i.dst)
+            << " = " << expr(i) << ";\n";
+          continue;
+        }
+        if (kept_in >= 0 && kept_in < static_cast<int>(phase)) {
+          o << "        float " << reg(i.dst) << ";\n";
+          o << "        if constexpr (KEEP) " << reg(i.dst) << " = k" << i.dst << "[j * V + v]; else " << reg(i.dst) << " = " << expr(i)
+            << ";\n";
+          continue;
+        }
+        o << "        float " << reg(i.dst) << " = " << expr(i) << ";\n";
+        if (kept_in == static_cast<int>(phase)) o << "        if constexpr (KEEP) k" << i.dst << "[j * V + v] = " << reg(i.dst) << ";\n";
+        if (packed_in == static_cast<int>(phase))
+          o << "        if constexpr (PACK) set_elem<unsigned short>(h" << i.dst << "[j], v, (unsigned short)(__float_as_uint(" << reg(i.dst)
+            << ") >> 16));\n";
       }
-      o << "      }\n    } else {\n";
-      o << "#pragma unroll\n      for (int e = 0; e < E; ++e) {\n";
-      o << "        const i64 col = ((i64)(e / V) * T + lane) * V + e % V;\n";
-      o << "        if (col >= p.cols) continue;\n";
-      for (size_t k = 0; k < p_.outputs.size(); ++k)
-        if (!p_.outputs[k].row) o << "        " << store(out_type(k), k, "row * p.cols + col", "y" + str(k) + "[e]") << "\n";
-      o << "      }\n    }\n";
+      if (!output_phase) {
+        const Instr& i = p_.code[n];
+        o << "        if (col0 + v < cols) acc" << n << " = combine<" << reduction_kind(i) << ">(acc" << n << ", " << operand(i.a) << ");\n";
+        o << "      }\n    }\n";
+        o << "    float " << reg(i.dst) << ";\n";
+        o << "    if constexpr (WARP) " << reg(i.dst) << " = warp_reduce<" << reduction_kind(i) << ">(acc" << n << ");\n";
+        o << "    else " << reg(i.dst) << " = block_reduce<" << reduction_kind(i) << ">(acc" << n << ", shared);\n";
+        if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)p.cols;\n";
+      } else {
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, "
+              << from_float(out_type(k), stored(k)) << ");\n";
+        o << "      }\n";
+        o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
+        o << "        if (col0 < cols) {\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * p.cols + col0, y" << k << ");\n";
+        o << "        }\n      } else {\n";
+        o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
+        o << "          if (col0 + v >= cols) continue;\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (!p_.outputs[k].row)
+            o << "          " << out_ptr(out_type(k), k) << "[row * p.cols + col0 + v] = get_elem<" << storage_type(out_type(k)) << ">(y"
+              << k << ", v);\n";
+        o << "        }\n      }\n    }\n";
+      }
+      ++phase;
     }
     row_outputs(o, "lane == 0");
     o << "  }\n}\n";
+  }
+
+  // Warp variants (256 threads) carry a register bound: left alone, ptxas schedules their unrolled
+  // columns into as many registers as it likes (80-100 for softmax's w4, 237 for a 16-bit w8), which
+  // leaves a quarter of the threads or fewer and too few bytes in flight. Those of one full input and
+  // one full output with at most 32 values per thread (softmax, log_softmax, a scorer) are held to
+  // 4 blocks per multiprocessor (64 registers, half its threads); the rest to 2 (128 registers):
+  // tighter bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with
+  // up to 1024 threads, where any bound would be tight: they stay unbounded. The
+  // CudaCodegen.BoundedVariantsDoNotSpill test checks every bounded variant of its corpus with ptxas.
+  int min_resident_blocks(const RowVariant& v) const {
+    if (v.mode != RowVariant::Mode::Warp) return 0;
+    size_t full_inputs = 0, full_outputs = 0;
+    for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
+    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
+    return v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1 ? 4 : 2;
+  }
+
+  // Input k's row as packed words x<k>[J][W]: vector loads where p.vec says so, else element by element.
+  void load_row_input(Source& o, size_t k) {
+    const std::string x = "x" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+    o << "    unsigned " << x << "[J][" << w << "] = {};\n";
+    if (k < static_cast<size_t>(kMaxVectorInputs)) {
+      o << "    if ((p.vec >> " << k << ") & 1u) {\n";
+      o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
+      o << "        if ((j * T + lane) * V < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k
+        << " + (j * T + lane) * V, " << x << "[j]);\n";
+      o << "    } else {\n";
+    } else {
+      o << "    {\n";
+    }
+    o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
+    o << "#pragma unroll\n        for (int v = 0; v < V; ++v)\n";
+    o << "          if ((j * T + lane) * V + v < cols) set_elem<" << t << ">(" << x << "[j], v, " << in_ptr(in_type(k), k) << "[b" << k
+      << " + (i64)((j * T + lane) * V + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
+    o << "    }\n";
   }
 
   // The register-resident row variants worth compiling: those whose registers stay bounded, and where
@@ -505,6 +548,8 @@ class Printer {
   }
 
   static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
+  static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
+  static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 
   const Program& p_;
   int width_;

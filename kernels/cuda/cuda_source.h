@@ -29,11 +29,16 @@ struct CudaSource {
   std::string text;
   std::string general;       // the strided kernel: flat groups, or General rows
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty
+  // The same where some input is read through its strides (its loop carries index arithmetic, and
+  // the registers it needs, that the vector entry does without).
+  std::string strided_vector_entry;
   int vector_width = 1;      // elements per 16-byte (at most) access, shared by every tensor of the group
+  int flat_unroll = 1;       // vectors each thread of the vector entries takes per iteration
   std::vector<RowVariant> rows;  // row groups: the register-resident variants compiled (General excluded)
 };
 
-// Prints `program` with its entry points named `name`, `name`_vec, `name`_w<chunks>, `name`_b<chunks>.
+// Prints `program` with its entry points named `name`, `name`_vec, `name`_vec_strided, `name`_w<chunks>,
+// `name`_b<chunks>.
 CudaSource generate(const Program& program, const std::string& name);
 
 // The source text alone (generate(...).text).

@@ -45,6 +45,7 @@ struct Api {
                              void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuFuncGetAttribute)(int*, int, void*);
+  CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, void*, int, size_t);
   // nvrtc
   nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
                                     const char* const*);
@@ -110,6 +111,7 @@ const Api& api() {
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
       bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
+      bind(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", a.cuOccupancyMaxActiveBlocksPerMultiprocessor);
       if (a.cuInit(0) != 0) throw Error("cuInit failed");
     } catch (const Error& e) {
       failure = e.what();
@@ -280,6 +282,13 @@ int max_threads_per_block(void* function) {
   int threads = 0;
   check(api().cuFuncGetAttribute(&threads, kFunctionMaxThreadsPerBlock, function), "cuFuncGetAttribute");
   return threads;
+}
+
+int resident_blocks(void* function, int threads) {
+  int blocks = 0;
+  check(api().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function, threads, 0),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  return blocks;
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {

@@ -28,6 +28,10 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
 // The largest block `function` launches with (its registers per thread bound it below 1024).
 int max_threads_per_block(void* function);
 
+// Blocks of `threads` threads of `function` that one multiprocessor holds at once (its registers and
+// static shared memory bound it); 0 where the block is too large for the function.
+int resident_blocks(void* function, int threads);
+
 // `device`'s multiprocessor count, queried once per device.
 int multiprocessor_count(int device);
 

@@ -1,6 +1,7 @@
 // Fusion: the fuse pass as IR text in / IR text out, and fused CPU kernels against ATen on random
 // inputs: odd sizes, broadcast, non-contiguous, half/bfloat16, NaN and Inf, empty tensors.
 #include "ember/compiler.h"
+#include "kernels/cuda/call_plan.h"
 #include "kernels/cuda/cuda_source.h"
 #include "kernels/program.h"
 #include "passes/passes.h"
@@ -334,6 +335,11 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
   std::vector<std::pair<std::string, std::string>> graphs;
   for (std::string t : {"f32", "f16", "bf16"}) {
     graphs.push_back({"pointwise_" + t, pointwise(t)});
+    graphs.push_back({"silu_add_" + t, "graph(%x: " + t + "[s0]{1}@cuda:0, %y: " + t + "[s0]{1}@cuda:0, %s0: int):\n"
+                                       "  %g: " + t + "[s0]{1}@cuda:0 = aten::sigmoid(%x)\n"
+                                       "  %m: " + t + "[s0]{1}@cuda:0 = aten::mul.Tensor(%x, %g)\n"
+                                       "  %a: " + t + "[s0]{1}@cuda:0 = aten::add.Tensor(%m, %y)\n"
+                                       "  return (%a)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
@@ -367,9 +373,11 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
       if (!program.has_reduction) {
         EXPECT_EQ(src.vector_entry, "k_vec") << label;
         EXPECT_NE(src.text.find("void k_vec(Params p)"), std::string::npos) << label;
+        EXPECT_EQ(src.strided_vector_entry, "k_vec_strided") << label;
+        EXPECT_NE(src.text.find("void k_vec_strided(Params p)"), std::string::npos) << label;
       }
       for (const cuda::RowVariant& v : src.rows)
-        EXPECT_NE(src.text.find("void " + v.entry + "(Params p)"), std::string::npos) << label;
+        EXPECT_NE(src.text.find(" " + v.entry + "(Params p)"), std::string::npos) << label;
       bool f32 = label.find("f32") != std::string::npos;
       if (label.rfind("softmax_", 0) == 0 && label.find("1024") == std::string::npos)
         EXPECT_EQ(src.rows.size(), 6u) << label;  // w1 b1 w2 b2 w4 w8
@@ -416,11 +424,107 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
       if (label == "pointwise_f32") {
         std::ifstream f(path + ".ptx");
         std::string ptx((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-        EXPECT_NE(ptx.find("ld.global.v4"), std::string::npos) << path << ".ptx";
+        EXPECT_NE(ptx.find("ld.global.nc.v4"), std::string::npos) << path << ".ptx";
         EXPECT_NE(ptx.find("st.global.v4"), std::string::npos) << path << ".ptx";
       }
     }
   }
+}
+
+// The host side of a call, without a GPU (outputs land on the CPU): which entry point and what grid.
+// Grids stay within one wave of the entry's resident blocks, as the driver reports them.
+TEST(CudaLaunch, EntryAndOneWaveGrid) {
+  auto limits_with = [](size_t entries, int resident_at_256) {
+    cuda::LaunchLimits limits;
+    limits.multiprocessors = 132;
+    for (size_t e = 0; e < entries; ++e) {
+      limits.max_threads.push_back(e == 0 ? 1024 : 256);
+      std::vector<int>& r = limits.resident.emplace_back();
+      for (int threads = 32; threads <= 1024; threads += 32) r.push_back(threads <= 256 ? resident_at_256 * (256 / threads) : 1);
+    }
+    return limits;
+  };
+  auto call = [](const Program& program, const cuda::CudaSource& source, std::vector<at::Tensor> inputs,
+                 const cuda::LaunchLimits& limits) {
+    std::vector<c10::IValue> buffers;
+    std::vector<uint32_t> reads;
+    for (at::Tensor& t : inputs) {
+      reads.push_back(static_cast<uint32_t>(buffers.size()));
+      buffers.emplace_back(t);
+    }
+    for (size_t s = 0; s < program.scalars.size(); ++s) {
+      reads.push_back(static_cast<uint32_t>(buffers.size()));
+      buffers.emplace_back(int64_t{inputs[0].size(0)});
+    }
+    std::vector<c10::ScalarType> out_dtypes;
+    for (const ProgramOutput& o : program.outputs) out_dtypes.push_back(o.value->type.tensor.dtype);
+    return cuda::plan_call(program, source, out_dtypes, buffers, reads, c10::Device(c10::kCPU), limits);
+  };
+  const std::string silu_add =
+      "graph(%x: f32[s0]{1}@cuda:0, %y: f32[s0]{1}@cuda:0, %s0: int):\n"
+      "  %g: f32[s0]{1}@cuda:0 = aten::sigmoid(%x)\n"
+      "  %m: f32[s0]{1}@cuda:0 = aten::mul.Tensor(%x, %g)\n"
+      "  %a: f32[s0]{1}@cuda:0 = aten::add.Tensor(%m, %y)\n"
+      "  return (%a)\n";
+  std::vector<Program> flat = cuda_programs(silu_add);
+  ASSERT_EQ(flat.size(), 1u);
+  cuda::CudaSource flat_source = cuda::generate(flat[0], "k");
+  ASSERT_EQ(flat_source.flat_unroll, 4);
+  const cuda::LaunchLimits flat_limits = limits_with(3, 3);
+  const int64_t n = int64_t{1} << 24;
+  at::Tensor x = at::randn({n}), y = at::randn({n});
+  cuda::CallPlan plan = call(flat[0], flat_source, {x, y}, flat_limits);
+  EXPECT_EQ(plan.entry, 1u);  // every input vector-loaded: the entry without strided loads
+  EXPECT_EQ(plan.threads, 256u);
+  EXPECT_EQ(plan.blocks, 132u * 3);  // 4M vectors: capped at one wave of 3 blocks per SM
+  plan = call(flat[0], flat_source, {x, at::randn({n + 1}).narrow(0, 1, n)}, flat_limits);
+  EXPECT_EQ(plan.entry, 2u);  // a misaligned input: the strided vector entry
+  plan = call(flat[0], flat_source, {at::randn({4096}), at::randn({4096})}, flat_limits);
+  EXPECT_EQ(plan.blocks, 1u);  // 1024 vectors: one block's 256 threads x 4 vectors
+
+  const std::string softmax =
+      "graph(%x: bf16[s0, 1024]{1024, 1}@cuda:0, %s0: int):\n"
+      "  %a: bf16[s0, 1024]{1024, 1}@cuda:0 = aten::mul.Tensor(%x, 0.125)\n"
+      "  %sm: bf16[s0, 1024]{1024, 1}@cuda:0 = aten::_softmax(%a, -1, false)\n"
+      "  return (%sm)\n";
+  std::vector<Program> rows = cuda_programs(softmax);
+  ASSERT_EQ(rows.size(), 1u);
+  cuda::CudaSource row_source = cuda::generate(rows[0], "k");
+  ASSERT_EQ(row_source.rows.size(), 1u);
+  EXPECT_NE(row_source.text.find("__launch_bounds__(256, 4) k_w4"), std::string::npos);
+  plan = call(rows[0], row_source, {at::randn({32768, 1024}).to(at::kBFloat16)}, limits_with(2, 4));
+  EXPECT_EQ(plan.entry, 1u);
+  EXPECT_EQ(plan.threads, 256u);
+  EXPECT_EQ(plan.blocks, 132u * 4);  // 4096 blocks of 8 rows' worth, one wave of 4 per SM
+  plan = call(rows[0], row_source, {at::randn({20, 1024}).to(at::kBFloat16)}, limits_with(2, 4));
+  EXPECT_EQ(plan.blocks, 3u);  // 20 rows, 8 warps (rows) per block
+}
+
+// The register bound warp variants carry (cuda_source.cpp, min_resident_blocks) must not make ptxas spill.
+TEST(CudaCodegen, BoundedVariantsDoNotSpill) {
+  if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
+  int bounded = 0;
+  for (const auto& [label, text] : codegen_graphs()) {
+    std::vector<Program> programs = cuda_programs(text);
+    for (size_t i = 0; i < programs.size(); ++i) {
+      std::string source = cuda::generate_source(programs[i], "k");
+      if (source.find("__launch_bounds__") == std::string::npos) continue;
+      ++bounded;
+      std::string path = ::testing::TempDir() + "ember_bounded_" + label + "_" + std::to_string(i);
+      {
+        std::ofstream f(path + ".cu");
+        f << source;
+      }
+      std::string cmd = "nvcc -std=c++17 -arch=sm_90 -cubin -Xptxas -v -x cu -o " + path + ".cubin " + path + ".cu > " + path +
+                        ".log 2>&1";
+      ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << ".cu";
+      std::ifstream f(path + ".log");
+      for (std::string line; std::getline(f, line);)
+        if (line.find("bytes spill") != std::string::npos)
+          EXPECT_NE(line.find(" 0 bytes spill stores, 0 bytes spill loads"), std::string::npos) << path << ".log: " << line;
+    }
+  }
+  EXPECT_GT(bounded, 0);
 }
 
 }  // namespace

@@ -82,6 +82,36 @@ def test_flat_broadcast_transposed_misaligned(dtype, cols):
     assert kernels >= 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("numel", [(1 << 24) + 5, 3 * 1024 * 8 + 8])
+def test_flat_vector_entry_grid_stride(dtype, numel):
+    """Contiguous inputs, a bias and one value: the vector entry without strided inputs, over many
+    iterations of its one-wave grid (16M elements) and over a count that leaves some of a thread's
+    4 vectors past the end."""
+
+    def fn(x, y, bias, scalar):
+        return x * torch.sigmoid(x) + y * bias - scalar
+
+    cols = 8 * 16
+    x, y = (torch.randn(numel // cols, cols, device="cuda", dtype=dtype) for _ in range(2))
+    bias = torch.randn(cols, device="cuda", dtype=dtype)
+    scalar = torch.randn((), device="cuda", dtype=dtype)
+    _, kernels = compare(fn, x, y, bias, scalar)
+    assert kernels >= 1
+    flat = torch.randn(numel, device="cuda", dtype=dtype)
+    compare(silu_add, flat, flat.flip(0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_flat_strided_vector_entry_misaligned_one_input(dtype):
+    """One misaligned input beside aligned ones: the strided vector entry."""
+    n = (1 << 16) + 9
+    x = misaligned(n, dtype=dtype)
+    y = torch.randn(n, device="cuda", dtype=dtype)
+    _, kernels = compare(silu_add, y, x)
+    assert kernels >= 1
+
+
 def test_flat_mixed_dtypes_and_bool():
     def fn(x, h, m):
         return torch.where(m, x.float() * 2, h.float()).exp().half(), (x * 3 > 0)
@@ -166,6 +196,18 @@ def test_rows_many_rows_and_3d():
     _, kernels = compare(scaled_softmax, x)
     assert kernels >= 1
     compare(entropy, torch.randn(4, 196, 768, device="cuda"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", [768, 1024, 2048])
+@pytest.mark.parametrize("family", list(ROW_FNS))
+def test_rows_many_rows_per_variant(family, cols, dtype):
+    """Thousands of rows: each warp or block of the one-wave grid runs many rows in turn (values kept
+    across phases, inputs loaded per phase, outputs stored per vector)."""
+    fn = ROW_FNS[family](cols, dtype)
+    x = torch.randn(4099, cols, device="cuda", dtype=dtype) * 3
+    _, kernels = compare(fn, x)
+    assert kernels >= 1
 
 
 @pytest.mark.parametrize("family", ["softmax", "layer_norm"])
