@@ -40,6 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BACKENDS = ("eager", "inductor", "ember", "inductor-ro", "ember-ro")  # -ro: mode="reduce-overhead" (CUDA graphs)
+# --floor adds "dynamo": torch.compile with a backend that runs Dynamo's FX graph as it is. Its latency minus
+# eager's is what Dynamo's guards and frame handling add per call, which no backend can win back on a
+# workload whose whole eager call is that short (matmul + softmax 100x100 on the CPU).
+FLOOR = "dynamo"
 EMBER_OPTIONS = {"fallback": "raise"}
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -342,6 +346,8 @@ def compile_with(model, backend):
         return model
     if backend == "inductor":
         return torch.compile(model, backend="inductor")
+    if backend == FLOOR:
+        return torch.compile(model, backend=lambda gm, example_inputs: gm.forward)
     if backend == "ember":
         return torch.compile(model, backend="ember", options=EMBER_OPTIONS)
     if backend == "inductor-ro":
@@ -547,6 +553,8 @@ def main(argv=None):
                         help="comma-separated: default, reduce-overhead (default: both on CUDA, default on the CPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument("--floor", action="store_true",
+                        help="add the 'dynamo' row: Dynamo with the captured graph run eagerly (its per-call floor)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -568,6 +576,8 @@ def main(argv=None):
     backends = [b for b in BACKENDS
                 if not (b.startswith("inductor") and args.no_inductor)
                 and (b == "eager" or ("reduce-overhead" if b.endswith("-ro") else "default") in modes)]
+    if args.floor:
+        backends.insert(1, FLOOR)
 
     torch._dynamo.config.suppress_errors = False  # a failing backend must raise, never fall back to eager
     made_cache_dir = disable_inductor_caches()
