@@ -111,26 +111,20 @@ class Lowering {
     return any_reg && all_rows;
   }
 
-  const Arg* arg(const Node& n, size_t position, const char* name) const {
-    if (position < n.args.size()) return &n.args[position];
-    for (const auto& [k, v] : n.kwargs)
-      if (k == name) return &v;
-    return nullptr;
-  }
   Operand arg_operand(const Node& n, size_t position, const char* name, float fallback) {
-    const Arg* a = arg(n, position, name);
+    const Arg* a = n.arg(position, name);
     if (!a || a->kind == Arg::Kind::None) return Operand::constant(fallback);
     return operand(*a, n);
   }
   double arg_number(const Node& n, size_t position, const char* name, double fallback) const {
-    const Arg* a = arg(n, position, name);
+    const Arg* a = n.arg(position, name);
     if (!a || a->kind == Arg::Kind::None) return fallback;
     if (a->kind == Arg::Kind::Int) return static_cast<double>(a->i);
     if (a->kind == Arg::Kind::Float) return a->f;
     throw Unsupported("non-constant argument '" + std::string(name) + "' of " + n.op);
   }
   std::string arg_string(const Node& n, size_t position, const char* name, const char* fallback) const {
-    const Arg* a = arg(n, position, name);
+    const Arg* a = n.arg(position, name);
     if (!a || a->kind == Arg::Kind::None) return fallback;
     if (a->kind != Arg::Kind::String) throw Unsupported("argument '" + std::string(name) + "' of " + n.op);
     return a->s;
@@ -161,7 +155,7 @@ class Lowering {
 
   void lower(const Node& n) {
     const std::string& op = n.op;
-    auto x = [&](size_t i, const char* name) { return operand(*arg(n, i, name), n); };
+    auto x = [&](size_t i, const char* name) { return operand(*n.arg(i, name), n); };
     auto out = [&](Operand o) { define(n.outputs[0], o); };
     static const std::unordered_map<std::string, OpCode> unary = {
         {"aten::neg", OpCode::Neg},       {"aten::exp", OpCode::Exp},         {"aten::log", OpCode::Log},
@@ -209,8 +203,8 @@ class Lowering {
     if (op == "aten::clamp" || op == "aten::hardtanh") {
       bool hard = op == "aten::hardtanh";
       Operand v = x(0, "self");
-      const Arg* lo = arg(n, 1, hard ? "min_val" : "min");
-      const Arg* hi = arg(n, 2, hard ? "max_val" : "max");
+      const Arg* lo = n.arg(1, hard ? "min_val" : "min");
+      const Arg* hi = n.arg(2, hard ? "max_val" : "max");
       if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, v, lo ? operand(*lo, n) : Operand::constant(-1.f));
       if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, v, hi ? operand(*hi, n) : Operand::constant(1.f));
       return out(v);
@@ -274,8 +268,8 @@ class Lowering {
       Operand eps = Operand::constant(static_cast<float>(arg_number(n, 4, "eps", 1e-5)));
       Operand rstd = emit(OpCode::Rsqrt, emit(OpCode::Add, var, eps));
       Operand y = emit(OpCode::Mul, d, rstd);
-      const Arg* w = arg(n, 2, "weight");
-      const Arg* b = arg(n, 3, "bias");
+      const Arg* w = n.arg(2, "weight");
+      const Arg* b = n.arg(3, "bias");
       bool has_w = w && w->kind != Arg::Kind::None, has_b = b && b->kind != Arg::Kind::None;
       if (has_w && has_b) y = emit(OpCode::MulAdd, y, operand(*w, n), operand(*b, n));
       else if (has_w) y = emit(OpCode::Mul, y, operand(*w, n));

@@ -23,18 +23,11 @@ namespace {
 
 bool gemm_dtype(c10::ScalarType t) { return t == c10::kFloat || t == c10::kHalf || t == c10::kBFloat16; }
 
-const Arg* find_arg(const Node& n, size_t position, const char* name) {
-  if (position < n.args.size()) return &n.args[position];
-  for (const auto& [k, a] : n.kwargs)
-    if (k == name) return &a;
-  return nullptr;
-}
-
 // 0: not a fusible activation of its first input; 1: relu; 2: tanh-approximated gelu.
 int activation_kind(const Node& n) {
   if (n.op == "aten::relu" && n.args.size() == 1 && n.kwargs.empty()) return 1;
   if (n.op != "aten::gelu") return 0;
-  const Arg* a = find_arg(n, 1, "approximate");
+  const Arg* a = n.arg(1, "approximate");
   return a && a->kind == Arg::Kind::String && a->s == "tanh" ? 2 : 0;
 }
 
@@ -103,7 +96,7 @@ class Rewriter {
     if (n.op != "aten::add.Tensor" || n.group >= 0 || n.outputs.size() != 1 || n.args.size() < 2 ||
         !n.args[0].is_value() || !n.args[1].is_value())
       return false;
-    const Arg* alpha = find_arg(n, 2, "alpha");
+    const Arg* alpha = n.arg(2, "alpha");
     if (alpha && !((alpha->kind == Arg::Kind::Int && alpha->i == 1) || (alpha->kind == Arg::Kind::Float && alpha->f == 1.0)))
       return false;
     const Value* out = n.outputs[0];

@@ -77,13 +77,6 @@ std::vector<Dim> with_trailing_one(std::vector<Dim> d) {
   return d;
 }
 
-const Arg* find_arg(const Node& n, size_t position, const char* name) {
-  if (position < n.args.size()) return &n.args[position];
-  for (const auto& [k, v] : n.kwargs)
-    if (k == name) return &v;
-  return nullptr;
-}
-
 // The last-dimension reduction a node performs, if it is one ember fuses.
 bool reduces_last_dim(const Node& n) {
   const Value* in = n.args.empty() || !n.args[0].is_value() ? nullptr : n.args[0].value;
@@ -96,16 +89,16 @@ bool reduces_last_dim(const Node& n) {
       return a->list[0].i == -1 || a->list[0].i == last;
     return false;
   };
-  if (n.op == "aten::_softmax" || n.op == "aten::_log_softmax") return is_last(find_arg(n, 1, "dim"));
+  if (n.op == "aten::_softmax" || n.op == "aten::_log_softmax") return is_last(n.arg(1, "dim"));
   if (n.op == "aten::native_layer_norm") {
-    const Arg* shape = find_arg(n, 1, "normalized_shape");
+    const Arg* shape = n.arg(1, "normalized_shape");
     return shape && shape->kind == Arg::Kind::List && shape->list.size() == 1;
   }
   if (n.op == "aten::sum.dim_IntList" || n.op == "aten::mean.dim") {
-    const Arg* dtype = find_arg(n, 3, "dtype");
+    const Arg* dtype = n.arg(3, "dtype");
     if (dtype && dtype->kind != Arg::Kind::None) return false;
   }
-  return is_last(find_arg(n, 1, "dim"));
+  return is_last(n.arg(1, "dim"));
 }
 
 struct Group {

@@ -6,13 +6,6 @@
 namespace ember {
 namespace {
 
-const Arg* find_arg(const Node& n, size_t position, const char* name) {
-  if (position < n.args.size()) return &n.args[position];
-  for (const auto& [k, v] : n.kwargs)
-    if (k == name) return &v;
-  return nullptr;
-}
-
 std::optional<double> number(const Arg* a) {
   if (!a) return std::nullopt;
   if (a->kind == Arg::Kind::Int) return static_cast<double>(a->i);
@@ -22,7 +15,7 @@ std::optional<double> number(const Arg* a) {
 
 // The op's `alpha` (add/sub) or `beta`/`alpha` (addmm): absent means 1.
 double number_or_one(const Node& n, size_t position, const char* name) {
-  const Arg* a = find_arg(n, position, name);
+  const Arg* a = n.arg(position, name);
   return a ? number(a).value_or(std::nan("")) : 1.0;
 }
 
@@ -33,8 +26,8 @@ bool is(const Arg* a, const Value* v) { return a && a->is_value() && a->value ==
 std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in) {
   using K = EpilogueOp::Kind;
   if (n.outputs.size() != 1) return std::nullopt;
-  const Arg* self = find_arg(n, 0, "self");
-  const Arg* other = find_arg(n, 1, "other");
+  const Arg* self = n.arg(0, "self");
+  const Arg* other = n.arg(1, "other");
   auto unary = [&](K k) -> std::optional<EpilogueOp> {
     if (!is(self, in)) return std::nullopt;
     return EpilogueOp{k};
@@ -45,12 +38,12 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in) {
   if (op == "aten::sigmoid") return unary(K::Sigmoid);
   if (op == "aten::tanh") return unary(K::Tanh);
   if (op == "aten::clamp_min") {
-    auto min = number(find_arg(n, 1, "min"));
+    auto min = number(n.arg(1, "min"));
     if (!is(self, in) || !min || *min != 0.0) return std::nullopt;
     return EpilogueOp{K::Relu};
   }
   if (op == "aten::gelu") {
-    const Arg* approximate = find_arg(n, 1, "approximate");
+    const Arg* approximate = n.arg(1, "approximate");
     std::string how = approximate && approximate->kind == Arg::Kind::String ? approximate->s : "none";
     if (!is(self, in) || (how != "none" && how != "tanh")) return std::nullopt;
     return EpilogueOp{how == "tanh" ? K::GeluTanh : K::GeluErf};
@@ -61,7 +54,7 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in) {
     const Arg* scale_arg = is(self, in) ? other : (!div && is(other, in) ? self : nullptr);
     auto scale = number(scale_arg);
     if (!scale || (div && *scale == 0.0)) return std::nullopt;
-    if (div && find_arg(n, 2, "rounding_mode") && find_arg(n, 2, "rounding_mode")->kind != Arg::Kind::None)
+    if (div && n.arg(2, "rounding_mode") && n.arg(2, "rounding_mode")->kind != Arg::Kind::None)
       return std::nullopt;
     return EpilogueOp{K::Linear, static_cast<float>(div ? 1.0 / *scale : *scale), 0.f};
   }
@@ -86,7 +79,7 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in) {
 
 bool as_matmul(const Node& n, const Value** src, const Value** weights, const Value** bias) {
   auto value = [&](size_t pos, const char* name) -> const Value* {
-    const Arg* a = find_arg(n, pos, name);
+    const Arg* a = n.arg(pos, name);
     return a && a->is_value() && a->value->type.is_tensor() ? a->value : nullptr;
   };
   if (n.outputs.size() != 1) return false;

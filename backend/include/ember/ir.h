@@ -109,6 +109,14 @@ class Node {
   std::vector<Value*> outputs;
   int group = -1;  // fusion group set by the fuse pass ("#3" in the text form); -1: none
 
+  // The argument at schema position `position`, given positionally or as the keyword `name`; null if absent.
+  const Arg* arg(size_t position, const char* name) const {
+    if (position < args.size()) return &args[position];
+    for (const auto& [k, v] : kwargs)
+      if (k == name) return &v;
+    return nullptr;
+  }
+
   template <class F> void for_each_input(F&& f) {
     for (Arg& a : args) a.for_each_value(f);
     for (auto& kv : kwargs) kv.second.for_each_value(f);
