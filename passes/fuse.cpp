@@ -4,13 +4,18 @@
 //     scorer), each become one group that a kernel generator may turn into one kernel.
 //  2. A group runs where its first node stands. A node joins a group only if each of its inputs is made
 //     inside the group or before the group's first node, so groups never form cycles and every value
-//     a group reads exists when it runs.
+//     a group reads exists when it runs; and nothing joins a group across an in-place write (the node
+//     would read, at the group's place, memory the write had not yet changed).
 //  3. Every member shares the group's iteration space: a "full" member has the group's shape; after a
 //     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
 //     without a trailing 1). Inputs may broadcast into either.
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
 //     row-major contiguous (eager's layout for them, which fused kernels write); a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
 //     ATen CPU kernel beats ember's (kCpuKeepAten: gelu, tanh) are not fused on the CPU.
+//  5. Siblings: a pointwise node that no producer's group takes joins a pointwise group that already reads
+//     one of its inputs (same space, rule 2 permitting), so one kernel reads the shared input once. GPT-2's
+//     gelu_new is 0.5*x * (1 + tanh(c*(x + 0.044715*x^3))): 0.5*x and x^3 both start from x, and without
+//     this 0.5*x stayed a group of one, ran as its own ATen kernel and was read back by the rest.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -121,6 +126,7 @@ class Fuser {
     for (size_t i = 0; i < nodes.size(); ++i) {
       Node& n = *nodes[i];
       for (const Value* v : n.outputs) position_[v] = i;
+      if (mutates(n)) last_write_ = static_cast<int64_t>(i);
       if (n.group >= 0 || !eligible(n)) continue;
       Group* g = pick_group(n, i);
       if (!g) g = start_group(n, i);
@@ -182,11 +188,28 @@ class Fuser {
       if (!best || g->first > best->first)
         if (fits(n, *g, reduction)) best = g;
     });
+    if (best || reduction) return best;
+    n.for_each_input([&](const Value* v) {  // rule 5
+      auto it = reader_of_.find(v);
+      if (it == reader_of_.end()) return;
+      Group* g = &groups_[it->second - base_];
+      if (!g->has_reduction && (!best || g->first > best->first) && fits(n, *g, false)) best = g;
+    });
     return best;
+  }
+
+  static bool mutates(const Node& n) {
+    try {
+      return op_info(n.op).has(kMutates);
+    } catch (const std::exception&) {
+      return true;  // unknown: assume the worst
+    }
   }
 
   bool fits(const Node& n, const Group& g, bool reduction) const {
     if (n.outputs[0]->type.tensor.device != g.device) return false;  // (inputs were checked in eligible)
+    // The group runs at its first member: a write in place since then could change what the node reads.
+    if (last_write_ >= static_cast<int64_t>(g.first)) return false;
     const std::vector<Dim>& space = space_of(n, reduction);
     bool full = same_dims(space, g.full);
     bool row = !reduction && g.has_reduction && !g.full.empty() &&
@@ -226,6 +249,7 @@ class Fuser {
       group_of_[v] = g.id;
       if (!same_dims(v->type.tensor.sizes, g.full)) row_values_[v] = true;
     }
+    n.for_each_input([&](const Value* v) { reader_of_[v] = g.id; });
   }
 
   void dissolve_singletons() {
@@ -242,6 +266,8 @@ class Fuser {
   std::vector<Group> groups_;
   std::unordered_map<const Value*, int> group_of_;
   std::unordered_map<const Value*, bool> row_values_;
+  std::unordered_map<const Value*, int> reader_of_;  // the latest group reading each value (rule 5)
+  int64_t last_write_ = -1;  // index of the last node that writes a tensor in place
   std::unordered_map<const Value*, size_t> position_;
 };
 

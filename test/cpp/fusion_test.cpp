@@ -40,6 +40,51 @@ TEST(FusePass, PointwiseChainBecomesOneGroup) {
   EXPECT_EQ(fuse_text(in), expected);
 }
 
+TEST(FusePass, SiblingsReadingOneInputShareAGroup) {
+  // GPT-2's gelu_new on CUDA: 0.5*x and x^3 both start from x; one group, x read once.
+  const std::string in =
+      "graph(%x: bf16[4, 8]{8, 1}@cuda:0):\n"
+      "  %h: bf16[4, 8]{8, 1}@cuda:0 = aten::mul.Tensor(%x, 0.5)\n"
+      "  %p: bf16[4, 8]{8, 1}@cuda:0 = aten::pow.Tensor_Scalar(%x, 3.0)\n"
+      "  %q: bf16[4, 8]{8, 1}@cuda:0 = aten::mul.Tensor(%p, 0.044715)\n"
+      "  %r: bf16[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%x, %q)\n"
+      "  %t: bf16[4, 8]{8, 1}@cuda:0 = aten::tanh(%r)\n"
+      "  %u: bf16[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%t, 1.0)\n"
+      "  %y: bf16[4, 8]{8, 1}@cuda:0 = aten::mul.Tensor(%h, %u)\n"
+      "  return (%y)\n";
+  std::string out = fuse_text(in);
+  for (const char* name : {"%h", "%p", "%q", "%r", "%t", "%u", "%y"})
+    EXPECT_NE(out.find(std::string("  ") + name + ":"), std::string::npos);
+  size_t members = 0;
+  for (size_t at = out.find(" #0\n"); at != std::string::npos; at = out.find(" #0\n", at + 1)) ++members;
+  EXPECT_EQ(members, 7u) << out;
+  // A sibling of another shape, or a reduction, stays out of it.
+  const std::string other =
+      "graph(%x: f32[4, 8]{8, 1}@cuda:0, %w: f32[8]{1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::mul.Tensor(%x, 2)\n"
+      "  %b: f32[4, 8]{8, 1}@cuda:0 = aten::exp(%a)\n"
+      "  %s: f32[4]{1}@cuda:0 = aten::sum.dim_IntList(%x, [-1])\n"
+      "  %c: f32[8]{1}@cuda:0 = aten::neg(%w)\n"
+      "  %d: f32[8]{1}@cuda:0 = aten::exp(%w)\n"
+      "  return (%b, %s, %c, %d)\n";
+  std::string o = fuse_text(other);
+  EXPECT_NE(o.find("aten::exp(%a) #0"), std::string::npos) << o;
+  EXPECT_EQ(o.find("aten::sum.dim_IntList(%x, [-1]) #0"), std::string::npos) << o;
+  EXPECT_NE(o.find("aten::neg(%w) #1"), std::string::npos) << o;
+  EXPECT_NE(o.find("aten::exp(%w) #1"), std::string::npos) << o;
+  // Nothing joins a group across an in-place write: b would read x before the copy_.
+  const std::string written =
+      "graph(%x: f32[4]{1}@cpu, %y: f32[4]{1}@cpu):\n"
+      "  %a: f32[4]{1}@cpu = aten::sin(%x)\n"
+      "  %w: f32[4]{1}@cpu = aten::copy_(%x, %y)\n"
+      "  %b: f32[4]{1}@cpu = aten::add.Tensor(%a, %x)\n"
+      "  %c: f32[4]{1}@cpu = aten::cos(%x)\n"
+      "  return (%b, %c)\n";
+  std::string wo = fuse_text(written);
+  EXPECT_NE(wo.find("aten::sin(%x)\n"), std::string::npos) << wo;  // alone: b and c group after the write
+  EXPECT_NE(wo.find("aten::add.Tensor(%a, %x) #0\n"), std::string::npos) << wo;
+}
+
 TEST(FusePass, ReductionJoinsItsPrologueAndEpilogue) {
   // The entropy scorer: softmax, log, multiply, row sum, negate: one group.
   const std::string in =

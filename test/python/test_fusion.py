@@ -59,7 +59,8 @@ def test_pointwise_every_lowered_op(device):
         return tuple(o * 1.5 + 1 for o in outs)  # each op in a group with at least two more
 
     check(fn, torch.randn(5, 67, device=device), torch.randn(5, 67, device=device), atol=1e-4, rtol=1e-4)
-    expect_fused(device, "forward", at_least=10)
+    # Siblings reading x share groups (passes/fuse.cpp rule 5): a few groups of many outputs.
+    expect_fused(device, "forward", at_least=2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
