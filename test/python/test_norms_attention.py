@@ -162,8 +162,9 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("mask", ["none", "causal", "bool", "float_broadcast"])
 def test_cuda_attention_runs_a_fused_kernel(dtype, mask, tmp_path):
-    """On CUDA ember sends attention to ATen's flash / memory-efficient kernel (python_bindings/ember/attention.py),
-    transposed projections and broadcast masks included; values and gradients match eager."""
+    """On CUDA ember sends attention to ATen's cuDNN (16-bit on Hopper) / flash / memory-efficient kernel
+    (python_bindings/ember/attention.py), transposed projections and broadcast masks included; values and
+    gradients match eager."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 16, 4, 64, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
     masks = {"none": None, "causal": None,
@@ -180,7 +181,12 @@ def test_cuda_attention_runs_a_fused_kernel(dtype, mask, tmp_path):
     check(fn, q.detach(), k.detach(), v.detach(), **tol, grad_atol=tol["atol"] * 5, grad_rtol=tol["rtol"] * 5,
           options={"debug_dir": str(tmp_path)})
     graphs = "".join(p.read_text() for p in tmp_path.glob("*.fx.py"))
-    assert "_scaled_dot_product_flash_attention" in graphs or "_scaled_dot_product_efficient_attention" in graphs
+    kernels = ("_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention")
+    assert any(k in graphs for k in kernels)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if dtype != torch.float32 and hopper:
+        assert "_scaled_dot_product_cudnn_attention" in graphs
     assert "aten.bmm" not in graphs
 
 
