@@ -232,6 +232,34 @@ def test_input_mutation_reaches_the_caller():
 
 
 @torch.no_grad()
+def test_input_copy_nodes_follow_the_callers_tensors():
+    """Contiguous inputs are copied by a memcpy node inside the graph whose source is repointed per call
+    (cudagraph/replay.cpp): queued replays from alternating tensors, a tensor refilled in place, and a
+    strided input (copied before the launch instead) all match eager."""
+    def f(x, y):
+        return (x.sin() * 2 + y).cos()
+
+    compiled = compile_graphs(f)
+    a, b = torch.randn(33, 7, device="cuda"), torch.randn(33, 7, device="cuda")
+    y = torch.randn(33, 7, device="cuda")
+    outs, expected = [], []
+    for i in range(40):  # no synchronization: replays queue up while sources change
+        x = a if i % 2 == 0 else b
+        outs.append(compiled(x, y))
+        expected.append(f(x, y))
+        if i % 5 == 4:
+            a.copy_(torch.randn_like(a))  # same address, new values
+    for o, e in zip(outs, expected):
+        torch.testing.assert_close(o, e)
+    report = "".join(reports())
+    assert re.search(r"\((?:[1-9]\d*) by the graphs' own copy nodes\)", report), report
+    xt = torch.randn(7, 33, device="cuda").t()  # strided: a new signature, copied before each launch
+    for _ in range(4):
+        xt = torch.randn(7, 33, device="cuda").t()
+        torch.testing.assert_close(compiled(xt, y), f(xt, y))
+
+
+@torch.no_grad()
 def test_parameter_moved_to_new_memory_is_followed():
     model = nn.Linear(16, 16).cuda()
     compiled = compile_graphs(model)
