@@ -21,21 +21,38 @@
 //     are kept for K-dominated shapes only (split_k_allowed). EMBER_CUBLASLT=0 leaves every GEMM to ATen.
 //  5. Thread safety: one plan per step and compute type, made under the step's mutex, which is also held
 //     while the bias pointer is set on the shared descriptor and the GEMM is launched.
+//  6. Algorithm: cuBLASLt's heuristic ranks algorithms by a model, and its first pick can be far from the
+//     fastest. On the H100 (f32, TF32 off) BERT-base b8 s128 spent 5.76 ms per call in GEMMs through the
+//     heuristic's picks (eager's too: 128x64 tiles for the biased projections) against 4.65 ms in inductor's
+//     plain mm calls; GPT-2's 512x768x3072 projection took 131 us per call where a split-K algorithm takes
+//     56 + 5 us. So at a step's first call its problem is timed once per process (choose_algorithm): the
+//     heuristic's first kCandidates algorithms, each run a few times on the step's own operands between
+//     CUDA events, and the fastest kept, every step with the same problem reusing it. Not while a CUDA
+//     graph is being captured (a synchronizing timer cannot run there): the heuristic's pick then.
+//     For a plain or biased GEMM the candidates also include cuBLASLt without the epilogue plus ATen's
+//     bias add, and ATen's mm (cuBLAS's own kernels) plus the add (Route); small penalties stand for
+//     their extra host time. EMBER_GEMM_ROUTE=lt|lt_bias|aten forces one (tests run each).
 #include "ember/error.h"
 #include "ember/runtime.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
+#include <cuda_runtime_api.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <mutex>
-#include <string>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace ember::cuda {
 namespace {
@@ -72,8 +89,10 @@ bool is_one(const c10::IValue& v) {
 // Whether cuBLASLt may split K across blocks and reduce the parts: a second kernel (and often a memset)
 // per GEMM, which costs more host time than small GEMMs take on the GPU. On the H100, 20 x Linear(100,100)
 // at batch 32 ran in 320 us per call (synchronized) with one-kernel algorithms against 491 us with the
-// heuristic's split-K choices and 557 us in eager. Allowed only where K dwarfs the output (K >= 4096 and
-// K >= 8 x max(M, N)), where too few output tiles would otherwise leave the GPU idle.
+// heuristic's split-K choices and 557 us in eager. Allowed where K dwarfs the output (K >= 4096 and
+// K >= 8 x max(M, N)), where too few output tiles would otherwise leave the GPU idle, and for problems of
+// at least 2^28 multiply-adds (several microseconds of GPU time even in 16-bit), where the timing in
+// choose_algorithm decides, with kSplitKPenaltyMs added for the extra launches.
 // EMBER_GEMM_SPLIT_K=1 allows it everywhere, =0 nowhere.
 bool split_k_allowed(int64_t m, int64_t n, int64_t k) {
   static const int setting = [] {
@@ -81,7 +100,85 @@ bool split_k_allowed(int64_t m, int64_t n, int64_t k) {
     return v && std::string(v) == "1" ? 1 : v && std::string(v) == "0" ? 0 : -1;
   }();
   if (setting >= 0) return setting == 1;
-  return k >= 4096 && k >= 8 * std::max(m, n);
+  return (k >= 4096 && k >= 8 * std::max(m, n)) || double(m) * double(n) * double(k) >= double(int64_t{1} << 28);
+}
+
+constexpr int kCandidates = 8;             // heuristic results timed per problem and descriptor
+constexpr float kTuningBudgetMs = 150.f;   // GPU time spent timing one problem, at most (roughly)
+constexpr float kSplitKPenaltyMs = 0.003f;  // host time of a split-K algorithm's extra launches
+
+// Whether `algo` splits K (and so launches a reduction, often a memset too).
+bool splits_k(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t splits = 1;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits), &written) !=
+      CUBLAS_STATUS_SUCCESS)
+    return false;
+  return splits > 1;
+}
+
+// Process-wide choices: a problem (sizes, strides, dtype, epilogue, compute type, device) is timed once.
+using ProblemKey = std::array<int64_t, 12>;
+// How a problem runs: one cuBLASLt call with the bias (and activation) in its epilogue; cuBLASLt without
+// the epilogue, then the bias added by ATen; or ATen's mm (cuBLAS's own choice, whose kernels cuBLASLt's
+// heuristic does not offer: inductor's plain mm calls ran BERT-base f32's projections in 55 us where the
+// biased cuBLASLt pick took 70 us) and the bias added by ATen.
+enum class Route : uint8_t { Lt, LtThenBias, Aten };
+
+// EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
+int forced_route() {
+  const char* v = std::getenv("EMBER_GEMM_ROUTE");
+  if (!v) return -1;
+  std::string r(v);
+  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : -1;
+}
+struct Choice {
+  Route route = Route::Lt;
+  cublasLtMatmulAlgo_t algo{};
+  size_t workspace = 0;
+};
+constexpr float kSeparateBiasPenaltyMs = 0.002f;  // host time of the extra bias launch
+constexpr float kAtenPenaltyMs = 0.010f;          // host time of ATen's mm over a prepared cuBLASLt call
+std::mutex tuned_mutex;
+std::map<ProblemKey, Choice>& tuned() {
+  static auto* choices = new std::map<ProblemKey, Choice>();  // never freed: outlives every plan
+  return *choices;
+}
+
+// Milliseconds per run of `launch` (which returns false when the algorithm cannot run), timed between
+// events on `stream` after one untimed run; negative when it cannot run.
+template <class Launch>
+float time_runs(Launch launch, cudaStream_t stream) {
+  if (!launch()) return -1.f;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
+    if (start) cudaEventDestroy(start);
+    (void)cudaGetLastError();
+    return -1.f;
+  }
+  float ms = -1.f;
+  cudaEventRecord(start, stream);
+  bool ran = launch();
+  cudaEventRecord(stop, stream);
+  if (ran && cudaEventSynchronize(stop) == cudaSuccess && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) {
+    // Short runs get more repetitions, so each measurement spans some 100 us.
+    int reps = ms <= 0.f ? 8 : std::clamp(static_cast<int>(0.1f / ms), 1, 8);
+    if (reps > 1) {
+      cudaEventRecord(start, stream);
+      for (int r = 0; r < reps && ran; ++r) ran = launch();
+      cudaEventRecord(stop, stream);
+      if (!ran || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
+        ms = -1.f;
+      else
+        ms /= static_cast<float>(reps);
+    }
+  } else {
+    ms = -1.f;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  (void)cudaGetLastError();
+  return ms;
 }
 
 template <class Option>
@@ -129,50 +226,68 @@ class LtGemm final : public FastPath {
     cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
     std::lock_guard<std::mutex> lock(mutex_);
     Prepared& p = prepared_[tf32 ? 1 : 0];
-    if (!p.tried) prepare(p, handle, tf32);
+    if (!p.tried) prepare(p, handle, tf32, *a, *b, bias);
     if (!p.ok) return false;
     at::Tensor out = at::empty({s_.m, s_.n}, a->options());
     at::Tensor workspace;
-    if (p.workspace > 0)
-      workspace = at::empty({static_cast<int64_t>(p.workspace)}, a->options().dtype(at::kByte));
-    if (bias) {
+    if (p.choice.workspace > 0)
+      workspace = at::empty({static_cast<int64_t>(p.choice.workspace)}, a->options().dtype(at::kByte));
+    if (bias && p.choice.route == Route::Lt) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
           CUBLAS_STATUS_SUCCESS)
         return false;
     }
-    const float alpha = 1.f, beta = 0.f;
-    cublasStatus_t status = cublasLtMatmul(
-        handle, p.desc, &alpha, b->data_ptr(), p.first, a->data_ptr(), p.second, &beta, out.data_ptr(), p.out,
-        out.data_ptr(), p.out, &p.algo, workspace.defined() ? workspace.data_ptr() : nullptr, p.workspace,
-        at::cuda::getCurrentCUDAStream(s_.device).stream());
-    if (status != CUBLAS_STATUS_SUCCESS) return false;  // nothing was launched: ATen's op runs instead
+    if (!launch(p, p.choice, handle, *a, *b, bias, out, workspace.defined() ? workspace.data_ptr() : nullptr,
+                at::cuda::getCurrentCUDAStream(s_.device).stream()))
+      return false;  // nothing was launched: ATen's op runs instead
     buffers[out_] = std::move(out);
     calls_.fetch_add(1, std::memory_order_relaxed);
     return true;
   }
 
   std::string describe() const override {
-    return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + ", " +
+    const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
+    const char* how = route == Route::Lt ? "" : route == Route::LtThenBias ? " (bias added after)" : " (timed: ATen's mm faster)";
+    return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + how + ", " +
            std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
   }
 
  private:
   struct Prepared {
     bool tried = false, ok = false;
-    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatmulDesc_t desc = nullptr;   // with the step's epilogue
+    cublasLtMatmulDesc_t plain = nullptr;  // without it (steps with a bias only)
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
-    cublasLtMatmulAlgo_t algo{};
-    size_t workspace = 0;
+    Choice choice;
     void release() {
       if (first) cublasLtMatrixLayoutDestroy(first);
       if (second) cublasLtMatrixLayoutDestroy(second);
       if (out) cublasLtMatrixLayoutDestroy(out);
       if (desc) cublasLtMatmulDescDestroy(desc);
+      if (plain) cublasLtMatmulDescDestroy(plain);
       first = second = out = nullptr;
-      desc = nullptr;
+      desc = plain = nullptr;
     }
   };
+
+  // One GEMM by route `c` into `out`; false when nothing was launched. For Route::Lt with a bias, the
+  // bias pointer must be set on p.desc.
+  bool launch(const Prepared& p, const Choice& c, cublasLtHandle_t handle, const at::Tensor& a, const at::Tensor& b,
+              const at::Tensor* bias, at::Tensor& out, void* workspace, cudaStream_t stream) const {
+    if (c.route == Route::Aten) {
+      at::mm_out(out, a, b);
+      if (bias) out.add_(*bias);
+      return true;
+    }
+    const float alpha = 1.f, beta = 0.f;
+    cublasLtMatmulDesc_t desc = c.route == Route::LtThenBias ? p.plain : p.desc;
+    if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, out.data_ptr(),
+                       p.out, out.data_ptr(), p.out, &c.algo, workspace, c.workspace, stream) != CUBLAS_STATUS_SUCCESS)
+      return false;
+    if (c.route == Route::LtThenBias) out.add_(*bias);
+    return true;
+  }
 
   static const at::Tensor* tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
     const c10::IValue& v = buffers[b];
@@ -185,32 +300,65 @@ class LtGemm final : public FastPath {
            t.stride(1) == strides[1] && aligned(t);
   }
 
-  // Descriptors, layouts and the heuristic's first algorithm; p.ok stays false when cuBLASLt offers none.
-  void prepare(Prepared& p, cublasLtHandle_t handle, bool tf32) const {
+  // Descriptors, layouts and the route and algorithm (choose); p.ok stays false when cuBLASLt offers none.
+  void prepare(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a, const at::Tensor& b,
+               const at::Tensor* bias) const {
     p.tried = true;
     const cudaDataType_t type = cuda_type(s_.dtype);
-    const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-    cublasLtMatmulPreference_t pref = nullptr;
     auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
-    bool good = ok(cublasLtMatmulDescCreate(&p.desc, compute, CUDA_R_32F));
-    cublasOperation_t ta = first_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasOperation_t tb = second_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasLtEpilogue_t epilogue = s_.epilogue == Epilogue::Bias       ? CUBLASLT_EPILOGUE_BIAS
                                   : s_.epilogue == Epilogue::ReluBias ? CUBLASLT_EPILOGUE_RELU_BIAS
                                   : s_.epilogue == Epilogue::GeluBias ? CUBLASLT_EPILOGUE_GELU_BIAS
                                                                       : CUBLASLT_EPILOGUE_DEFAULT;
-    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
-    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
-    good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-    if (s_.epilogue != Epilogue::None) {
-      cudaDataType_t bias_type = type;
-      good = good && ok(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
-                                                       sizeof(bias_type)));
-    }
+    bool good = make_desc(&p.desc, tf32, epilogue);
+    if (s_.epilogue == Epilogue::Bias) good = good && make_desc(&p.plain, tf32, CUBLASLT_EPILOGUE_DEFAULT);
     good = good && ok(cublasLtMatrixLayoutCreate(&p.first, type, first_.rows, first_.cols, first_.ld));
     good = good && ok(cublasLtMatrixLayoutCreate(&p.second, type, second_.rows, second_.cols, second_.ld));
     good = good && ok(cublasLtMatrixLayoutCreate(&p.out, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m), s_.n));
-    good = good && ok(cublasLtMatmulPreferenceCreate(&pref));
+    std::vector<Choice> candidates;
+    if (good) candidates = heuristic(handle, p, p.desc, Route::Lt);
+    if (candidates.empty()) {
+      p.release();
+      return;
+    }
+    if (p.plain) {
+      std::vector<Choice> plain = heuristic(handle, p, p.plain, Route::LtThenBias);
+      candidates.insert(candidates.end(), plain.begin(), plain.end());
+    }
+    if (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias) candidates.push_back({Route::Aten, {}, 0});
+    const int forced = forced_route();
+    if (forced >= 0) {
+      std::vector<Choice> only;
+      for (const Choice& c : candidates)
+        if (static_cast<int>(c.route) == forced) only.push_back(c);
+      if (!only.empty()) candidates = std::move(only);
+    }
+    p.choice = choose(p, handle, tf32, a, b, bias, candidates, forced);
+    p.ok = true;
+  }
+
+  bool make_desc(cublasLtMatmulDesc_t* desc, bool tf32, cublasLtEpilogue_t epilogue) const {
+    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
+    const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    cublasOperation_t ta = first_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t tb = second_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
+    bool good = ok(cublasLtMatmulDescCreate(desc, compute, CUDA_R_32F));
+    good = good && ok(cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)));
+    good = good && ok(cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)));
+    good = good && ok(cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    if (epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
+      cudaDataType_t bias_type = cuda_type(s_.dtype);
+      good = good && ok(cublasLtMatmulDescSetAttribute(*desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type,
+                                                       sizeof(bias_type)));
+    }
+    return good;
+  }
+
+  // The heuristic's first kCandidates algorithms for `desc` that run within the workspace limit.
+  std::vector<Choice> heuristic(cublasLtHandle_t handle, const Prepared& p, cublasLtMatmulDesc_t desc, Route route) const {
+    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
+    cublasLtMatmulPreference_t pref = nullptr;
+    bool good = ok(cublasLtMatmulPreferenceCreate(&pref));
     size_t max_workspace = kMaxWorkspace;
     uint32_t alignment = kAlignment;
     good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
@@ -223,19 +371,61 @@ class LtGemm final : public FastPath {
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
       good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, attr, &alignment, sizeof(alignment)));
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int returned = 0;
-    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.first, p.second, p.out, p.out, pref, 1,
-                                                     &result, &returned)) &&
-           returned > 0 && result.state == CUBLAS_STATUS_SUCCESS && result.workspaceSize <= kMaxWorkspace;
+    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, desc, p.first, p.second, p.out, p.out, pref, kCandidates,
+                                                     results, &returned));
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
-    if (!good) {
-      p.release();
-      return;
+    std::vector<Choice> out;
+    for (int i = 0; good && i < returned; ++i)
+      if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kMaxWorkspace)
+        out.push_back({route, results[i].algo, results[i].workspaceSize});
+    return out;
+  }
+
+  // The fastest candidate on this problem (point 6 above), timed once per process; candidates[0] (the
+  // heuristic's pick with the epilogue) while a graph is being captured.
+  Choice choose(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a, const at::Tensor& b,
+                const at::Tensor* bias, const std::vector<Choice>& candidates, int forced) const {
+    const ProblemKey key = {s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
+                            static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device, forced};
+    {
+      std::lock_guard<std::mutex> lock(tuned_mutex);
+      auto it = tuned().find(key);
+      if (it != tuned().end()) return it->second;
     }
-    p.algo = result.algo;
-    p.workspace = result.workspaceSize;
-    p.ok = true;
+    if (candidates.size() == 1) return candidates[0];
+    cudaStream_t stream = at::cuda::getCurrentCUDAStream(s_.device).stream();
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
+      (void)cudaGetLastError();
+      return candidates[0];
+    }
+    size_t workspace_bytes = 0;
+    for (const Choice& c : candidates) workspace_bytes = std::max(workspace_bytes, c.workspace);
+    at::Tensor out = at::empty({s_.m, s_.n}, a.options());
+    at::Tensor workspace = at::empty({static_cast<int64_t>(std::max<size_t>(workspace_bytes, 1))}, a.options().dtype(at::kByte));
+    if (bias) {
+      const void* ptr = bias->data_ptr();
+      if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
+          CUBLAS_STATUS_SUCCESS)
+        return candidates[0];
+    }
+    Choice best = candidates[0];
+    float best_ms = -1.f, spent_ms = 0.f;
+    for (const Choice& c : candidates) {
+      if (spent_ms > kTuningBudgetMs) break;
+      float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream);
+      if (ms < 0.f) continue;
+      spent_ms += 2.f * ms;
+      if (c.route != Route::Aten && splits_k(c.algo)) ms += kSplitKPenaltyMs;
+      if (c.route == Route::LtThenBias) ms += kSeparateBiasPenaltyMs;
+      if (c.route == Route::Aten) ms += kAtenPenaltyMs;
+      if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
+    }
+    std::lock_guard<std::mutex> lock(tuned_mutex);
+    tuned().emplace(key, best);
+    return best;
   }
 
   Shape s_;

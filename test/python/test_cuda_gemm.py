@@ -50,6 +50,26 @@ def test_mm_and_linear_shapes(dtype, m, k, n):
         assert lt_calls() >= 6
 
 
+@pytest.mark.parametrize("route", ["lt", "lt_bias", "aten"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_every_timed_route_matches_eager(route, dtype, monkeypatch):
+    """Each way the first call's timing may choose (cuBLASLt with the bias in its epilogue, cuBLASLt then
+    the bias added, ATen's mm then the bias added), forced by EMBER_GEMM_ROUTE: same values as eager."""
+    monkeypatch.setenv("EMBER_GEMM_ROUTE", route)
+    m, k, n = 96, 160, 72
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    run_compare(lambda a, w, bias: torch.nn.functional.linear(a, w, bias), a, w, bias, dtype=dtype)
+    run_compare(lambda a, w: a @ w.t(), a, w, dtype=dtype)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    if route == "aten":
+        assert "(timed: ATen's mm faster)" in listing, listing
+    if route == "lt_bias":
+        assert "(bias added after)" in listing, listing
+    assert lt_calls() >= 4
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_bias_relu_and_tanh_gelu_epilogues(dtype):
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40), nn.GELU(approximate="tanh"),
