@@ -31,7 +31,10 @@
 //     graph is being captured (a synchronizing timer cannot run there): the heuristic's pick then.
 //     For a plain or biased GEMM the candidates also include cuBLASLt without the epilogue plus ATen's
 //     bias add, and ATen's mm (cuBLAS's own kernels) plus the add (Route); small penalties stand for
-//     their extra host time. EMBER_GEMM_ROUTE=lt|lt_bias|aten forces one (tests run each).
+//     their extra host time. Where the result's rows are not 16-byte multiples, cuBLASLt writing padded
+//     rows then copied is a candidate too (Route). Each measurement starts behind an untimed run so the
+//     GPU never waits for the host (time_runs). EMBER_GEMM_ROUTE=lt|lt_bias|aten|padded forces one
+//     (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings to stderr.
 #include "ember/error.h"
 #include "ember/runtime.h"
 
@@ -46,6 +49,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -123,58 +127,66 @@ using ProblemKey = std::array<int64_t, 12>;
 // the epilogue, then the bias added by ATen; or ATen's mm (cuBLAS's own choice, whose kernels cuBLASLt's
 // heuristic does not offer: inductor's plain mm calls ran BERT-base f32's projections in 55 us where the
 // biased cuBLASLt pick took 70 us) and the bias added by ATen.
-enum class Route : uint8_t { Lt, LtThenBias, Aten };
+// Padded: the result's rows are not 16-byte multiples (GPT-2's 50257-word LM head), which leaves only
+// align-1 kernels (bf16 8192x50257x768 on the H100: 6.0 ms); cuBLASLt writes rows padded to 16 bytes
+// (0.92 ms) and they are copied into the result (1 ms), the epilogue applied in the GEMM.
+enum class Route : uint8_t { Lt, LtThenBias, Aten, Padded };
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
 int forced_route() {
   const char* v = std::getenv("EMBER_GEMM_ROUTE");
   if (!v) return -1;
   std::string r(v);
-  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : -1;
+  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : -1;
 }
 struct Choice {
   Route route = Route::Lt;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
 };
-constexpr float kSeparateBiasPenaltyMs = 0.002f;  // host time of the extra bias launch
-constexpr float kAtenPenaltyMs = 0.010f;          // host time of ATen's mm over a prepared cuBLASLt call
+// Host time the timing does not see where the GPU is the bottleneck, but a graph of small GEMMs pays.
+constexpr float kSeparateBiasPenaltyMs = 0.002f;  // the extra bias launch
+constexpr float kAtenPenaltyMs = 0.004f;          // ATen's mm over a prepared cuBLASLt call
 std::mutex tuned_mutex;
 std::map<ProblemKey, Choice>& tuned() {
   static auto* choices = new std::map<ProblemKey, Choice>();  // never freed: outlives every plan
   return *choices;
 }
 
-// Milliseconds per run of `launch` (which returns false when the algorithm cannot run), timed between
-// events on `stream` after one untimed run; negative when it cannot run.
+// Milliseconds per run of `launch` (which returns false, or throws, when the algorithm cannot run); negative
+// when it cannot run. Each measurement starts with an untimed run, so the GPU is busy while the host
+// queues the start event and the timed runs: after the synchronization that ends the previous measurement
+// the GPU is idle, and a route with more host work (ATen's mm and bias add) would otherwise be charged its
+// host time on top of its GPU time (GPT-2's 512x768x3072 projection measured 150 us through ATen that way,
+// against the 59 us its kernels take). Where host time exceeds GPU time (small GEMMs) the runs stay
+// host-bound, which is what such a GEMM costs in a graph too.
 template <class Launch>
-float time_runs(Launch launch, cudaStream_t stream) {
-  if (!launch()) return -1.f;
+float time_runs(Launch launch_or_throw, cudaStream_t stream) {
+  auto launch = [&] {
+    try {
+      return launch_or_throw();
+    } catch (const std::exception&) {  // e.g. ATen refusing the candidate's call: not a candidate then
+      return false;
+    }
+  };
   cudaEvent_t start = nullptr, stop = nullptr;
   if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
     if (start) cudaEventDestroy(start);
     (void)cudaGetLastError();
     return -1.f;
   }
-  float ms = -1.f;
-  cudaEventRecord(start, stream);
-  bool ran = launch();
-  cudaEventRecord(stop, stream);
-  if (ran && cudaEventSynchronize(stop) == cudaSuccess && cudaEventElapsedTime(&ms, start, stop) == cudaSuccess) {
-    // Short runs get more repetitions, so each measurement spans some 100 us.
-    int reps = ms <= 0.f ? 8 : std::clamp(static_cast<int>(0.1f / ms), 1, 8);
-    if (reps > 1) {
-      cudaEventRecord(start, stream);
-      for (int r = 0; r < reps && ran; ++r) ran = launch();
-      cudaEventRecord(stop, stream);
-      if (!ran || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
-        ms = -1.f;
-      else
-        ms /= static_cast<float>(reps);
-    }
-  } else {
-    ms = -1.f;
-  }
+  auto measure = [&](int reps) {
+    if (!launch()) return -1.f;
+    bool ran = cudaEventRecord(start, stream) == cudaSuccess;
+    for (int r = 0; r < reps && ran; ++r) ran = launch();
+    float ms = -1.f;
+    if (!ran || cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
+      return -1.f;
+    return ms / static_cast<float>(reps);
+  };
+  float ms = measure(1);
+  if (ms >= 0.f) ms = measure(std::clamp(static_cast<int>(0.2f / std::max(ms, 1e-3f)), 2, 10));  // ~200 us
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   (void)cudaGetLastError();
@@ -232,7 +244,7 @@ class LtGemm final : public FastPath {
     at::Tensor workspace;
     if (p.choice.workspace > 0)
       workspace = at::empty({static_cast<int64_t>(p.choice.workspace)}, a->options().dtype(at::kByte));
-    if (bias && p.choice.route == Route::Lt) {
+    if (bias && (p.choice.route == Route::Lt || p.choice.route == Route::Padded)) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
           CUBLAS_STATUS_SUCCESS)
@@ -248,7 +260,10 @@ class LtGemm final : public FastPath {
 
   std::string describe() const override {
     const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
-    const char* how = route == Route::Lt ? "" : route == Route::LtThenBias ? " (bias added after)" : " (timed: ATen's mm faster)";
+    const char* how = route == Route::Lt           ? ""
+                      : route == Route::LtThenBias ? " (bias added after)"
+                      : route == Route::Padded     ? " (rows padded to 16 bytes)"
+                                                   : " (timed: ATen's mm faster)";
     return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + how + ", " +
            std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
   }
@@ -259,6 +274,8 @@ class LtGemm final : public FastPath {
     cublasLtMatmulDesc_t desc = nullptr;   // with the step's epilogue
     cublasLtMatmulDesc_t plain = nullptr;  // without it (steps with a bias only)
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
+    cublasLtMatrixLayout_t padded = nullptr;  // the result with rows of `padded_n` (Route::Padded)
+    int64_t padded_n = 0;
     Choice choice;
     void release() {
       if (first) cublasLtMatrixLayoutDestroy(first);
@@ -266,7 +283,8 @@ class LtGemm final : public FastPath {
       if (out) cublasLtMatrixLayoutDestroy(out);
       if (desc) cublasLtMatmulDescDestroy(desc);
       if (plain) cublasLtMatmulDescDestroy(plain);
-      first = second = out = nullptr;
+      if (padded) cublasLtMatrixLayoutDestroy(padded);
+      first = second = out = padded = nullptr;
       desc = plain = nullptr;
     }
   };
@@ -282,10 +300,13 @@ class LtGemm final : public FastPath {
     }
     const float alpha = 1.f, beta = 0.f;
     cublasLtMatmulDesc_t desc = c.route == Route::LtThenBias ? p.plain : p.desc;
-    if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, out.data_ptr(),
-                       p.out, out.data_ptr(), p.out, &c.algo, workspace, c.workspace, stream) != CUBLAS_STATUS_SUCCESS)
+    at::Tensor target = c.route == Route::Padded ? at::empty({s_.m, p.padded_n}, out.options()) : out;
+    cublasLtMatrixLayout_t layout = c.route == Route::Padded ? p.padded : p.out;
+    if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, target.data_ptr(),
+                       layout, target.data_ptr(), layout, &c.algo, workspace, c.workspace, stream) != CUBLAS_STATUS_SUCCESS)
       return false;
     if (c.route == Route::LtThenBias) out.add_(*bias);
+    if (c.route == Route::Padded) out.copy_(target.narrow(1, 0, s_.n));
     return true;
   }
 
@@ -316,16 +337,39 @@ class LtGemm final : public FastPath {
     good = good && ok(cublasLtMatrixLayoutCreate(&p.second, type, second_.rows, second_.cols, second_.ld));
     good = good && ok(cublasLtMatrixLayoutCreate(&p.out, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m), s_.n));
     std::vector<Choice> candidates;
-    if (good) candidates = heuristic(handle, p, p.desc, Route::Lt);
+    if (good) candidates = heuristic(handle, p, p.desc, Route::Lt, p.out);
     if (candidates.empty()) {
       p.release();
       return;
     }
     if (p.plain) {
-      std::vector<Choice> plain = heuristic(handle, p, p.plain, Route::LtThenBias);
+      std::vector<Choice> plain = heuristic(handle, p, p.plain, Route::LtThenBias, p.out);
       candidates.insert(candidates.end(), plain.begin(), plain.end());
     }
     if (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias) candidates.push_back({Route::Aten, {}, 0});
+    const int64_t row_bytes = s_.n * static_cast<int64_t>(c10::elementSize(s_.dtype));
+    if (row_bytes % static_cast<int64_t>(kAlignment) != 0 && s_.m > 1 &&
+        double(s_.m) * double(s_.n) * double(s_.k) >= double(int64_t{1} << 28)) {
+      const int64_t per_row = static_cast<int64_t>(kAlignment / c10::elementSize(s_.dtype));
+      p.padded_n = (s_.n + per_row - 1) / per_row * per_row;
+      if (ok(cublasLtMatrixLayoutCreate(&p.padded, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m),
+                                        p.padded_n))) {
+        std::vector<Choice> padded = heuristic(handle, p, p.desc, Route::Padded, p.padded);
+        candidates.insert(candidates.end(), padded.begin(), padded.end());
+      }
+    }
+    // The first candidate of each route goes first: the timing budget may run out before the last.
+    {
+      std::vector<Choice> leaders, rest;
+      std::array<bool, 4> seen{};
+      for (const Choice& c : candidates) {
+        bool& route_seen = seen[static_cast<size_t>(c.route)];
+        (route_seen ? rest : leaders).push_back(c);
+        route_seen = true;
+      }
+      leaders.insert(leaders.end(), rest.begin(), rest.end());
+      candidates = std::move(leaders);
+    }
     const int forced = forced_route();
     if (forced >= 0) {
       std::vector<Choice> only;
@@ -355,7 +399,8 @@ class LtGemm final : public FastPath {
   }
 
   // The heuristic's first kCandidates algorithms for `desc` that run within the workspace limit.
-  std::vector<Choice> heuristic(cublasLtHandle_t handle, const Prepared& p, cublasLtMatmulDesc_t desc, Route route) const {
+  std::vector<Choice> heuristic(cublasLtHandle_t handle, const Prepared& p, cublasLtMatmulDesc_t desc, Route route,
+                                cublasLtMatrixLayout_t out_layout) const {
     auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
     cublasLtMatmulPreference_t pref = nullptr;
     bool good = ok(cublasLtMatmulPreferenceCreate(&pref));
@@ -373,7 +418,7 @@ class LtGemm final : public FastPath {
       good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, attr, &alignment, sizeof(alignment)));
     cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
     int returned = 0;
-    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, desc, p.first, p.second, p.out, p.out, pref, kCandidates,
+    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, desc, p.first, p.second, out_layout, out_layout, pref, kCandidates,
                                                      results, &returned));
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     std::vector<Choice> out;
@@ -413,16 +458,24 @@ class LtGemm final : public FastPath {
     }
     Choice best = candidates[0];
     float best_ms = -1.f, spent_ms = 0.f;
+    const bool log = std::getenv("EMBER_GEMM_LOG") != nullptr;  // read once per problem: what the timing saw
+    std::string seen;
     for (const Choice& c : candidates) {
       if (spent_ms > kTuningBudgetMs) break;
       float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream);
+      if (log) seen += std::string(" ") + "lbap"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
       if (ms < 0.f) continue;
-      spent_ms += 2.f * ms;
+      spent_ms += 5.f * ms;
       if (c.route != Route::Aten && splits_k(c.algo)) ms += kSplitKPenaltyMs;
+      if (c.route == Route::Padded) ms += kSeparateBiasPenaltyMs;  // its copy's launch
       if (c.route == Route::LtThenBias) ms += kSeparateBiasPenaltyMs;
       if (c.route == Route::Aten) ms += kAtenPenaltyMs;
       if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
     }
+    if (log)
+      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded rows):%s\n",
+                   static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
+                   static_cast<int>(s_.epilogue), "lbap"[static_cast<int>(best.route)], seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;
