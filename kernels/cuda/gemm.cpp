@@ -31,9 +31,8 @@
 //     graph is being captured (a synchronizing timer cannot run there): the heuristic's pick then.
 //     For a plain or biased GEMM the candidates also include cuBLASLt without the epilogue plus ATen's
 //     bias add, and ATen's mm (cuBLAS's own kernels) plus the add (Route); small penalties stand for
-//     their extra host time. Where the result's rows are not 16-byte multiples, cuBLASLt writing padded
-//     rows then copied is a candidate too (Route). Each measurement starts behind an untimed run so the
-//     GPU never waits for the host (time_runs). EMBER_GEMM_ROUTE=lt|lt_bias|aten|padded forces one
+//     their extra host time. Each measurement starts behind an untimed run so the GPU never waits for
+//     the host (time_runs). EMBER_GEMM_ROUTE=lt|lt_bias|aten forces one
 //     (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings to stderr.
 #include "ember/error.h"
 #include "ember/runtime.h"
@@ -127,17 +126,14 @@ using ProblemKey = std::array<int64_t, 12>;
 // the epilogue, then the bias added by ATen; or ATen's mm (cuBLAS's own choice, whose kernels cuBLASLt's
 // heuristic does not offer: inductor's plain mm calls ran BERT-base f32's projections in 55 us where the
 // biased cuBLASLt pick took 70 us) and the bias added by ATen.
-// Padded: the result's rows are not 16-byte multiples (GPT-2's 50257-word LM head), which leaves only
-// align-1 kernels (bf16 8192x50257x768 on the H100: 6.0 ms); cuBLASLt writes rows padded to 16 bytes
-// (0.92 ms) and they are copied into the result (1 ms), the epilogue applied in the GEMM.
-enum class Route : uint8_t { Lt, LtThenBias, Aten, Padded };
+enum class Route : uint8_t { Lt, LtThenBias, Aten };
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
 int forced_route() {
   const char* v = std::getenv("EMBER_GEMM_ROUTE");
   if (!v) return -1;
   std::string r(v);
-  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : -1;
+  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : -1;
 }
 struct Choice {
   Route route = Route::Lt;
@@ -244,7 +240,7 @@ class LtGemm final : public FastPath {
     at::Tensor workspace;
     if (p.choice.workspace > 0)
       workspace = at::empty({static_cast<int64_t>(p.choice.workspace)}, a->options().dtype(at::kByte));
-    if (bias && (p.choice.route == Route::Lt || p.choice.route == Route::Padded)) {
+    if (bias && p.choice.route == Route::Lt) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
           CUBLAS_STATUS_SUCCESS)
@@ -260,10 +256,7 @@ class LtGemm final : public FastPath {
 
   std::string describe() const override {
     const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
-    const char* how = route == Route::Lt           ? ""
-                      : route == Route::LtThenBias ? " (bias added after)"
-                      : route == Route::Padded     ? " (rows padded to 16 bytes)"
-                                                   : " (timed: ATen's mm faster)";
+    const char* how = route == Route::Lt ? "" : route == Route::LtThenBias ? " (bias added after)" : " (timed: ATen's mm faster)";
     return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + how + ", " +
            std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
   }
@@ -274,8 +267,6 @@ class LtGemm final : public FastPath {
     cublasLtMatmulDesc_t desc = nullptr;   // with the step's epilogue
     cublasLtMatmulDesc_t plain = nullptr;  // without it (steps with a bias only)
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
-    cublasLtMatrixLayout_t padded = nullptr;  // the result with rows of `padded_n` (Route::Padded)
-    int64_t padded_n = 0;
     Choice choice;
     void release() {
       if (first) cublasLtMatrixLayoutDestroy(first);
@@ -283,8 +274,7 @@ class LtGemm final : public FastPath {
       if (out) cublasLtMatrixLayoutDestroy(out);
       if (desc) cublasLtMatmulDescDestroy(desc);
       if (plain) cublasLtMatmulDescDestroy(plain);
-      if (padded) cublasLtMatrixLayoutDestroy(padded);
-      first = second = out = padded = nullptr;
+      first = second = out = nullptr;
       desc = plain = nullptr;
     }
   };
@@ -300,13 +290,10 @@ class LtGemm final : public FastPath {
     }
     const float alpha = 1.f, beta = 0.f;
     cublasLtMatmulDesc_t desc = c.route == Route::LtThenBias ? p.plain : p.desc;
-    at::Tensor target = c.route == Route::Padded ? at::empty({s_.m, p.padded_n}, out.options()) : out;
-    cublasLtMatrixLayout_t layout = c.route == Route::Padded ? p.padded : p.out;
-    if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, target.data_ptr(),
-                       layout, target.data_ptr(), layout, &c.algo, workspace, c.workspace, stream) != CUBLAS_STATUS_SUCCESS)
+    if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, out.data_ptr(),
+                       p.out, out.data_ptr(), p.out, &c.algo, workspace, c.workspace, stream) != CUBLAS_STATUS_SUCCESS)
       return false;
     if (c.route == Route::LtThenBias) out.add_(*bias);
-    if (c.route == Route::Padded) out.copy_(target.narrow(1, 0, s_.n));
     return true;
   }
 
@@ -347,21 +334,10 @@ class LtGemm final : public FastPath {
       candidates.insert(candidates.end(), plain.begin(), plain.end());
     }
     if (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias) candidates.push_back({Route::Aten, {}, 0});
-    const int64_t row_bytes = s_.n * static_cast<int64_t>(c10::elementSize(s_.dtype));
-    if (row_bytes % static_cast<int64_t>(kAlignment) != 0 && s_.m > 1 &&
-        double(s_.m) * double(s_.n) * double(s_.k) >= double(int64_t{1} << 28)) {
-      const int64_t per_row = static_cast<int64_t>(kAlignment / c10::elementSize(s_.dtype));
-      p.padded_n = (s_.n + per_row - 1) / per_row * per_row;
-      if (ok(cublasLtMatrixLayoutCreate(&p.padded, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m),
-                                        p.padded_n))) {
-        std::vector<Choice> padded = heuristic(handle, p, p.desc, Route::Padded, p.padded);
-        candidates.insert(candidates.end(), padded.begin(), padded.end());
-      }
-    }
     // The first candidate of each route goes first: the timing budget may run out before the last.
     {
       std::vector<Choice> leaders, rest;
-      std::array<bool, 4> seen{};
+      std::array<bool, 3> seen{};
       for (const Choice& c : candidates) {
         bool& route_seen = seen[static_cast<size_t>(c.route)];
         (route_seen ? rest : leaders).push_back(c);
@@ -463,19 +439,18 @@ class LtGemm final : public FastPath {
     for (const Choice& c : candidates) {
       if (spent_ms > kTuningBudgetMs) break;
       float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream);
-      if (log) seen += std::string(" ") + "lbap"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
+      if (log) seen += std::string(" ") + "lba"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
       if (ms < 0.f) continue;
       spent_ms += 5.f * ms;
       if (c.route != Route::Aten && splits_k(c.algo)) ms += kSplitKPenaltyMs;
-      if (c.route == Route::Padded) ms += kSeparateBiasPenaltyMs;  // its copy's launch
       if (c.route == Route::LtThenBias) ms += kSeparateBiasPenaltyMs;
       if (c.route == Route::Aten) ms += kAtenPenaltyMs;
       if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
     }
     if (log)
-      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded rows):%s\n",
+      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten):%s\n",
                    static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
-                   static_cast<int>(s_.epilogue), "lbap"[static_cast<int>(best.route)], seen.c_str());
+                   static_cast<int>(s_.epilogue), "lba"[static_cast<int>(best.route)], seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;
