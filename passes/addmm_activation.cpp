@@ -6,14 +6,23 @@
 //     aten::_addmm_activation(bias, a, b, use_gelu=...). ATen's op falls back to addmm + activation itself
 //     where cuBLASLt cannot, so the rewrite never changes results beyond the library's rounding; erf-GELU
 //     (the default) has no Lt epilogue and stays.
-//  3. Both look through views that only reshape the contiguous product (a linear on a 3-D input: mm, then
+//  3. Bias into the next kernel: addmm(bias, a, b) whose result (through reshaping views) is read only by
+//     ops the fuse pass puts in one kernel with it (pointwise ops of its shape, a layer norm) becomes
+//     view(mm(a, b)) + bias, the add after the views, so the add joins that kernel and the GEMM runs without
+//     epilogue (as inductor does). On the H100 cuBLASLt's biased picks were the slow ones on transformer
+//     shapes (GPT-2 f32 b4 s128: 53 us for the biased projections where the plain ones take 35), and
+//     kernels/cuda/gemm.cpp's timing can only add the bias back as an extra launch. A lone relu or tanh-gelu
+//     keeps its cuBLASLt epilogue (2.).
+//  4. All look through views that only reshape the contiguous product (a linear on a 3-D input: mm, then
 //     view to [B, S, N]) and rewrite only where every intermediate has no other use, beta = alpha = 1, and
 //     the operands are f32/f16/bf16 on CUDA. The rewritten op's result is viewed back to the shape the old
 //     one had and takes over its uses; the old nodes are left for dead code elimination.
 #include "passes/passes.h"
 
 #include "ember/epilogue.h"
+#include "ember/op_table.h"
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -50,7 +59,10 @@ int64_t numel(const TensorType& t) {
 class Rewriter {
  public:
   explicit Rewriter(Graph& graph) : graph_(graph) {
-    for (const auto& n : graph.nodes()) n->for_each_input([&](const Value* v) { ++uses_[v]; });
+    for (const auto& n : graph.nodes()) n->for_each_input([&](const Value* v) {
+      ++uses_[v];
+      readers_[v].push_back(n.get());
+    });
     for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { uses_[v] += 2; });
   }
 
@@ -119,6 +131,66 @@ class Rewriter {
     return false;
   }
 
+  // 3. addmm(bias, a, b) -> view*(mm(a, b)) + bias where the readers fuse with the add.
+  bool unfold_bias(Node& n) {
+    if (n.op != "aten::addmm" || n.group >= 0 || n.outputs.size() != 1 || n.args.size() < 3) return false;
+    for (int i = 0; i < 3; ++i)
+      if (!n.args[i].is_value() || !n.args[i].value->type.is_tensor()) return false;
+    for (size_t i = 3; i < n.args.size(); ++i)
+      if (!(n.args[i].kind == Arg::Kind::Int && n.args[i].i == 1) && !(n.args[i].kind == Arg::Kind::Float && n.args[i].f == 1.0))
+        return false;
+    if (!n.kwargs.empty()) return false;
+    Value* bias = n.args[0].value;
+    const Value* product = n.outputs[0];
+    const TensorType& out = product->type.tensor;
+    const TensorType& b = bias->type.tensor;
+    if (!out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2 || !contiguous(out) ||
+        b.sizes.size() != 1 || !(b.sizes[0] == out.sizes[1]) || b.dtype != out.dtype || b.device != out.device)
+      return false;
+    // Through single-use views that keep the rows' width.
+    Value* v = const_cast<Value*>(product);
+    while (uses_[v] == 1 && readers_[v].size() == 1) {
+      const Node* view = readers_[v][0];
+      if ((view->op != "aten::view" && view->op != "aten::_unsafe_view") || view->group >= 0 || view->outputs.size() != 1)
+        break;
+      const TensorType& t = view->outputs[0]->type.tensor;
+      if (!contiguous(t) || t.sizes.empty() || !(t.sizes.back() == out.sizes[1])) break;
+      v = view->outputs[0];
+    }
+    const std::vector<Node*>& readers = readers_[v];
+    if (readers.empty() || uses_[v] != static_cast<int>(readers.size())) return false;  // a graph output
+    for (const Node* r : readers)
+      if (!fuses_with(*r, v)) return false;
+    Node* first = readers[0];
+    for (const auto& node : graph_.nodes())  // the earliest reader in graph order
+      if (std::find(readers.begin(), readers.end(), node.get()) != readers.end()) {
+        first = node.get();
+        break;
+      }
+    n.op = "aten::mm";
+    n.args = {n.args[1], n.args[2]};
+    Node* add = graph_.add_node("aten::add.Tensor", {Arg::of(v), Arg::of(bias)}, {}, {{v->name + "_biased", v->type}});
+    graph_.move_last_before(1, first);
+    graph_.replace_uses({{v, add->outputs[0]}});
+    add->args[0] = Arg::of(v);
+    return true;
+  }
+
+  // Whether the fuse pass puts `reader` in one kernel with an add producing `v`: a pointwise op of v's
+  // shape or a layer norm over its rows, on contiguous tensors, other than an activation cuBLASLt applies.
+  static bool fuses_with(const Node& reader, const Value* v) {
+    if (activation_kind(reader) || reader.outputs.empty() || !reader.outputs[0]->type.is_tensor()) return false;
+    const OpInfo* info = nullptr;
+    try {
+      info = &op_info(reader.op);
+    } catch (const std::exception&) {
+      return false;
+    }
+    if (!info->has(kFusible) || !contiguous(reader.outputs[0]->type.tensor)) return false;
+    if (info->has(kReduction)) return reader.op == "aten::native_layer_norm" && reader.args[0].is_value() && reader.args[0].value == v;
+    return reader.outputs[0]->type.tensor.sizes == v->type.tensor.sizes;
+  }
+
   // 2. act(view*(addmm(bias, a, b))) -> view(_addmm_activation(bias, a, b)).
   bool activation(Node& n) {
     const int kind = activation_kind(n);
@@ -141,6 +213,7 @@ class Rewriter {
  private:
   Graph& graph_;
   std::unordered_map<const Value*, int> uses_;
+  std::unordered_map<const Value*, std::vector<Node*>> readers_;  // each reading node once per read
 };
 
 }  // namespace
@@ -148,7 +221,7 @@ class Rewriter {
 void fuse_addmm_activation(Graph& graph, PassContext&) {
   // Biases first, so that an activation after a bias added to an mm finds the addmm it became. Each rewrite
   // changes use counts, so each round recounts; a round rewrites at most one node per matmul.
-  for (int stage = 0; stage < 2; ++stage) {
+  for (int stage = 0; stage < 3; ++stage) {
     bool changed = true;
     while (changed) {
       changed = false;
@@ -156,7 +229,7 @@ void fuse_addmm_activation(Graph& graph, PassContext&) {
       std::vector<Node*> nodes;
       for (const auto& n : graph.nodes()) nodes.push_back(n.get());
       for (Node* n : nodes) {
-        if (stage == 0 ? rewriter.bias(*n) : rewriter.activation(*n)) {
+        if (stage == 0 ? rewriter.bias(*n) : stage == 1 ? rewriter.activation(*n) : rewriter.unfold_bias(*n)) {
           changed = true;
           break;
         }

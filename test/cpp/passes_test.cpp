@@ -286,6 +286,76 @@ TEST(AddmmActivation, CudaMmPlusRowBiasBecomesAddmm) {
   }
 }
 
+TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
+  // A linear on a 3-D input followed by a residual add and a layer norm: the bias add goes after the view,
+  // where the fuse pass puts it in one group with the residual add and the layer norm.
+  const std::string in =
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0, %r: f32[2, 4, 32]{128, 32, 1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %v: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::view(%m, [2, 4, 32])\n"
+      "  %s: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::add.Tensor(%v, %r)\n"
+      "  %t: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::mul.Tensor(%v, 0.5)\n"
+      "  return (%s, %t)\n";
+  const std::string expected =
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0, %r: f32[2, 4, 32]{128, 32, 1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %v: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::view(%m, [2, 4, 32])\n"
+      "  %v_biased: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::add.Tensor(%v, %b)\n"
+      "  %s: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::add.Tensor(%v_biased, %r)\n"
+      "  %t: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::mul.Tensor(%v_biased, 0.5)\n"
+      "  return (%s, %t)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse_addmm_activation(g, ctx);
+  EXPECT_EQ(print(g), expected);
+  // Left alone: the result is a graph output, a reader that does not fuse (a permute, a row sum), the CPU.
+  const std::string alone[] = {
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %t: f32[8, 32]{32, 1}@cuda:0 = aten::mul.Tensor(%m, 0.5)\n"
+      "  return (%t, %m)\n",
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %p: f32[32, 8]{1, 32}@cuda:0 = aten::permute(%m, [1, 0])\n"
+      "  return (%p)\n",
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %s: f32[8]{1}@cuda:0 = aten::sum.dim_IntList(%m, [-1])\n"
+      "  return (%s)\n",
+      "graph(%x: f32[8, 16]{16, 1}@cpu, %w: f32[16, 32]{32, 1}@cpu, %b: f32[32]{1}@cpu, %r: f32[8, 32]{32, 1}@cpu):\n"
+      "  %m: f32[8, 32]{32, 1}@cpu = aten::addmm(%b, %x, %w)\n"
+      "  %s: f32[8, 32]{32, 1}@cpu = aten::add.Tensor(%m, %r)\n"
+      "  return (%s)\n",
+  };
+  for (const std::string& text : alone) {
+    Graph h = parse(text);
+    fuse_addmm_activation(h, ctx);
+    EXPECT_EQ(print(h), text);
+  }
+  // erf GELU (no cuBLASLt epilogue): the bias joins the gelu's kernel.
+  Graph e = parse(
+      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a)\n"
+      "  return (%g)\n");
+  fuse_addmm_activation(e, ctx);
+  EXPECT_EQ(print(e),
+            "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+            "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
+            "  %a_biased: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%a, %b)\n"
+            "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a_biased)\n"
+            "  return (%g)\n");
+  // Relu keeps its cuBLASLt epilogue.
+  Graph r = parse(
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
+      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+      "  %t: f32[8, 32]{32, 1}@cuda:0 = aten::relu(%m)\n"
+      "  return (%t)\n");
+  fuse_addmm_activation(r, ctx);
+  EXPECT_NE(print(r).find("aten::_addmm_activation"), std::string::npos) << print(r);
+}
+
 TEST(AddmmActivation, ReluAndTanhGeluAfterCudaAddmmBecomeOneOp) {
   const std::string in =
       "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[8, 16]{16, 1}@cuda:0):\n"
@@ -309,18 +379,13 @@ TEST(AddmmActivation, ReluAndTanhGeluAfterCudaAddmmBecomeOneOp) {
   EXPECT_EQ(print(g), expected);
 }
 
-TEST(AddmmActivation, LeavesCpuErfGeluSharedAndScaledAddmmAlone) {
+TEST(AddmmActivation, LeavesCpuSharedAndScaledAddmmAlone) {
   const std::string cases[] = {
       // on the CPU (oneDNN's epilogue pass handles these there)
       "graph(%b: f32[8]{1}@cpu, %x: f32[4, 16]{16, 1}@cpu, %w: f32[16, 8]{8, 1}@cpu):\n"
       "  %a: f32[4, 8]{8, 1}@cpu = aten::addmm(%b, %x, %w)\n"
       "  %r: f32[4, 8]{8, 1}@cpu = aten::relu(%a)\n"
       "  return (%r)\n",
-      // erf GELU: no cuBLASLt epilogue
-      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
-      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
-      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a)\n"
-      "  return (%g)\n",
       // the addmm's result is also a graph output
       "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
       "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
