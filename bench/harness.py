@@ -253,7 +253,7 @@ def build_resnet18_train(device):
     return step, (torch.randn(batch, 3, 224, 224, device=device), torch.randint(0, 1000, (batch,), device=device))
 
 
-@workload("bert_train_b8_s128", "BertModel training step (dropout off): mean(last_hidden_state) backward, input_ids 8x128",
+@workload("bert_train_b8_s128", "BertModel training step (dropout off): mean(last_hidden_state * w) backward, input_ids 8x128",
           cpu_shape="BertModel training step (dropout off), input_ids 1x64", needs=("transformers",), training=True)
 def build_bert_train(device):
     from transformers import BertConfig, BertModel
@@ -263,7 +263,11 @@ def build_bert_train(device):
     batch, seq = (1, 64) if device == "cpu" else (8, 128)
     model = BertModel(config).to(device)
     ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
-    step = training_step(model, lambda m, i: m(i).last_hidden_state.float().pow(2).mean())
+    # A fixed random weight per feature: the final LayerNorm makes each row's mean of squares (and its plain
+    # mean) constant, so those losses have gradients that are rounding noise before it, and the error
+    # against eager compared noise (it read 1.3-2.0).
+    weight = torch.randn(config.hidden_size, generator=torch.Generator().manual_seed(0)).to(device)
+    step = training_step(model, lambda m, i: (m(i).last_hidden_state.float() * weight).mean())
     return step, (ids,)
 
 
@@ -302,18 +306,24 @@ def snapshot(out):
 
 
 def max_rel_error(out, ref):
-    """max over tensors of max|out - ref| / max|ref| (0 where ref is all zeros and out equals it)."""
+    """max over tensors of max|out - ref| / max|ref|, where a tensor's max|ref| counts as at least 1e-6 of the
+    largest over all tensors: a gradient that is zero in exact arithmetic (BERT's attention key biases: softmax
+    ignores a constant added to every key's score) holds rounding noise of 1e-11 in eager and in any compiled
+    version, and dividing noise by noise read as errors of 1.3-2.3."""
     if len(out) != len(ref):
         raise ValueError(f"{len(out)} output tensors, eager gave {len(ref)}")
-    worst = 0.0
+    scales = []
     for a, b in zip(out, ref):
         if a.shape != b.shape:
             raise ValueError(f"output shape {tuple(a.shape)}, eager gave {tuple(b.shape)}")
+        scales.append(b.double().abs().max().item() if b.numel() else 0.0)
+    floor = 1e-6 * max(scales, default=0.0)
+    worst = 0.0
+    for a, b, scale in zip(out, ref, scales):
         if b.numel() == 0:
             continue
-        a, b = a.double(), b.double()
-        diff = (a - b).abs().max().item()
-        scale = b.abs().max().item()
+        diff = (a.double() - b.double()).abs().max().item()
+        scale = max(scale, floor)
         err = diff / scale if scale > 0 else diff
         if math.isnan(err):
             return float("nan")
