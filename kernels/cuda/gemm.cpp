@@ -81,6 +81,8 @@ std::optional<Operand> transposed_view(int64_t rows, int64_t cols, int64_t s0, i
   return std::nullopt;
 }
 
+bool ok(cublasStatus_t status) { return status == CUBLAS_STATUS_SUCCESS; }
+
 cudaDataType_t cuda_type(c10::ScalarType t) {
   return t == c10::kFloat ? CUDA_R_32F : t == c10::kHalf ? CUDA_R_16F : CUDA_R_16BF;
 }
@@ -313,7 +315,6 @@ class LtGemm final : public FastPath {
                const at::Tensor* bias) const {
     p.tried = true;
     const cudaDataType_t type = cuda_type(s_.dtype);
-    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
     cublasLtEpilogue_t epilogue = s_.epilogue == Epilogue::Bias       ? CUBLASLT_EPILOGUE_BIAS
                                   : s_.epilogue == Epilogue::ReluBias ? CUBLASLT_EPILOGUE_RELU_BIAS
                                   : s_.epilogue == Epilogue::GeluBias ? CUBLASLT_EPILOGUE_GELU_BIAS
@@ -358,7 +359,6 @@ class LtGemm final : public FastPath {
   }
 
   bool make_desc(cublasLtMatmulDesc_t* desc, bool tf32, cublasLtEpilogue_t epilogue) const {
-    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
     const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     cublasOperation_t ta = first_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
     cublasOperation_t tb = second_.transpose ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -377,7 +377,6 @@ class LtGemm final : public FastPath {
   // The heuristic's first kCandidates algorithms for `desc` that run within the workspace limit.
   std::vector<Choice> heuristic(cublasLtHandle_t handle, const Prepared& p, cublasLtMatmulDesc_t desc, Route route,
                                 cublasLtMatrixLayout_t out_layout) const {
-    auto ok = [](cublasStatus_t st) { return st == CUBLAS_STATUS_SUCCESS; };
     cublasLtMatmulPreference_t pref = nullptr;
     bool good = ok(cublasLtMatmulPreferenceCreate(&pref));
     size_t max_workspace = kMaxWorkspace;
