@@ -304,11 +304,7 @@ TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
       "  %s: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::add.Tensor(%v_biased, %r)\n"
       "  %t: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::mul.Tensor(%v_biased, 0.5)\n"
       "  return (%s, %t)\n";
-  Graph g = parse(in);
-  CompileOptions options;
-  PassContext ctx{options};
-  fuse_addmm_activation(g, ctx);
-  EXPECT_EQ(print(g), expected);
+  EXPECT_EQ(run_pass(fuse_addmm_activation, in), expected);
   // Left alone: the result is a graph output, a reader that does not fuse (a permute, a row sum), the CPU.
   const std::string alone[] = {
       "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
@@ -328,32 +324,25 @@ TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
       "  %s: f32[8, 32]{32, 1}@cpu = aten::add.Tensor(%m, %r)\n"
       "  return (%s)\n",
   };
-  for (const std::string& text : alone) {
-    Graph h = parse(text);
-    fuse_addmm_activation(h, ctx);
-    EXPECT_EQ(print(h), text);
-  }
+  for (const std::string& text : alone) EXPECT_EQ(run_pass(fuse_addmm_activation, text), text);
   // erf GELU (no cuBLASLt epilogue): the bias joins the gelu's kernel.
-  Graph e = parse(
-      "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
-      "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
-      "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a)\n"
-      "  return (%g)\n");
-  fuse_addmm_activation(e, ctx);
-  EXPECT_EQ(print(e),
+  EXPECT_EQ(run_pass(fuse_addmm_activation,
+                     "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
+                     "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+                     "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a)\n"
+                     "  return (%g)\n"),
             "graph(%b: f32[8]{1}@cuda:0, %x: f32[4, 16]{16, 1}@cuda:0, %w: f32[16, 8]{8, 1}@cuda:0):\n"
             "  %a: f32[4, 8]{8, 1}@cuda:0 = aten::mm(%x, %w)\n"
             "  %a_biased: f32[4, 8]{8, 1}@cuda:0 = aten::add.Tensor(%a, %b)\n"
             "  %g: f32[4, 8]{8, 1}@cuda:0 = aten::gelu(%a_biased)\n"
             "  return (%g)\n");
   // Relu keeps its cuBLASLt epilogue.
-  Graph r = parse(
-      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
-      "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
-      "  %t: f32[8, 32]{32, 1}@cuda:0 = aten::relu(%m)\n"
-      "  return (%t)\n");
-  fuse_addmm_activation(r, ctx);
-  EXPECT_NE(print(r).find("aten::_addmm_activation"), std::string::npos) << print(r);
+  const std::string relu = run_pass(fuse_addmm_activation,
+                                    "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
+                                    "  %m: f32[8, 32]{32, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+                                    "  %t: f32[8, 32]{32, 1}@cuda:0 = aten::relu(%m)\n"
+                                    "  return (%t)\n");
+  EXPECT_NE(relu.find("aten::_addmm_activation"), std::string::npos) << relu;
 }
 
 TEST(AddmmActivation, ReluAndTanhGeluAfterCudaAddmmBecomeOneOp) {
