@@ -385,6 +385,20 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
                                        "  %m: " + t + "[s0]{1}@cuda:0 = aten::mul.Tensor(%x, %g)\n"
                                        "  %a: " + t + "[s0]{1}@cuda:0 = aten::add.Tensor(%m, %y)\n"
                                        "  return (%a)\n"});
+    // GPT-2's gelu_new after its projection's bias (passes/addmm_activation.cpp moves the bias here; siblings
+    // of %v share the group): one kernel, %v read once.
+    const std::string g = t + "[s0, 3072]{3072, 1}@cuda:0";
+    graphs.push_back({"gelu_new_" + t, "graph(%x: " + g + ", %b: " + t + "[3072]{1}@cuda:0, %s0: int):\n"
+                                       "  %v: " + g + " = aten::add.Tensor(%x, %b)\n"
+                                       "  %h: " + g + " = aten::mul.Tensor(%v, 0.5)\n"
+                                       "  %p: " + g + " = aten::pow.Tensor_Scalar(%v, 3.0)\n"
+                                       "  %q: " + g + " = aten::mul.Tensor(%p, 0.044715)\n"
+                                       "  %r: " + g + " = aten::add.Tensor(%v, %q)\n"
+                                       "  %u: " + g + " = aten::mul.Tensor(%r, 0.7978845608028654)\n"
+                                       "  %th: " + g + " = aten::tanh(%u)\n"
+                                       "  %o: " + g + " = aten::add.Tensor(%th, 1.0)\n"
+                                       "  %y: " + g + " = aten::mul.Tensor(%h, %o)\n"
+                                       "  return (%y)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
