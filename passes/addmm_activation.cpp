@@ -58,8 +58,12 @@ int64_t numel(const TensorType& t) {
 
 class Rewriter {
  public:
+  // Uses by dead nodes do not count: eval-mode dropout reaches the graph as a clone nobody reads, and it
+  // would keep GPT-2's projections (addmm -> view -> clone, add) from every rewrite here.
   explicit Rewriter(Graph& graph) : graph_(graph) {
+    const std::unordered_set<const Node*> dead = dead_nodes(graph);
     for (const auto& n : graph.nodes()) n->for_each_input([&](const Value* v) {
+      if (dead.count(n.get())) return;
       ++uses_[v];
       readers_[v].push_back(n.get());
     });
@@ -161,12 +165,13 @@ class Rewriter {
     if (readers.empty() || uses_[v] != static_cast<int>(readers.size())) return false;  // a graph output
     for (const Node* r : readers)
       if (!fuses_with(*r, v)) return false;
-    Node* first = readers[0];
-    for (const auto& node : graph_.nodes())  // the earliest reader in graph order
-      if (std::find(readers.begin(), readers.end(), node.get()) != readers.end()) {
-        first = node.get();
-        break;
-      }
+    Node* first = nullptr;  // the earliest reader in graph order, dead ones included (their uses move too)
+    for (const auto& node : graph_.nodes()) {
+      node->for_each_input([&](const Value* in) {
+        if (in == v && !first) first = node.get();
+      });
+      if (first) break;
+    }
     n.op = "aten::mm";
     n.args = {n.args[1], n.args[2]};
     Node* add = graph_.add_node("aten::add.Tensor", {Arg::of(v), Arg::of(bias)}, {}, {{v->name + "_biased", v->type}});

@@ -19,7 +19,7 @@ bool has_effects(const Node& n) {
 }
 }  // namespace
 
-void eliminate_dead_code(Graph& graph, PassContext&) {
+std::unordered_set<const Node*> dead_nodes(const Graph& graph) {
   std::unordered_set<const Value*> live;
   for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { live.insert(v); });
   std::unordered_set<const Node*> dead;
@@ -34,6 +34,11 @@ void eliminate_dead_code(Graph& graph, PassContext&) {
     }
     n.for_each_input([&](const Value* v) { live.insert(v); });
   }
+  return dead;
+}
+
+void eliminate_dead_code(Graph& graph, PassContext&) {
+  const std::unordered_set<const Node*> dead = dead_nodes(graph);
   graph.remove_nodes_if([&](const Node& n) { return dead.count(&n) > 0; });
 }
 

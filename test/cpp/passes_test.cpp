@@ -305,6 +305,11 @@ TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
       "  %t: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::mul.Tensor(%v_biased, 0.5)\n"
       "  return (%s, %t)\n";
   EXPECT_EQ(run_pass(fuse_addmm_activation, in), expected);
+  // A dead reader (eval-mode dropout's clone, as in GPT-2's blocks) changes nothing; dce drops it later.
+  std::string with_dead = in, expected_with_dead = expected;
+  with_dead.insert(with_dead.find("  %s:"), "  %c: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::clone(%v)\n");
+  expected_with_dead.insert(expected_with_dead.find("  %s:"), "  %c: f32[2, 4, 32]{128, 32, 1}@cuda:0 = aten::clone(%v_biased)\n");
+  EXPECT_EQ(run_pass(fuse_addmm_activation, with_dead), expected_with_dead);
   // Left alone: the result is a graph output, a reader that does not fuse (a permute, a row sum), the CPU.
   const std::string alone[] = {
       "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 32]{32, 1}@cuda:0, %b: f32[32]{1}@cuda:0):\n"
