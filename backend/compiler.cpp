@@ -41,6 +41,7 @@ const std::vector<Pass>& default_passes() {
       {"canonicalize", canonicalize},
       {"fold_matmul", fold_batched_matmul},
       {"addmm_act", fuse_addmm_activation},  // before dce, which drops the addmm it absorbed
+      {"pad_mm", pad_matmul},                // after addmm_act (whose mm it may pad), before dce
       {"fold_batchnorm", fold_batchnorm},
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},

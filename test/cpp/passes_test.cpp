@@ -286,6 +286,54 @@ TEST(AddmmActivation, CudaMmPlusRowBiasBecomesAddmm) {
   }
 }
 
+TEST(PadMatmul, SixteenBitLmHeadComputesPaddedRowsAndReturnsAStridedView) {
+  // GPT-2's LM head in bf16: 50257 columns are no 16-byte multiple. The weight is padded to 50264 rows,
+  // the product is computed that wide, and the view on its way out reads rows 50264 apart.
+  const std::string in =
+      "graph(%x: bf16[2048, 768]{768, 1}@cuda:0, %w: bf16[50257, 768]{768, 1}@cuda:0):\n"
+      "  %p: bf16[768, 50257]{1, 768}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %m: bf16[2048, 50257]{50257, 1}@cuda:0 = aten::mm(%x, %p)\n"
+      "  %v: bf16[4, 512, 50257]{25731584, 50257, 1}@cuda:0 = aten::view(%m, [4, 512, 50257])\n"
+      "  return (%v)\n";
+  const std::string expected =
+      "graph(%x: bf16[2048, 768]{768, 1}@cuda:0, %w: bf16[50257, 768]{768, 1}@cuda:0):\n"
+      "  %p: bf16[768, 50257]{1, 768}@cuda:0 = aten::permute(%w, [1, 0])\n"
+      "  %m_w: bf16[50257, 768]{768, 1}@cuda:0 = aten::permute(%p, [1, 0])\n"
+      "  %m_wpad: bf16[50264, 768]{768, 1}@cuda:0 = aten::constant_pad_nd(%m_w, [0, 0, 0, 7], 0.0)\n"
+      "  %m_wpad_t: bf16[768, 50264]{1, 768}@cuda:0 = aten::permute(%m_wpad, [1, 0])\n"
+      "  %m_padded: bf16[2048, 50264]{50264, 1}@cuda:0 = aten::mm(%x, %m_wpad_t)\n"
+      "  %m_cols: bf16[2048, 50257]{50264, 1}@cuda:0 = aten::slice.Tensor(%m_padded, 1, 0, 50257, 1)\n"
+      "  %m: bf16[2048, 50257]{50257, 1}@cuda:0 = aten::mm(%x, %p)\n"
+      "  %v: bf16[4, 512, 50257]{25735168, 50264, 1}@cuda:0 = aten::view(%m_cols, [4, 512, 50257])\n"
+      "  return (%v)\n";
+  EXPECT_EQ(run_pass(pad_matmul, in), expected);
+  // Left alone: f32, a width of 16-byte rows, a small problem, a product read by a pointwise op.
+  const std::string alone[] = {
+      "graph(%x: f32[2048, 768]{768, 1}@cuda:0, %w: f32[768, 50257]{50257, 1}@cuda:0):\n"
+      "  %m: f32[2048, 50257]{50257, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  return (%m)\n",
+      "graph(%x: bf16[2048, 768]{768, 1}@cuda:0, %w: bf16[768, 50264]{50264, 1}@cuda:0):\n"
+      "  %m: bf16[2048, 50264]{50264, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  return (%m)\n",
+      "graph(%x: bf16[64, 64]{64, 1}@cuda:0, %w: bf16[64, 45]{45, 1}@cuda:0):\n"
+      "  %m: bf16[64, 45]{45, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  return (%m)\n",
+      "graph(%x: bf16[2048, 768]{768, 1}@cuda:0, %w: bf16[768, 50257]{50257, 1}@cuda:0):\n"
+      "  %m: bf16[2048, 50257]{50257, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %t: bf16[2048, 50257]{50257, 1}@cuda:0 = aten::mul.Tensor(%m, 0.5)\n"
+      "  return (%t, %m)\n",
+  };
+  for (const std::string& text : alone) EXPECT_EQ(run_pass(pad_matmul, text), text);
+  // A row-major right operand is padded in its columns; the product may be returned as well.
+  const std::string row_major = run_pass(pad_matmul,
+      "graph(%x: f16[2048, 768]{768, 1}@cuda:0, %w: f16[768, 50257]{50257, 1}@cuda:0):\n"
+      "  %m: f16[2048, 50257]{50257, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  return (%m)\n");
+  EXPECT_NE(row_major.find("%m_bpad: f16[768, 50264]{50264, 1}@cuda:0 = aten::constant_pad_nd(%w, [0, 7], 0.0)"),
+            std::string::npos) << row_major;
+  EXPECT_NE(row_major.find("return (%m_cols)"), std::string::npos) << row_major;
+}
+
 TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
   // A linear on a 3-D input followed by a residual add and a layer norm: the bias add goes after the view,
   // where the fuse pass puts it in one group with the residual add and the layer norm.
