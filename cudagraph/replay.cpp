@@ -40,6 +40,7 @@
 #include "cudagraph/runner.h"
 
 #include "ember/error.h"
+#include "ember/runtime.h"
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -469,6 +470,7 @@ class Runner final : public PlanRunner {
   }
 
   std::vector<c10::IValue> warm_up(std::vector<c10::IValue> inputs) {
+    WarmingForGraphs for_graphs;  // choices made now serve replays
     return on_side_stream([&] { return eager(std::move(inputs)); });
   }
 

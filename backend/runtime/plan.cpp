@@ -413,6 +413,13 @@ class PlanBuilder {
 
 void register_fast_path(FastPathMaker maker) { fast_path_makers().push_back(maker); }
 
+namespace {
+thread_local bool warming = false;
+}  // namespace
+bool warming_for_graphs() { return warming; }
+WarmingForGraphs::WarmingForGraphs() : before_(warming) { warming = true; }
+WarmingForGraphs::~WarmingForGraphs() { warming = before_; }
+
 Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
                 const std::unordered_map<int, GroupKernel>& kernels) {
   // Tensors made here (wrapped scalars) must be real even when the caller traces under a fake or other

@@ -30,17 +30,22 @@
 //     CUDA events, and the fastest kept, every step with the same problem reusing it. Not while a CUDA
 //     graph is being captured (a synchronizing timer cannot run there): the heuristic's pick then.
 //     For a plain or biased GEMM the candidates also include cuBLASLt without the epilogue plus ATen's
-//     bias add, and ATen's mm (cuBLAS's own kernels) plus the add (Route); small penalties stand for
-//     their extra host time. Each measurement starts behind an untimed run so the GPU never waits for
-//     the host (time_runs). EMBER_GEMM_ROUTE=lt|lt_bias|aten forces one
-//     (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings to stderr.
+//     bias add, ATen's mm (cuBLAS's own kernels) plus the add, and for results whose rows are not 16-byte
+//     multiples a zero-padded weight (Route); small penalties stand for their extra host time, except in
+//     the warm-up before a CUDA graph capture (warming_for_graphs), whose replays launch nothing from the
+//     host. Each measurement starts behind an untimed run so the GPU never waits for the host, and each
+//     run starts with the L2 evicted, as a model's weights are (time_runs). EMBER_GEMM_ROUTE=
+//     lt|lt_bias|aten|padded forces one (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings
+//     to stderr; EMBER_GEMM_TIMING=warm times with warm caches.
 #include "ember/error.h"
 #include "ember/runtime.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cublasLt.h>
 
@@ -123,19 +128,26 @@ bool splits_k(const cublasLtMatmulAlgo_t& algo) {
 }
 
 // Process-wide choices: a problem (sizes, strides, dtype, epilogue, compute type, device) is timed once.
-using ProblemKey = std::array<int64_t, 12>;
+using ProblemKey = std::array<int64_t, 13>;
 // How a problem runs: one cuBLASLt call with the bias (and activation) in its epilogue; cuBLASLt without
 // the epilogue, then the bias added by ATen; or ATen's mm (cuBLAS's own choice, whose kernels cuBLASLt's
 // heuristic does not offer: inductor's plain mm calls ran BERT-base f32's projections in 55 us where the
 // biased cuBLASLt pick took 70 us) and the bias added by ATen.
-enum class Route : uint8_t { Lt, LtThenBias, Aten };
+// Padded: for results whose rows are not a 16-byte multiple (GPT-2's vocabulary of 50257), the weight's
+// rows are copied into a zero-padded matrix, ATen's mm writes a padded result and its leading columns are
+// copied out. cuBLAS(Lt) keeps align-1 kernels for such widths: the bf16 LM head of GPT-2 b16 s512
+// (8192x50257x768) took 6.1 ms on the H100, and 0.92 ms padded to 50264 (before the two copies, each a
+// pass over its matrix). Offered for problems of at least kPaddedMinMacs multiply-adds only.
+enum class Route : uint8_t { Lt, LtThenBias, Aten, Padded };
+constexpr size_t kRoutes = 4;
+constexpr double kPaddedMinMacs = double(int64_t{1} << 26);
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
 int forced_route() {
   const char* v = std::getenv("EMBER_GEMM_ROUTE");
   if (!v) return -1;
   std::string r(v);
-  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : -1;
+  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : -1;
 }
 struct Choice {
   Route route = Route::Lt;
@@ -145,6 +157,7 @@ struct Choice {
 // Host time the timing does not see where the GPU is the bottleneck, but a graph of small GEMMs pays.
 constexpr float kSeparateBiasPenaltyMs = 0.002f;  // the extra bias launch
 constexpr float kAtenPenaltyMs = 0.004f;          // ATen's mm over a prepared cuBLASLt call
+constexpr float kPaddedPenaltyMs = 0.008f;        // and the padding and copy-out launches
 std::mutex tuned_mutex;
 std::map<ProblemKey, Choice>& tuned() {
   static auto* choices = new std::map<ProblemKey, Choice>();  // never freed: outlives every plan
@@ -158,8 +171,11 @@ std::map<ProblemKey, Choice>& tuned() {
 // host time on top of its GPU time (GPT-2's 512x768x3072 projection measured 150 us through ATen that way,
 // against the 59 us its kernels take). Where host time exceeds GPU time (small GEMMs) the runs stay
 // host-bound, which is what such a GEMM costs in a graph too.
+// With `flush` (cold_l2()), each run is timed alone after a memset of `flush_bytes` (twice the L2) has
+// evicted the operands: in a model a layer's weights come from memory, not from the L2 where a loop over
+// the same operands keeps them (GPT-2 f32's 64x64-tile GEMMs ran 10% slower in the model than timed so).
 template <class Launch>
-float time_runs(Launch launch_or_throw, cudaStream_t stream) {
+float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t flush_bytes) {
   auto launch = [&] {
     try {
       return launch_or_throw();
@@ -167,28 +183,50 @@ float time_runs(Launch launch_or_throw, cudaStream_t stream) {
       return false;
     }
   };
-  cudaEvent_t start = nullptr, stop = nullptr;
-  if (cudaEventCreate(&start) != cudaSuccess || cudaEventCreate(&stop) != cudaSuccess) {
-    if (start) cudaEventDestroy(start);
-    (void)cudaGetLastError();
-    return -1.f;
-  }
+  constexpr int kMaxReps = 10;
+  std::array<cudaEvent_t, 2 * kMaxReps> events{};
+  int made = 0;
+  for (; made < static_cast<int>(events.size()); ++made)
+    if (cudaEventCreate(&events[made]) != cudaSuccess) break;
   auto measure = [&](int reps) {
     if (!launch()) return -1.f;
-    bool ran = cudaEventRecord(start, stream) == cudaSuccess;
-    for (int r = 0; r < reps && ran; ++r) ran = launch();
-    float ms = -1.f;
-    if (!ran || cudaEventRecord(stop, stream) != cudaSuccess || cudaEventSynchronize(stop) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess)
-      return -1.f;
-    return ms / static_cast<float>(reps);
+    bool ran = true;
+    if (flush) {  // each run alone: flush, start, run, stop
+      for (int r = 0; r < reps && ran; ++r)
+        ran = cudaMemsetAsync(flush, r & 0xff, flush_bytes, stream) == cudaSuccess &&
+              cudaEventRecord(events[2 * r], stream) == cudaSuccess && launch() &&
+              cudaEventRecord(events[2 * r + 1], stream) == cudaSuccess;
+    } else {  // back to back between two events
+      ran = cudaEventRecord(events[0], stream) == cudaSuccess;
+      for (int r = 0; r < reps && ran; ++r) ran = launch();
+      ran = ran && cudaEventRecord(events[1], stream) == cudaSuccess;
+    }
+    if (!ran || cudaEventSynchronize(events[flush ? 2 * reps - 1 : 1]) != cudaSuccess) return -1.f;
+    float total = 0.f;
+    for (int r = 0; r < (flush ? reps : 1); ++r) {
+      float ms = 0.f;
+      if (cudaEventElapsedTime(&ms, events[2 * r], events[2 * r + 1]) != cudaSuccess) return -1.f;
+      total += ms;
+    }
+    return total / static_cast<float>(reps);
   };
-  float ms = measure(1);
-  if (ms >= 0.f) ms = measure(std::clamp(static_cast<int>(0.2f / std::max(ms, 1e-3f)), 2, 10));  // ~200 us
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  float ms = -1.f;
+  if (made == static_cast<int>(events.size())) {
+    ms = measure(1);
+    if (ms >= 0.f) ms = measure(std::clamp(static_cast<int>(0.2f / std::max(ms, 1e-3f)), 2, kMaxReps));  // ~200 us
+  }
+  for (int e = 0; e < made; ++e) cudaEventDestroy(events[e]);
   (void)cudaGetLastError();
   return ms;
+}
+
+// Whether the timing evicts the L2 before each run (time_runs); EMBER_GEMM_TIMING=warm times back to back.
+bool cold_l2() {
+  static const bool cold = [] {
+    const char* v = std::getenv("EMBER_GEMM_TIMING");
+    return !(v && std::string(v) == "warm");
+  }();
+  return cold;
 }
 
 template <class Option>
@@ -258,7 +296,10 @@ class LtGemm final : public FastPath {
 
   std::string describe() const override {
     const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
-    const char* how = route == Route::Lt ? "" : route == Route::LtThenBias ? " (bias added after)" : " (timed: ATen's mm faster)";
+    const char* how = route == Route::Lt           ? ""
+                      : route == Route::LtThenBias ? " (bias added after)"
+                      : route == Route::Aten       ? " (timed: ATen's mm faster)"
+                                                   : " (timed: rows padded to 16 bytes)";
     return "cublasLt " + std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k) + how + ", " +
            std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
   }
@@ -290,6 +331,22 @@ class LtGemm final : public FastPath {
       if (bias) out.add_(*bias);
       return true;
     }
+    if (c.route == Route::Padded) {
+      const int64_t n_pad = padded_width();
+      at::Tensor weight = at::empty({n_pad, s_.k}, b.options());  // B^T with zero rows below
+      weight.narrow(0, 0, s_.n).copy_(b.t());
+      weight.narrow(0, s_.n, n_pad - s_.n).zero_();
+      at::Tensor wide = at::empty({s_.m, n_pad}, a.options());
+      if (bias) {
+        at::Tensor wide_bias = at::zeros({n_pad}, bias->options());
+        wide_bias.narrow(0, 0, s_.n).copy_(*bias);
+        at::addmm_out(wide, wide_bias, a, weight.t());
+      } else {
+        at::mm_out(wide, a, weight.t());
+      }
+      out.copy_(wide.narrow(1, 0, s_.n));
+      return true;
+    }
     const float alpha = 1.f, beta = 0.f;
     cublasLtMatmulDesc_t desc = c.route == Route::LtThenBias ? p.plain : p.desc;
     if (cublasLtMatmul(handle, desc, &alpha, b.data_ptr(), p.first, a.data_ptr(), p.second, &beta, out.data_ptr(),
@@ -297,6 +354,12 @@ class LtGemm final : public FastPath {
       return false;
     if (c.route == Route::LtThenBias) out.add_(*bias);
     return true;
+  }
+
+  // The result's width rounded up to a 16-byte multiple; s_.n when it is one.
+  int64_t padded_width() const {
+    const int64_t per = static_cast<int64_t>(kAlignment) / static_cast<int64_t>(c10::elementSize(s_.dtype));
+    return (s_.n + per - 1) / per * per;
   }
 
   static const at::Tensor* tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
@@ -326,19 +389,25 @@ class LtGemm final : public FastPath {
     good = good && ok(cublasLtMatrixLayoutCreate(&p.out, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m), s_.n));
     std::vector<Choice> candidates;
     if (good) candidates = heuristic(handle, p, p.desc, Route::Lt, p.out);
-    if (candidates.empty()) {
-      p.release();
-      return;
-    }
     if (p.plain) {
       std::vector<Choice> plain = heuristic(handle, p, p.plain, Route::LtThenBias, p.out);
       candidates.insert(candidates.end(), plain.begin(), plain.end());
     }
-    if (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias) candidates.push_back({Route::Aten, {}, 0});
+    const int forced = forced_route();
+    if (good && (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias)) {
+      candidates.push_back({Route::Aten, {}, 0});
+      const bool large = double(s_.m) * double(s_.n) * double(s_.k) >= kPaddedMinMacs;
+      if (padded_width() != s_.n && (large || forced == static_cast<int>(Route::Padded)))
+        candidates.push_back({Route::Padded, {}, 0});
+    }
+    if (candidates.empty()) {
+      p.release();
+      return;
+    }
     // The first candidate of each route goes first: the timing budget may run out before the last.
     {
       std::vector<Choice> leaders, rest;
-      std::array<bool, 3> seen{};
+      std::array<bool, kRoutes> seen{};
       for (const Choice& c : candidates) {
         bool& route_seen = seen[static_cast<size_t>(c.route)];
         (route_seen ? rest : leaders).push_back(c);
@@ -347,7 +416,6 @@ class LtGemm final : public FastPath {
       leaders.insert(leaders.end(), rest.begin(), rest.end());
       candidates = std::move(leaders);
     }
-    const int forced = forced_route();
     if (forced >= 0) {
       std::vector<Choice> only;
       for (const Choice& c : candidates)
@@ -407,8 +475,12 @@ class LtGemm final : public FastPath {
   // heuristic's pick with the epilogue) while a graph is being captured.
   Choice choose(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a, const at::Tensor& b,
                 const at::Tensor* bias, const std::vector<Choice>& candidates, int forced) const {
+    // Replays of a CUDA graph launch nothing from the host: host-time penalties do not apply to the
+    // choice a warm-up for capture makes (warming_for_graphs), which is kept apart.
+    const bool for_graphs = warming_for_graphs();
     const ProblemKey key = {s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
-                            static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device, forced};
+                            static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device, forced,
+                            for_graphs};
     {
       std::lock_guard<std::mutex> lock(tuned_mutex);
       auto it = tuned().find(key);
@@ -425,6 +497,12 @@ class LtGemm final : public FastPath {
     for (const Choice& c : candidates) workspace_bytes = std::max(workspace_bytes, c.workspace);
     at::Tensor out = at::empty({s_.m, s_.n}, a.options());
     at::Tensor workspace = at::empty({static_cast<int64_t>(std::max<size_t>(workspace_bytes, 1))}, a.options().dtype(at::kByte));
+    at::Tensor flush;
+    if (cold_l2()) {
+      int l2 = 0;
+      if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, s_.device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
+      flush = at::empty({2 * static_cast<int64_t>(l2)}, a.options().dtype(at::kByte));
+    }
     if (bias) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
@@ -437,19 +515,22 @@ class LtGemm final : public FastPath {
     std::string seen;
     for (const Choice& c : candidates) {
       if (spent_ms > kTuningBudgetMs) break;
-      float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream);
-      if (log) seen += std::string(" ") + "lba"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
+      float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream,
+                           flush.defined() ? flush.data_ptr() : nullptr, flush.defined() ? static_cast<size_t>(flush.numel()) : 0);
+      if (log) seen += std::string(" ") + "lbap"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
       if (ms < 0.f) continue;
       spent_ms += 5.f * ms;
-      if (c.route != Route::Aten && splits_k(c.algo)) ms += kSplitKPenaltyMs;
-      if (c.route == Route::LtThenBias) ms += kSeparateBiasPenaltyMs;
-      if (c.route == Route::Aten) ms += kAtenPenaltyMs;
+      const float host = for_graphs ? 0.f : 1.f;
+      if (c.route != Route::Aten && c.route != Route::Padded && splits_k(c.algo)) ms += host * kSplitKPenaltyMs;
+      if (c.route == Route::LtThenBias) ms += host * kSeparateBiasPenaltyMs;
+      if (c.route == Route::Aten) ms += host * kAtenPenaltyMs;
+      if (c.route == Route::Padded) ms += host * kPaddedPenaltyMs;
       if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
     }
     if (log)
-      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten):%s\n",
+      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded):%s\n",
                    static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
-                   static_cast<int>(s_.epilogue), "lba"[static_cast<int>(best.route)], seen.c_str());
+                   static_cast<int>(s_.epilogue), for_graphs ? " (for graphs)" : "", "lbap"[static_cast<int>(best.route)], seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;

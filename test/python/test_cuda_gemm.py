@@ -71,6 +71,46 @@ def test_every_timed_route_matches_eager(route, dtype, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_padded_route_for_rows_off_16_bytes(dtype, monkeypatch):
+    """The route for results whose rows are not a 16-byte multiple (GPT-2's vocabulary): the weight's rows
+    padded with zeros, ATen's mm into a wider result, its leading columns copied out; forced here, with and
+    without a bias, for a Linear's transposed weight and for a row-major right operand."""
+    monkeypatch.setenv("EMBER_GEMM_ROUTE", "padded")
+    m, k, n = 70, 96, 45
+    a = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    b = torch.randn(k, n, device="cuda", dtype=dtype)
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    run_compare(lambda a, w, bias: torch.nn.functional.linear(a, w, bias), a, w, bias, dtype=dtype)
+    run_compare(lambda a, w: a @ w.t(), a, w, dtype=dtype)
+    run_compare(lambda a, b: (a @ b).relu(), a, b, dtype=dtype)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert listing.count("(timed: rows padded to 16 bytes)") >= 3, listing
+    assert lt_calls() >= 6
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_lm_head_of_odd_width_returns_padded_rows(dtype, mode):
+    """A 16-bit LM head over GPT-2's 50257 words (passes/pad_matmul.cpp): the product is computed 50264
+    wide and returned as a view of its leading columns (row stride 50264), with eager's values; a softmax
+    reading it inside the graph gets a contiguous product instead."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 512, 768, device="cuda", dtype=dtype)
+    w = torch.randn(50257, 768, device="cuda", dtype=dtype) / 16
+    head = lambda x, w: torch.nn.functional.linear(x, w)
+    probs = lambda x, w: torch.softmax(torch.nn.functional.linear(x, w).float(), -1)
+    for fn, padded in ((head, True), (probs, False)):
+        compiled = torch.compile(fn, backend="ember", mode=mode if mode != "default" else None)
+        with torch.no_grad():
+            for _ in range(3):
+                x.normal_()
+                got = compiled(x, w)
+                assert_same(got, fn(x, w), **TOL[dtype])
+        assert (got.stride(1) == 50264) == padded, got.stride()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_bias_relu_and_tanh_gelu_epilogues(dtype):
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40), nn.GELU(approximate="tanh"),
                           nn.Linear(40, 8)).to("cuda", dtype)

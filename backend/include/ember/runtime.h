@@ -70,6 +70,21 @@ class FastPath {
   virtual std::string describe() const = 0;  // for the plan's listing
 };
 
+// True on a thread while it runs a plan to warm up for CUDA graph capture (cudagraph/replay.cpp, through
+// WarmingForGraphs): a fast path that weighs host time against GPU time when it chooses (the GEMM timing
+// in kernels/cuda/gemm.cpp) weighs GPU time alone then, since replays launch no host work per kernel.
+bool warming_for_graphs();
+class WarmingForGraphs {
+ public:
+  WarmingForGraphs();
+  ~WarmingForGraphs();
+  WarmingForGraphs(const WarmingForGraphs&) = delete;
+  WarmingForGraphs& operator=(const WarmingForGraphs&) = delete;
+
+ private:
+  bool before_;
+};
+
 struct Step;
 // Makes a fast path for node `n` bound as `step`, or null. Makers registered here are asked for every ATen
 // step, in registration order; the first non-null answer wins.
