@@ -31,6 +31,16 @@ __device__ __forceinline__ float bf_round(float f) {
   return __uint_as_float(bf_bits(f));
 #endif
 }
+// bf_round of two values with one conversion (sm_80+: cvt.rn.bf16x2.f32 packs a in the high half, b in
+// the low), where the conversion unit is what limits a kernel.
+__device__ __forceinline__ void bf_round2(float a, float b, float& ra, float& rb) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(a), "f"(b));
+  ra = __uint_as_float(r & 0xffff0000u); rb = __uint_as_float(r << 16);
+#else
+  ra = bf_round(a); rb = bf_round(b);
+#endif
+}
 __device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 __device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }

@@ -68,7 +68,8 @@ class Printer {
   size_t no() const { return std::max<size_t>(p_.outputs.size(), 1); }
   size_t ns() const { return std::max<size_t>(p_.scalars.size(), 1); }
   size_t rank() const { return std::max<size_t>(p_.rank, 1); }
-  static std::string reg(int r) { return "v" + std::to_string(r); }
+  // A register's name; in flat_vector's paired body, with the lane's suffix (lane_).
+  std::string reg(int r) const { return "v" + std::to_string(r) + lane_; }
   static c10::ScalarType dtype(const Value* v) { return v->type.tensor.dtype; }
   c10::ScalarType in_type(size_t k) const { return dtype(p_.inputs[k].value); }
   c10::ScalarType out_type(size_t k) const { return dtype(p_.outputs[k].value); }
@@ -220,14 +221,41 @@ class Printer {
     o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
     o << "      if (chunk >= chunks) break;\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
-    o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
+    // Two elements at a time (V is even), so that bf16 roundings go two to a conversion instruction
+    // (bf_round2): with one each, the conversions bounded GPT-2's bf16 gelu_new (eight roundings per
+    // element) on the H100.
+    o << "#pragma unroll\n      for (int v = 0; v < V; v += 2) {\n";
+    const char* lanes[2] = {"_0", "_1"};
+    auto each_lane = [&](auto&& line) {
+      for (int l = 0; l < 2; ++l) {
+        lane_ = lanes[l];
+        line(l == 0 ? std::string("v") : std::string("v + 1"));
+      }
+      lane_ = "";
+    };
     for (size_t k = 0; k < p_.inputs.size(); ++k)
-      o << "        float " << reg(p_.inputs[k].reg) << " = "
-        << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(a" + str(k) + "[u], v)") << ";\n";
-    for (const Instr& n : p_.code) o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n";
+      each_lane([&](const std::string& v) {
+        o << "        float " << reg(p_.inputs[k].reg) << " = "
+          << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(a" + str(k) + "[u], " + v + ")") << ";\n";
+      });
+    for (const Instr& n : p_.code) {
+      if (n.op == OpCode::RoundBFloat16) {
+        std::string names[2], args[2];
+        each_lane([&](const std::string& v) {
+          names[v == "v" ? 0 : 1] = reg(n.dst);
+          args[v == "v" ? 0 : 1] = operand(n.a);
+        });
+        o << "        float " << names[0] << ", " << names[1] << "; bf_round2(" << args[0] << ", " << args[1] << ", "
+          << names[0] << ", " << names[1] << ");\n";
+        continue;
+      }
+      each_lane([&](const std::string&) { o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n"; });
+    }
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), stored(k))
-        << ");\n";
+      each_lane([&](const std::string& v) {
+        o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", " << v << ", "
+          << from_float(out_type(k), stored(k)) << ");\n";
+      });
     o << "      }\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
       o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
@@ -553,6 +581,7 @@ class Printer {
 
   const Program& p_;
   int width_;
+  mutable const char* lane_ = "";
 };
 
 }  // namespace

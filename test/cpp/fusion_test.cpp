@@ -399,6 +399,14 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
                                        "  %o: " + g + " = aten::add.Tensor(%th, 1.0)\n"
                                        "  %y: " + g + " = aten::mul.Tensor(%h, %o)\n"
                                        "  return (%y)\n"});
+    // GPT-2's residual add + projection bias + layer norm over 768 columns (the bias move puts the bias
+    // here): five full inputs, three in the first phase, the weight and bias in the last.
+    const std::string r = t + "[s0, 768]{768, 1}@cuda:0", c = t + "[768]{1}@cuda:0";
+    graphs.push_back({"residual_ln_768_" + t, "graph(%x: " + r + ", %b: " + c + ", %h: " + r + ", %w: " + c + ", %lb: " + c + ", %s0: int):\n"
+                                              "  %xb: " + r + " = aten::add.Tensor(%x, %b)\n"
+                                              "  %a: " + r + " = aten::add.Tensor(%xb, %h)\n"
+                                              "  %n: " + r + ", %m: f32[s0, 1]{1, 1}@cuda:0, %rs: f32[s0, 1]{1, 1}@cuda:0 = aten::native_layer_norm(%a, [768], %w, %lb, 1e-05)\n"
+                                              "  return (%a, %n)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
