@@ -90,6 +90,9 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   t0 = Clock::now();
   Plan plan = build_plan(graph, constants, kernels);
   timings.emplace_back("plan", ms_since(t0));
+  t0 = Clock::now();
+  fold_constant_steps(plan);
+  timings.emplace_back("fold", ms_since(t0));
   auto compiled = std::make_shared<CompiledGraph>(std::move(graph), std::move(plan));
   compiled->timings = std::move(timings);
   dump(options, "plan.txt", compiled->describe());

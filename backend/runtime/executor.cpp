@@ -120,44 +120,45 @@ std::vector<c10::IValue> CompiledGraph::start(std::vector<c10::IValue> inputs) c
 
 void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const {
   std::vector<c10::IValue> stack;
-  for (size_t s = first; s < last; ++s) {
-    const Step& step = plan_.steps[s];
-    if (step.kernel) {
-      step.kernel->run(buffers, step.reads, step.writes);
-      for (uint32_t b : step.frees) buffers[b] = c10::IValue();
-      continue;
-    }
-    if (step.fast && step.fast->run(buffers)) {
-      for (uint32_t b : step.frees) buffers[b] = c10::IValue();
-      continue;
-    }
-    stack.assign(step.stack.begin(), step.stack.end());
-    for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];
-    for (auto [slot, buf] : step.scalar_from_buffer) stack[slot] = wrap_scalar(buffers[buf]);
-    for (const ListSlot& l : step.lists) stack[l.slot] = assemble_list(l, &buffers);
-    try {
-      if (step.op) {
-        step.op->callBoxed(stack);
-      } else {
-        c10::IValue r = run_prim(step.prim, stack);
-        stack.clear();
-        stack.push_back(std::move(r));
-      }
-    } catch (const c10::Error& e) {
-      std::string where = step.node->outputs.empty() ? step.node->op
-                                                     : "%" + step.node->outputs[0]->name + " = " + step.node->op;
-      throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
-    }
-    if (step.expand_list) {
-      c10::List<c10::IValue> list = stack[0].toList();
-      size_t n = std::min(list.size(), step.outputs.size());
-      for (size_t i = 0; i < n; ++i) buffers[step.outputs[i]] = list.get(i);
-    } else {
-      for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i)
-        if (step.outputs[i] >= 0) buffers[step.outputs[i]] = std::move(stack[i]);
-    }
+  for (size_t s = first; s < last; ++s) run_step(plan_.steps[s], buffers, stack);
+}
+
+void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack) {
+  if (step.kernel) {
+    step.kernel->run(buffers, step.reads, step.writes);
     for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+    return;
   }
+  if (step.fast && step.fast->run(buffers)) {
+    for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+    return;
+  }
+  stack.assign(step.stack.begin(), step.stack.end());
+  for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];
+  for (auto [slot, buf] : step.scalar_from_buffer) stack[slot] = wrap_scalar(buffers[buf]);
+  for (const ListSlot& l : step.lists) stack[l.slot] = assemble_list(l, &buffers);
+  try {
+    if (step.op) {
+      step.op->callBoxed(stack);
+    } else {
+      c10::IValue r = run_prim(step.prim, stack);
+      stack.clear();
+      stack.push_back(std::move(r));
+    }
+  } catch (const c10::Error& e) {
+    std::string where = step.node->outputs.empty() ? step.node->op
+                                                   : "%" + step.node->outputs[0]->name + " = " + step.node->op;
+    throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
+  }
+  if (step.expand_list) {
+    c10::List<c10::IValue> list = stack[0].toList();
+    size_t n = std::min(list.size(), step.outputs.size());
+    for (size_t i = 0; i < n; ++i) buffers[step.outputs[i]] = list.get(i);
+  } else {
+    for (size_t i = 0; i < step.outputs.size() && i < stack.size(); ++i)
+      if (step.outputs[i] >= 0) buffers[step.outputs[i]] = std::move(stack[i]);
+  }
+  for (uint32_t b : step.frees) buffers[b] = c10::IValue();
 }
 
 std::vector<c10::IValue> CompiledGraph::finish(std::vector<c10::IValue>& buffers) const {
@@ -185,7 +186,9 @@ std::string CompiledGraph::describe() const {
     return s;
   };
   out += "plan: " + std::to_string(plan_.num_inputs) + " inputs, " + std::to_string(plan_.num_buffers) +
-         " buffers, " + std::to_string(plan_.steps.size()) + " steps\n";
+         " buffers, " + std::to_string(plan_.steps.size()) + " steps";
+  if (plan_.folded_steps) out += " (" + std::to_string(plan_.folded_steps) + " more folded into constants at compile time)";
+  out += "\n";
   for (size_t s = 0; s < plan_.steps.size(); ++s) {
     const Step& st = plan_.steps[s];
     std::vector<uint32_t> reads = step_reads(st);

@@ -17,6 +17,7 @@
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -427,6 +428,117 @@ Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Te
   c10::impl::ExcludeDispatchKeyGuard no_python(
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
   return PlanBuilder(graph, constants, kernels).build();
+}
+
+namespace {
+
+// Steps whose result may alias an input: a folded value they read would reach their reader as the
+// constant's own memory.
+bool may_alias(const std::string& op) {
+  static const std::unordered_set<std::string> aliasing = {
+      "aten::view", "aten::_unsafe_view", "aten::permute", "aten::expand", "aten::unsqueeze", "aten::squeeze",
+      "aten::squeeze.dim", "aten::squeeze.dims", "aten::select.int", "aten::slice.Tensor", "aten::transpose.int",
+      "aten::t", "aten::alias", "aten::as_strided", "aten::unflatten.int", "aten::narrow", "aten::diagonal",
+      "aten::unfold", "aten::reshape", "aten::contiguous", "aten::split.Tensor", "aten::split_with_sizes",
+      "aten::unbind.int", "aten::chunk", "aten::expand_as", "aten::view_as", "aten::detach", "aten::lift_fresh",
+      "aten::to.dtype", "aten::to.device", "aten::to.dtype_layout", "aten::type_as", "aten::real"};
+  return aliasing.count(op) > 0;
+}
+
+bool foldable_op(const Step& st) {
+  if (st.kernel || !st.node || (!st.op && st.prim == PrimOp::None)) return false;
+  try {
+    const OpInfo& info = op_info(st.node->op);
+    return !info.has(kRandom) && !info.has(kMutates);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace
+
+size_t fold_constant_steps(Plan& plan) {
+  const size_t n = plan.steps.size();
+  for (const Step& st : plan.steps) {  // an in-place write could change a folded value after the fact
+    if (!st.node) continue;
+    try {
+      if (op_info(st.node->op).has(kMutates)) return 0;
+    } catch (const std::exception&) {
+      return 0;
+    }
+  }
+  std::vector<int64_t> producer(plan.num_buffers, -1);
+  for (size_t s = 0; s < n; ++s)
+    for (int32_t b : plan.steps[s].outputs)
+      if (b >= 0) producer[static_cast<size_t>(b)] = static_cast<int64_t>(s);
+  std::vector<char> blocked(n, 0), folded(n, 0), known(plan.num_buffers, 0);
+  for (bool changed = true; changed;) {
+    changed = false;
+    std::fill(known.begin(), known.end(), 0);
+    std::fill(folded.begin(), folded.end(), 0);
+    for (const auto& c : plan.constants) known[c.first] = 1;
+    for (size_t s = 0; s < n; ++s) {
+      const Step& st = plan.steps[s];
+      if (blocked[s] || !foldable_op(st)) continue;
+      bool all_known = true;
+      for (uint32_t b : step_reads(st)) all_known = all_known && known[b];
+      if (!all_known) continue;
+      folded[s] = 1;
+      for (int32_t b : st.outputs)
+        if (b >= 0) known[static_cast<size_t>(b)] = 1;
+    }
+    // A folded value must not reach the caller, nor a step that may hand it on as an alias: the caller
+    // could write to it, and every later call would see that.
+    auto block = [&](int64_t b) {
+      const int64_t s = b >= 0 ? producer[static_cast<size_t>(b)] : -1;
+      if (s >= 0 && folded[static_cast<size_t>(s)] && !blocked[static_cast<size_t>(s)]) {
+        blocked[static_cast<size_t>(s)] = 1;
+        changed = true;
+      }
+    };
+    for (const PlanOutput& o : plan.outputs) block(o.buffer);
+    for (size_t s = 0; s < n; ++s)
+      if (!folded[s] && plan.steps[s].node && may_alias(plan.steps[s].node->op))
+        for (uint32_t b : step_reads(plan.steps[s])) block(b);
+  }
+  if (std::find(folded.begin(), folded.end(), 1) == folded.end()) return 0;
+
+  std::vector<c10::IValue> buffers(plan.num_buffers), stack;
+  for (const auto& [b, v] : plan.constants) buffers[b] = v;
+  try {
+    c10::impl::ExcludeDispatchKeyGuard real(
+        c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}) |
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    for (size_t s = 0; s < n; ++s) {
+      if (!folded[s]) continue;
+      Step once = plan.steps[s];
+      once.frees.clear();  // frees were planned for every step's reads: the kept steps' too
+      run_step(once, buffers, stack);
+    }
+  } catch (const std::exception&) {
+    return 0;  // left to run per call, where an error names its node
+  }
+  std::vector<char> read_later(plan.num_buffers, 0);
+  for (size_t s = 0; s < n; ++s)
+    if (!folded[s])
+      for (uint32_t b : step_reads(plan.steps[s])) read_later[b] = 1;
+  for (size_t s = 0; s < n; ++s)
+    if (folded[s])
+      for (int32_t b : plan.steps[s].outputs)
+        if (b >= 0 && read_later[static_cast<size_t>(b)]) plan.constants.emplace_back(static_cast<uint32_t>(b), buffers[static_cast<size_t>(b)]);
+  std::vector<Step> kept;
+  kept.reserve(n);
+  size_t count = 0;
+  for (size_t s = 0; s < n; ++s) {
+    if (folded[s]) {
+      ++count;
+      continue;
+    }
+    kept.push_back(std::move(plan.steps[s]));
+  }
+  plan.steps = std::move(kept);
+  plan.folded_steps += count;
+  return count;
 }
 
 at::Tensor wrap_scalar(const c10::IValue& v) {

@@ -153,6 +153,52 @@ TEST(PassManager, DisabledPassesAreSkippedAndResultsAgree) {
   EXPECT_TRUE(at::allclose(plain->run({x})[0].toTensor(), expected));
 }
 
+TEST(FoldConstantSteps, StepsOnConstantsRunOnceAtCompileTime) {
+  // arange -> mul -> view read by an add with the input: the three run at compile time, the add per call.
+  const std::string text =
+      "graph(%x: f32[2, 3]{3, 1}@cpu):\n"
+      "  %r: f32[6]{1}@cpu = aten::arange(6, dtype=f32, device=cpu)\n"
+      "  %m: f32[6]{1}@cpu = aten::mul.Tensor(%r, 2.0)\n"
+      "  %v: f32[2, 3]{3, 1}@cpu = aten::view(%m, [2, 3])\n"
+      "  %y: f32[2, 3]{3, 1}@cpu = aten::add.Tensor(%x, %v)\n"
+      "  return (%y)\n";
+  CompileOptions options;
+  options.disabled_passes = {"fuse"};
+  auto compiled = compile(parse(text), {}, options);
+  EXPECT_EQ(compiled->plan().steps.size(), 1u) << compiled->describe();
+  EXPECT_EQ(compiled->plan().folded_steps, 3u);
+  EXPECT_NE(compiled->describe().find("3 more folded into constants"), std::string::npos);
+  for (int call = 0; call < 3; ++call) {
+    at::Tensor x = at::randn({2, 3});
+    at::Tensor y = compiled->run({x})[0].toTensor();
+    EXPECT_TRUE(at::equal(y, x + at::arange(6, at::kFloat).mul(2).view({2, 3})));
+  }
+  // Not folded: a value the caller receives (or receives a view of), a random op, a graph that writes in place.
+  const std::string kept[] = {
+      "graph(%x: f32[6]{1}@cpu):\n"
+      "  %r: f32[6]{1}@cpu = aten::arange(6, dtype=f32, device=cpu)\n"
+      "  %y: f32[6]{1}@cpu = aten::add.Tensor(%x, %r)\n"
+      "  return (%y, %r)\n",
+      "graph(%x: f32[6]{1}@cpu):\n"
+      "  %r: f32[6]{1}@cpu = aten::arange(6, dtype=f32, device=cpu)\n"
+      "  %v: f32[2, 3]{3, 1}@cpu = aten::view(%r, [2, 3])\n"
+      "  return (%v)\n",
+      "graph(%x: f32[6]{1}@cpu):\n"
+      "  %r: f32[6]{1}@cpu = aten::rand(6, dtype=f32, device=cpu)\n"
+      "  %y: f32[6]{1}@cpu = aten::add.Tensor(%x, %r)\n"
+      "  return (%y)\n",
+      "graph(%x: f32[6]{1}@cpu):\n"
+      "  %r: f32[6]{1}@cpu = aten::arange(6, dtype=f32, device=cpu)\n"
+      "  %y: f32[6]{1}@cpu = aten::add.Tensor(%x, %r)\n"
+      "  %c: f32[6]{1}@cpu = aten::copy_(%x, %y)\n"
+      "  return (%y)\n",
+  };
+  for (const std::string& k : kept) {
+    auto c = compile(parse(k), {}, options);
+    EXPECT_EQ(c->plan().folded_steps, 0u) << k;
+  }
+}
+
 TEST(PassManager, UnknownDisabledPassIsAnError) {
   CompileOptions options;
   options.disabled_passes = {"no_such_pass"};

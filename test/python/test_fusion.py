@@ -295,3 +295,29 @@ def test_fused_output_keeps_eager_layout(device):
     x = torch.randn(3, 4, 5, device=device)
     e, c = check(fn, x)
     assert c[0].stride() == e[0].stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_on_constants_fold_at_compile_time(device):
+    """An arange and a causal mask built from shapes alone (as HF's GPT-2 builds its mask) run once, at
+    compile time (runtime/plan.cpp, fold_constant_steps); each call still sees the right values, with
+    gradients, and a folded value returned to the caller stays a fresh tensor per call."""
+
+    def fn(x):
+        n = x.shape[-1]
+        pos = torch.arange(n, device=x.device, dtype=x.dtype) * 0.5
+        mask = torch.ones(n, n, device=x.device, dtype=torch.bool).tril()
+        scores = (x.unsqueeze(-1) * x.unsqueeze(-2) + pos).masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1), pos
+
+    compiled = compile_ember(fn)
+    for _ in range(3):
+        x = torch.randn(4, 9, device=device)
+        check(fn, x, compiled=compiled, min_graphs=0)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "folded into constants at compile time" in listing, listing
+    with torch.no_grad():
+        first = compiled(torch.randn(4, 9, device=device))[1]
+        first.zero_()  # the caller writes to what it got
+        again = compiled(torch.randn(4, 9, device=device))[1]
+    assert_tensor_close(again, torch.arange(9, device=device, dtype=torch.float32) * 0.5)

@@ -120,6 +120,7 @@ struct Plan {
   std::vector<Step> steps;
   std::vector<PlanOutput> outputs;
   std::vector<const Value*> buffer_values;  // the IR value each buffer holds; valid while the Graph lives
+  size_t folded_steps = 0;                  // steps run once at compile time (fold_constant_steps)
 };
 
 // Another way to run a CompiledGraph's plan, installed on it after compilation (cudagraph/: capture
@@ -167,6 +168,16 @@ class CompiledGraph {
   Plan plan_;
   std::unique_ptr<PlanRunner> runner_;  // null: run() executes the plan directly
 };
+
+// Runs once, at compile time, the steps that read nothing but constants and results of such steps (an
+// arange; the causal mask HF's GPT-2 builds from shapes alone, some twenty small ATen kernels per call),
+// and makes their results that later steps read plan constants; the steps go. Not random ops, nor in a
+// plan with any in-place write, nor values that reach graph outputs or steps that may return them as
+// aliases (a caller could write to them). Returns the number of steps folded; 0, changing nothing,
+// where running them fails.
+size_t fold_constant_steps(Plan& plan);
+// One step over the buffer table, as CompiledGraph::execute runs it; `stack` is scratch.
+void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack);
 
 // Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind
 // (unknown op, argument that does not fit the schema, missing constant).
