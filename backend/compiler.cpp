@@ -43,6 +43,7 @@ const std::vector<Pass>& default_passes() {
       {"addmm_act", fuse_addmm_activation},  // before dce, which drops the addmm it absorbed
       {"pad_mm", pad_matmul},                // after addmm_act (whose mm it may pad), before dce
       {"fold_batchnorm", fold_batchnorm},
+      {"bn_pointwise", batchnorm_pointwise},  // CUDA batch norms the fold left, as pointwise ops for fuse
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole

@@ -10,12 +10,16 @@
 //     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
 //     without a trailing 1). Inputs may broadcast into either.
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
-//     row-major contiguous (eager's layout for them, which fused kernels write); a group of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
+//     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise CUDA
+//     groups, all dense in one other order (channels_last: the kernel iterates in memory order); a group
+//     of a single node is dissolved, since ATen's kernel is as good for one op. Ops whose
 //     ATen CPU kernel beats ember's (kCpuKeepAten: gelu, tanh) are not fused on the CPU.
 //  5. Siblings: a pointwise node that no producer's group takes joins a pointwise group that already reads
 //     one of its inputs (same space, rule 2 permitting), so one kernel reads the shared input once. GPT-2's
 //     gelu_new is 0.5*x * (1 + tanh(c*(x + 0.044715*x^3))): 0.5*x and x^3 both start from x, and without
 //     this 0.5*x stayed a group of one, ran as its own ATen kernel and was read back by the rest.
+//  6. In permuted (channels_last) groups, a pointwise node reading nothing made in a group joins the latest
+//     group it fits, so independent chains of one batch norm share its kernel.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -106,6 +110,8 @@ bool reduces_last_dim(const Node& n) {
   return is_last(n.arg(1, "dim"));
 }
 
+bool row_major(const std::vector<int>& order) { return std::is_sorted(order.begin(), order.end()); }
+
 struct Group {
   int id = 0;
   size_t first = 0;  // index of the first member in the node list
@@ -113,6 +119,8 @@ struct Group {
   c10::Device device{c10::kCPU};
   bool has_reduction = false;
   int members = 0;
+  bool permuted = false;    // outputs dense in another order than row-major (pointwise CUDA groups only)
+  std::vector<int> order;   // that order (memory_order)
 };
 
 class Fuser {
@@ -148,8 +156,8 @@ class Fuser {
     c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
     if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
     for (const Value* v : n.outputs) {
-      if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || !contiguous(v->type.tensor) ||
-          v->type.tensor.device != device)
+      if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || v->type.tensor.device != device) return false;
+      if (!contiguous(v->type.tensor) && !(device.is_cuda() && !info->has(kReduction) && permuted_layout(v->type.tensor)))
         return false;
     }
     bool ok = true;
@@ -169,6 +177,13 @@ class Fuser {
     }
     if (info->has(kReduction)) return reduces_last_dim(n);
     return true;
+  }
+
+  // Dense in an order other than row-major (channels_last): CUDA pointwise groups iterate in that order
+  // and write their outputs so (kernels/cuda/call_plan.cpp), as eager lays them out.
+  static bool permuted_layout(const TensorType& t) {
+    std::vector<int> order = memory_order(t);
+    return !order.empty() && !row_major(order);
   }
 
   bool is_reduction(const Node& n) const { return op_info(n.op).has(kReduction); }
@@ -195,6 +210,15 @@ class Fuser {
       Group* g = &groups_[it->second - base_];
       if (!g->has_reduction && (!best || g->first > best->first) && fits(n, *g, false)) best = g;
     });
+    // Rule 6: in a permuted group, a pointwise node reading nothing made in a group joins the latest such
+    // group it fits (its inputs all exist where the group runs): bn_pointwise's variance chain starts from
+    // the expanded parameter alone, and would otherwise be a kernel writing a full-size intermediate.
+    if (!best && !groups_.empty() && permuted_layout(n.outputs[0]->type.tensor)) {
+      bool reads_group = false;
+      n.for_each_input([&](const Value* v) { reads_group = reads_group || group_of_.count(v); });
+      Group* latest = &groups_.back();
+      if (!reads_group && latest->permuted && fits(n, *latest, false)) best = latest;
+    }
     return best;
   }
 
@@ -210,6 +234,10 @@ class Fuser {
     if (n.outputs[0]->type.tensor.device != g.device) return false;  // (inputs were checked in eligible)
     // The group runs at its first member: a write in place since then could change what the node reads.
     if (last_write_ >= static_cast<int64_t>(g.first)) return false;
+    // One layout per group: every output of a permuted group in its order; none in a row-major one.
+    const bool permuted = permuted_layout(n.outputs[0]->type.tensor);
+    if (permuted != g.permuted || (permuted && (reduction || g.has_reduction || memory_order(n.outputs[0]->type.tensor) != g.order)))
+      return false;
     const std::vector<Dim>& space = space_of(n, reduction);
     bool full = same_dims(space, g.full);
     bool row = !reduction && g.has_reduction && !g.full.empty() &&
@@ -236,6 +264,8 @@ class Fuser {
     g.first = index;
     g.full = space_of(n, is_reduction(n));
     g.device = n.outputs[0]->type.tensor.device;
+    g.permuted = permuted_layout(n.outputs[0]->type.tensor);
+    if (g.permuted) g.order = memory_order(n.outputs[0]->type.tensor);
     groups_.push_back(g);
     return &groups_.back();
   }

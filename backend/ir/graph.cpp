@@ -58,6 +58,21 @@ void Graph::replace_uses(const std::vector<std::pair<const Value*, Value*>>& map
   for (Arg& a : outputs_) a.for_each_value(rewrite);
 }
 
+std::vector<int> memory_order(const TensorType& t) {
+  std::vector<int> dims;
+  for (size_t d = 0; d < t.sizes.size() && d < t.strides.size(); ++d) {
+    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return {};
+    if (t.sizes[d].value != 1) dims.push_back(static_cast<int>(d));
+  }
+  std::stable_sort(dims.begin(), dims.end(), [&](int a, int b) { return t.strides[a].value > t.strides[b].value; });
+  int64_t expected = 1;
+  for (size_t i = dims.size(); i-- > 0;) {
+    if (t.strides[dims[i]].value != expected) return {};
+    expected *= t.sizes[dims[i]].value;
+  }
+  return dims;
+}
+
 void Graph::verify() const {
   std::unordered_set<const Value*> defined;
   std::unordered_set<std::string> names;

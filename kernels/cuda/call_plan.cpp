@@ -5,6 +5,7 @@
 #include "kernels/iteration_space.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 
 #include <algorithm>
 #include <cstring>
@@ -119,7 +120,24 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   CallPlan plan;
   const size_t ni = program.inputs.size(), no = program.outputs.size(), rank = std::max<size_t>(program.rank, 1);
   const IterationSpace space = iteration_space(program, buffers, reads);
-  const std::vector<int64_t>& full = space.full;
+  // A pointwise group whose outputs are dense in another order than row-major (channels_last; passes/
+  // fuse.cpp keeps one order per group) iterates in that order: its dimensions permuted, outermost in
+  // memory first, and its outputs laid out so, as eager lays them out; inputs in the same layout then
+  // take the contiguous vector path. `perm[i]` is the logical dimension iterated at position i.
+  std::vector<int> perm;
+  if (!program.has_reduction && !program.outputs.empty()) {
+    const TensorType& t = program.outputs[0].value->type.tensor;
+    std::vector<int> order = memory_order(t);
+    if (!order.empty() && !std::is_sorted(order.begin(), order.end()) && t.sizes.size() == space.full.size() &&
+        space.full.size() <= 16) {
+      for (int d = 0; d < static_cast<int>(space.full.size()); ++d)
+        if (std::find(order.begin(), order.end(), d) == order.end()) perm.push_back(d);  // size-1 dimensions
+      perm.insert(perm.end(), order.begin(), order.end());
+    }
+  }
+  std::vector<int64_t> permuted_full;
+  for (int d : perm) permuted_full.push_back(space.full[static_cast<size_t>(d)]);
+  const std::vector<int64_t>& full = perm.empty() ? space.full : permuted_full;
   const int64_t numel = space.numel, rows = space.rows, cols = space.cols;
   const int width = source.vector_width;
 
@@ -140,15 +158,33 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   bool outputs_aligned = true;
   for (size_t k = 0; k < out_words; ++k, ++w)
     if (k < no) {
-      outs.push_back(at::empty(output_shape(program.outputs[k], full, program.has_reduction),
-                               at::TensorOptions().device(device).dtype(out_dtypes[k])));
+      const at::TensorOptions options = at::TensorOptions().device(device).dtype(out_dtypes[k]);
+      if (perm.empty()) {
+        outs.push_back(at::empty(output_shape(program.outputs[k], space.full, program.has_reduction), options));
+      } else {
+        std::vector<int64_t> strides(perm.size());
+        int64_t step = 1;
+        for (size_t i = perm.size(); i-- > 0;) {
+          strides[static_cast<size_t>(perm[i])] = step;
+          step *= space.full[static_cast<size_t>(perm[i])];
+        }
+        outs.push_back(at::empty_strided(space.full, strides, options));
+      }
       void* ptr = outs.back().data_ptr();
       outputs_aligned &= aligned(ptr, width * c10::elementSize(out_dtypes[k]));
       std::memcpy(&words[w], &ptr, sizeof(ptr));
     }
   for (size_t d = 0; d < rank; ++d) words[w++] = d < full.size() ? full[d] : 1;
-  for (size_t k = 0; k < in_words; ++k, w += rank)
-    if (k < ni) aligned_strides(buffers[reads[k]].toTensor(), program.inputs[k].row ? space.row_shape : full, &words[w]);
+  for (size_t k = 0; k < in_words; ++k, w += rank) {
+    if (k >= ni) continue;
+    if (perm.empty()) {
+      aligned_strides(buffers[reads[k]].toTensor(), program.inputs[k].row ? space.row_shape : full, &words[w]);
+      continue;
+    }
+    int64_t logical[16];
+    aligned_strides(buffers[reads[k]].toTensor(), space.full, logical);
+    for (size_t i = 0; i < perm.size(); ++i) words[w + i] = logical[perm[i]];
+  }
   words[w++] = numel;
   words[w++] = rows;
   words[w++] = cols;

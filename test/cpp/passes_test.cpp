@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <set>
+
 namespace ember {
 namespace {
 
@@ -197,6 +199,39 @@ TEST(FoldConstantSteps, StepsOnConstantsRunOnceAtCompileTime) {
     auto c = compile(parse(k), {}, options);
     EXPECT_EQ(c->plan().folded_steps, 0u) << k;
   }
+}
+
+TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
+  // resnet's conv -> batch norm -> relu, bf16 channels_last on CUDA: the batch norm becomes float32
+  // pointwise ops over per-channel columns, rounded once, and the fuse pass puts all of it and the relu
+  // in one group.
+  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
+  const std::string in =
+      "graph(%x: " + t + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
+      "  %y: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+      "  %r: " + t + " = aten::relu(%y)\n"
+      "  return (%r)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  batchnorm_pointwise(g, ctx);
+  eliminate_dead_code(g, ctx);
+  g.verify();
+  const std::string after = print(g);
+  EXPECT_EQ(after.find("_native_batch_norm"), std::string::npos) << after;
+  EXPECT_NE(after.find("aten::rsqrt"), std::string::npos) << after;
+  EXPECT_NE(after.find("f32[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0 = aten::sub.Tensor"), std::string::npos) << after;
+  fuse(g, ctx);
+  std::set<int> groups;
+  for (const auto& n : g.nodes())
+    if (n->op != "aten::view" && n->op != "aten::expand") groups.insert(n->group);
+  EXPECT_EQ(groups.size(), 1u) << print(g);
+  EXPECT_EQ(groups.count(-1), 0u) << print(g);
+  // Left alone: the CPU, used saved statistics.
+  const std::string cpu = "graph(%x: f32[2, 8, 5, 5]{200, 25, 5, 1}@cpu, %w: f32[8]{1}@cpu, %b: f32[8]{1}@cpu, %m: f32[8]{1}@cpu, %v: f32[8]{1}@cpu):\n"
+      "  %y: f32[2, 8, 5, 5]{200, 25, 5, 1}@cpu, %s1: f32[0]{1}@cpu, %s2: f32[0]{1}@cpu = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+      "  return (%y)\n";
+  EXPECT_EQ(run_pass(batchnorm_pointwise, cpu), cpu);
 }
 
 TEST(PassManager, UnknownDisabledPassIsAnError) {

@@ -246,3 +246,53 @@ def test_layer_norm_backward_row_kernels():
     xc = x.detach().clone().requires_grad_()
     compile_ember(fn)(xc).backward()
     torch.testing.assert_close(xc.grad, ge, atol=1e-4, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# channels_last: pointwise groups iterate in memory order; eval batch norms fuse with what follows
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_flat_channels_last_writes_eager_layout(dtype):
+    """A pointwise chain over channels_last tensors (with a per-channel broadcast and a contiguous input
+    beside them) runs as one kernel in memory order and returns eager's strides."""
+
+    def fn(x, y, s):
+        return torch.relu(x * s + y) * 0.5
+
+    x = torch.randn(3, 16, 7, 9, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    y = torch.randn(3, 16, 7, 9, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    s = torch.randn(16, 1, 1, device="cuda", dtype=dtype)
+    _, kernels = compare(fn, x, y, s)
+    assert kernels >= 1
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        assert compiled(x, y, s).stride() == fn(x, y, s).stride()
+        # A contiguous second input beside a channels_last first one: strided reads, same values.
+        yc = y.contiguous()
+        assert_same(compiled(x, yc, s), fn(x, yc, s), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_eval_batch_norm_channels_last_fuses_with_relu_and_residual(dtype):
+    """conv -> batch norm -> relu, then batch norm + residual add + relu, channels_last in eval mode (a
+    resnet block): the batch norms become pointwise ops in the kernels of the ops after them."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    bn2 = torch.nn.BatchNorm2d(8)
+    for bn in (block[1], bn2):  # statistics away from the defaults
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 1.5)
+        bn.bias.data.uniform_(-0.5, 0.5)
+    block, bn2 = (m.to("cuda", dtype).eval().to(memory_format=torch.channels_last) for m in (block, bn2))
+
+    def fn(x):
+        return torch.relu(bn2(block(x)) + x)
+
+    x = torch.randn(4, 8, 11, 13, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    _, kernels = compare(fn, x)
+    assert kernels >= 2
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "batch_norm" not in listing, listing

@@ -176,6 +176,11 @@ Graph parse(const std::string& text);
 // The right-hand side of one node's line without its group: "aten::add.Tensor(%x, 1.0)".
 std::string print_call(const Node& n);
 
+// The dimensions of a dense tensor type with constant sizes and strides, from the outermost in memory to
+// the innermost (size-1 dimensions left out); empty where the strides are no permutation of a contiguous
+// layout. Row-major types give their dimensions in order; channels_last [N, C, H, W] gives N, H, W, C.
+std::vector<int> memory_order(const TensorType& t);
+
 // Short dtype names used by the text form ("f32", "bf16", "i64", "b8", ...).
 const char* dtype_name(c10::ScalarType t);
 
