@@ -204,8 +204,8 @@ class Printer {
       o << "      if (chunk >= chunks) break;\n";
       if (k < static_cast<size_t>(kMaxVectorInputs)) {
         o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
-        o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V % p.period[" << k
-          << "], " << a << "[u]);\n";
+        o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + period_offset(chunk * V, p.period[" << k
+          << "]), " << a << "[u]);\n";
         o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
         o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
         o << "      } else if constexpr (STRIDED) {\n";
