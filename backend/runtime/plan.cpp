@@ -24,6 +24,16 @@
 namespace ember {
 namespace {
 
+// The ops whose result is always a view of their first argument (reshape and contiguous may copy).
+bool is_view_op(const std::string& op) {
+  static const std::unordered_set<std::string> views = {
+      "aten::view", "aten::_unsafe_view", "aten::permute", "aten::expand", "aten::unsqueeze",
+      "aten::squeeze", "aten::squeeze.dim", "aten::squeeze.dims", "aten::select.int", "aten::slice.Tensor",
+      "aten::transpose.int", "aten::t", "aten::alias", "aten::as_strided", "aten::unflatten.int",
+      "aten::narrow", "aten::diagonal", "aten::unfold"};
+  return views.count(op) > 0;
+}
+
 std::vector<FastPathMaker>& fast_path_makers() {
   static std::vector<FastPathMaker> makers;
   return makers;
@@ -195,16 +205,6 @@ class PlanBuilder {
         if (!step.fast) step.fast = make(n, step);
     }
     return step;
-  }
-
-  // The ops whose result is always a view of their first argument (reshape and contiguous may copy).
-  static bool is_view_op(const std::string& op) {
-    static const std::unordered_set<std::string> views = {
-        "aten::view", "aten::_unsafe_view", "aten::permute", "aten::expand", "aten::unsqueeze",
-        "aten::squeeze", "aten::squeeze.dim", "aten::squeeze.dims", "aten::select.int", "aten::slice.Tensor",
-        "aten::transpose.int", "aten::t", "aten::alias", "aten::as_strided", "aten::unflatten.int",
-        "aten::narrow", "aten::diagonal", "aten::unfold"};
-    return views.count(op) > 0;
   }
 
   static bool static_geometry(const Value* v) {
@@ -432,17 +432,14 @@ Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Te
 
 namespace {
 
-// Steps whose result may alias an input: a folded value they read would reach their reader as the
-// constant's own memory.
+// Steps whose result may alias an input (the views, and ops that may return a view or the input
+// itself): a folded value they read would reach their reader as the constant's own memory.
 bool may_alias(const std::string& op) {
-  static const std::unordered_set<std::string> aliasing = {
-      "aten::view", "aten::_unsafe_view", "aten::permute", "aten::expand", "aten::unsqueeze", "aten::squeeze",
-      "aten::squeeze.dim", "aten::squeeze.dims", "aten::select.int", "aten::slice.Tensor", "aten::transpose.int",
-      "aten::t", "aten::alias", "aten::as_strided", "aten::unflatten.int", "aten::narrow", "aten::diagonal",
-      "aten::unfold", "aten::reshape", "aten::contiguous", "aten::split.Tensor", "aten::split_with_sizes",
-      "aten::unbind.int", "aten::chunk", "aten::expand_as", "aten::view_as", "aten::detach", "aten::lift_fresh",
-      "aten::to.dtype", "aten::to.device", "aten::to.dtype_layout", "aten::type_as", "aten::real"};
-  return aliasing.count(op) > 0;
+  static const std::unordered_set<std::string> sometimes = {
+      "aten::reshape", "aten::contiguous", "aten::split.Tensor", "aten::split_with_sizes", "aten::unbind.int",
+      "aten::chunk", "aten::expand_as", "aten::view_as", "aten::detach", "aten::lift_fresh", "aten::to.dtype",
+      "aten::to.device", "aten::to.dtype_layout", "aten::type_as", "aten::real"};
+  return is_view_op(op) || sometimes.count(op) > 0;
 }
 
 bool foldable_op(const Step& st) {

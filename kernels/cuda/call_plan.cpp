@@ -121,20 +121,12 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   const size_t ni = program.inputs.size(), no = program.outputs.size(), rank = std::max<size_t>(program.rank, 1);
   const IterationSpace space = iteration_space(program, buffers, reads);
   // A pointwise group whose outputs are dense in another order than row-major (channels_last; passes/
-  // fuse.cpp keeps one order per group) iterates in that order: its dimensions permuted, outermost in
-  // memory first, and its outputs laid out so, as eager lays them out; inputs in the same layout then
-  // take the contiguous vector path. `perm[i]` is the logical dimension iterated at position i.
-  std::vector<int> perm;
-  if (!program.has_reduction && !program.outputs.empty()) {
-    const TensorType& t = program.outputs[0].value->type.tensor;
-    std::vector<int> order = memory_order(t);
-    if (!order.empty() && !std::is_sorted(order.begin(), order.end()) && t.sizes.size() == space.full.size() &&
-        space.full.size() <= 16) {
-      for (int d = 0; d < static_cast<int>(space.full.size()); ++d)
-        if (std::find(order.begin(), order.end(), d) == order.end()) perm.push_back(d);  // size-1 dimensions
-      perm.insert(perm.end(), order.begin(), order.end());
-    }
-  }
+  // fuse.cpp keeps one order per group) iterates in that order (source.iteration_order, made with the
+  // source): its dimensions permuted, outermost in memory first, and its outputs laid out so, as eager
+  // lays them out; inputs in the same layout then take the contiguous vector path. `perm[i]` is the
+  // logical dimension iterated at position i.
+  static const std::vector<int> row_major;
+  const std::vector<int>& perm = source.iteration_order.size() == space.full.size() ? source.iteration_order : row_major;
   std::vector<int64_t> permuted_full;
   for (int d : perm) permuted_full.push_back(space.full[static_cast<size_t>(d)]);
   const std::vector<int64_t>& full = perm.empty() ? space.full : permuted_full;

@@ -44,6 +44,15 @@ class Printer {
     if (p_.has_reduction) rows(o);
     else flat(o);
     o << "}\n";
+    if (!p_.has_reduction && !p_.outputs.empty()) {
+      const TensorType& t = p_.outputs[0].value->type.tensor;
+      const std::vector<int> order = memory_order(t);
+      if (!order.empty() && !std::is_sorted(order.begin(), order.end()) && t.sizes.size() <= 16) {
+        for (int d = 0; d < static_cast<int>(t.sizes.size()); ++d)
+          if (std::find(order.begin(), order.end(), d) == order.end()) out.iteration_order.push_back(d);  // size 1
+        out.iteration_order.insert(out.iteration_order.end(), order.begin(), order.end());
+      }
+    }
     if (!p_.has_reduction) {
       out.vector_entry = name + "_vec";
       out.strided_vector_entry = name + "_vec_strided";

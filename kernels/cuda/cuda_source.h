@@ -35,6 +35,9 @@ struct CudaSource {
   int vector_width = 1;      // elements per 16-byte (at most) access, shared by every tensor of the group
   int flat_unroll = 1;       // vectors each thread of the vector entries takes per iteration
   std::vector<RowVariant> rows;  // row groups: the register-resident variants compiled (General excluded)
+  // Flat groups whose outputs are dense in another order than row-major (channels_last): the logical
+  // dimension iterated at each position, outermost in memory first (call_plan.cpp); else empty.
+  std::vector<int> iteration_order;
 };
 
 // Prints `program` with its entry points named `name`, `name`_vec, `name`_vec_strided, `name`_w<chunks>,
