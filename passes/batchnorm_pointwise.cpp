@@ -8,12 +8,10 @@
 //     with the per-channel tensors viewed as [C, 1, ..., 1] so they broadcast over dimension 1. 16-bit
 //     inputs are computed in float32 and rounded once at the end, as ATen's kernel does (its result may
 //     differ from eager's in the last bit: ATen folds the scale and shift first).
-//  3. Only on CUDA, for static sizes and float tensors laid out channels_last (any dense order other than
-//     row-major; see the check below); CPU graphs keep their batch norms
-//     (fold_batchnorm folds f32 ones into the convolution).
+//  3. Only on CUDA, for static sizes and float tensors dense in some order (NCHW or channels_last); CPU
+//     graphs keep their batch norms (fold_batchnorm folds f32 ones into the convolution).
 #include "passes/passes.h"
 
-#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -52,10 +50,9 @@ void batchnorm_pointwise(Graph& graph, PassContext&) {
     if (!xt.device.is_cuda() || xt.sizes.size() < 2 || !static_sizes ||
         (xt.dtype != c10::kFloat && !is_16bit(xt.dtype)) || !(out->type.tensor == xt))
       continue;
-    // Dense in a permuted order (channels_last), where the fuse pass keeps all of it in one kernel (its
-    // rule 6); a row-major batch norm would leave its variance chain a kernel of its own.
-    const std::vector<int> order = memory_order(xt);
-    if (order.empty() || std::is_sorted(order.begin(), order.end())) continue;
+    // Dense in some order (row-major or channels_last): the fuse pass keeps all of it in one kernel (its
+    // rule 6 takes the variance chain in).
+    if (memory_order(xt).empty()) continue;
     const int64_t channels = xt.sizes[1].value;
     Value* params[4];  // weight, bias, mean, var
     bool ok = bn->args[6].kind == Arg::Kind::Float;
@@ -101,14 +98,18 @@ void batchnorm_pointwise(Graph& graph, PassContext&) {
       expanded.strides.push_back(Dim::constant(d == 1 ? 1 : 0));
     }
     const TensorType full = like(xt, c10::kFloat);
+    // x's chain first: it starts the group, and the variance chain after it joins that group (rule 6).
+    // Before it, the variance chain would join the previous batch norm's group when the shapes match and
+    // be written out in full.
+    // (The views all stand before the group, which reads them.)
     Value* var = add("aten::expand", {Arg::of(col[3]), Arg::of_list(sizes)}, {}, "var_full", expanded);
-    if (expanded.dtype != c10::kFloat)
-      var = add("aten::_to_copy", {Arg::of(var)}, {{"dtype", Arg::of_dtype(c10::kFloat)}}, "var_f32", full);
     Value* v = x;
     if (xt.dtype != c10::kFloat) v = add("aten::_to_copy", {Arg::of(v)}, {{"dtype", Arg::of_dtype(c10::kFloat)}}, "x_f32", full);
+    Value* centered = add("aten::sub.Tensor", {Arg::of(v), Arg::of(col[2])}, {}, "centered", full);
+    if (expanded.dtype != c10::kFloat)
+      var = add("aten::_to_copy", {Arg::of(var)}, {{"dtype", Arg::of_dtype(c10::kFloat)}}, "var_f32", full);
     Value* shifted_var = add("aten::add.Tensor", {Arg::of(var), Arg::of_float(eps)}, {}, "var_eps", full);
     Value* inv = add("aten::rsqrt", {Arg::of(shifted_var)}, {}, "invstd", full);
-    Value* centered = add("aten::sub.Tensor", {Arg::of(v), Arg::of(col[2])}, {}, "centered", full);
     Value* scaled = add("aten::mul.Tensor", {Arg::of(centered), Arg::of(inv)}, {}, "normed", full);
     Value* weighted = add("aten::mul.Tensor", {Arg::of(scaled), Arg::of(col[0])}, {}, "weighted", full);
     Value* y = add("aten::add.Tensor", {Arg::of(weighted), Arg::of(col[1])}, {}, "y", full);

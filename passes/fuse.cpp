@@ -18,8 +18,9 @@
 //     one of its inputs (same space, rule 2 permitting), so one kernel reads the shared input once. GPT-2's
 //     gelu_new is 0.5*x * (1 + tanh(c*(x + 0.044715*x^3))): 0.5*x and x^3 both start from x, and without
 //     this 0.5*x stayed a group of one, ran as its own ATen kernel and was read back by the rest.
-//  6. In permuted (channels_last) groups, a pointwise node reading nothing made in a group joins the latest
-//     group it fits, so independent chains of one batch norm share its kernel.
+//  6. A pointwise node reading nothing made in a group joins the latest group it fits if that group is
+//     permuted (channels_last), or is a CUDA pointwise group and the node only reads broadcasts, so the
+//     independent chains of one batch norm share its kernel.
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -213,13 +214,37 @@ class Fuser {
     // Rule 6: in a permuted group, a pointwise node reading nothing made in a group joins the latest such
     // group it fits (its inputs all exist where the group runs): bn_pointwise's variance chain starts from
     // the expanded parameter alone, and would otherwise be a kernel writing a full-size intermediate.
-    if (!best && !groups_.empty() && permuted_layout(n.outputs[0]->type.tensor)) {
+    // In a row-major CUDA group only a node whose inputs all broadcast into it (NCHW batch norm's
+    // variance) joins: computing it beside the group's reads is cheaper than writing it out in full.
+    if (!best && !groups_.empty()) {
       bool reads_group = false;
       n.for_each_input([&](const Value* v) { reads_group = reads_group || group_of_.count(v); });
       Group* latest = &groups_.back();
-      if (!reads_group && latest->permuted && fits(n, *latest, false)) best = latest;
+      const bool eligible_here = latest->permuted ? permuted_layout(n.outputs[0]->type.tensor)
+                                                  : latest->device.is_cuda() && !latest->has_reduction && reads_broadcasts_only(n);
+      if (!reads_group && eligible_here && fits(n, *latest, false)) best = latest;
     }
     return best;
+  }
+
+  // Every tensor input has fewer elements than the output or a stride-0 dimension of size > 1.
+  static bool reads_broadcasts_only(const Node& n) {
+    const std::vector<Dim>& out = n.outputs[0]->type.tensor.sizes;
+    bool any = false, all = true;
+    n.for_each_input([&](const Value* v) {
+      if (!v->type.is_tensor()) return;
+      any = true;
+      const TensorType& t = v->type.tensor;
+      bool broadcast = t.sizes.size() < out.size();
+      for (size_t d = 0; d < t.sizes.size() && !broadcast; ++d) {
+        const Dim& s = t.sizes[d];
+        const Dim& o = out[out.size() - t.sizes.size() + d];
+        broadcast = (s.is_constant() && s.value == 1 && !(o.is_constant() && o.value == 1)) ||
+                    (t.strides[d].is_constant() && t.strides[d].value == 0 && !(s.is_constant() && s.value == 1));
+      }
+      all = all && broadcast;
+    });
+    return any && all;
   }
 
   static bool mutates(const Node& n) {

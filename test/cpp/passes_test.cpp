@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 
 namespace ember {
@@ -227,6 +228,31 @@ TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
     if (n->op != "aten::view" && n->op != "aten::expand") groups.insert(n->group);
   EXPECT_EQ(groups.size(), 1u) << print(g);
   EXPECT_EQ(groups.count(-1), 0u) << print(g);
+  // f32 NCHW, two batch norms of one shape with a convolution between them: each batch norm with its relu
+  // is one group (the second's variance chain joins the second group, not the first one that precedes it).
+  const std::string r = "f32[2, 8, 5, 5]{200, 25, 5, 1}@cuda:0", p = "f32[8]{1}@cuda:0";
+  auto bn = [&](const std::string& y, const std::string& x) {
+    return "  %" + y + ": " + r + ", %" + y + "s1: f32[0]{1}@cuda:0, %" + y + "s2: f32[0]{1}@cuda:0 = "
+           "aten::_native_batch_norm_legit_no_training(%" + x + ", %w, %b, %m, %v, 0.1, 1e-05)\n";
+  };
+  Graph two = parse("graph(%x: " + r + ", %k: f32[8, 8, 3, 3]{72, 9, 3, 1}@cuda:0, %w: " + p + ", %b: " + p + ", %m: " + p +
+                    ", %v: " + p + "):\n" + bn("y1", "x") + "  %r1: " + r + " = aten::relu(%y1)\n"
+                    "  %c: " + r + " = aten::convolution(%r1, %k, None, [1, 1], [1, 1], [1, 1], false, [0, 0], 1)\n" +
+                    bn("y2", "c") + "  %r2: " + r + " = aten::relu(%y2)\n  return (%r2)\n");
+  batchnorm_pointwise(two, ctx);
+  eliminate_dead_code(two, ctx);
+  two.verify();
+  fuse(two, ctx);
+  std::map<int, int> members;
+  int conv_seen = 0;
+  for (const auto& n : two.nodes()) {
+    if (n->op == "aten::convolution") ++conv_seen;
+    if (n->op == "aten::view" || n->op == "aten::expand" || n->op == "aten::convolution") continue;
+    EXPECT_GE(n->group, 0) << print(two);
+    ++members[n->group];
+    if (n->op == "aten::rsqrt") EXPECT_EQ(n->group, conv_seen ? 1 : 0) << print(two);
+  }
+  EXPECT_EQ(members.size(), 2u) << print(two);
   // Left alone: the CPU, used saved statistics.
   const std::string cpu = "graph(%x: f32[2, 8, 5, 5]{200, 25, 5, 1}@cpu, %w: f32[8]{1}@cpu, %b: f32[8]{1}@cpu, %m: f32[8]{1}@cpu, %v: f32[8]{1}@cpu):\n"
       "  %y: f32[2, 8, 5, 5]{200, 25, 5, 1}@cpu, %s1: f32[0]{1}@cpu, %s2: f32[0]{1}@cpu = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"

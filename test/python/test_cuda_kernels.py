@@ -274,10 +274,11 @@ def test_flat_channels_last_writes_eager_layout(dtype):
         assert_same(compiled(x, yc, s), fn(x, yc, s), atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["channels_last", "nchw"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_eval_batch_norm_channels_last_fuses_with_relu_and_residual(dtype):
-    """conv -> batch norm -> relu, then batch norm + residual add + relu, channels_last in eval mode (a
-    resnet block): the batch norms become pointwise ops in the kernels of the ops after them."""
+def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):
+    """conv -> batch norm -> relu, then batch norm + residual add + relu in eval mode (a resnet block),
+    channels_last and NCHW: the batch norms become pointwise ops in the kernels of the ops after them."""
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
     bn2 = torch.nn.BatchNorm2d(8)
@@ -286,12 +287,12 @@ def test_eval_batch_norm_channels_last_fuses_with_relu_and_residual(dtype):
         bn.running_var.uniform_(0.5, 2)
         bn.weight.data.uniform_(0.5, 1.5)
         bn.bias.data.uniform_(-0.5, 0.5)
-    block, bn2 = (m.to("cuda", dtype).eval().to(memory_format=torch.channels_last) for m in (block, bn2))
+    block, bn2 = (m.to("cuda", dtype).eval().to(memory_format=layout) for m in (block, bn2))
 
     def fn(x):
         return torch.relu(bn2(block(x)) + x)
 
-    x = torch.randn(4, 8, 11, 13, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 8, 11, 13, device="cuda", dtype=dtype).to(memory_format=layout)
     _, kernels = compare(fn, x)
     assert kernels >= 2
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
