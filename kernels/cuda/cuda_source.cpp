@@ -370,8 +370,9 @@ class Printer {
   // The row runs as phases: one per reduction, then one writing the full outputs. Each phase computes,
   // per column, only the values its result needs. What keeps registers down (and occupancy up):
   //  - inputs stay packed in 32-bit words (a bf16 vector of 8 in 4 registers) and convert where used;
-  //  - an input is loaded when the first phase that needs it starts (a layer norm's weight and bias in
-  //    the output phase), and its registers free once the last phase that needs it is done;
+  //  - an input is loaded when the first phase that needs it starts, and its registers free once the
+  //    last phase that needs it is done; one that only the output phase reads (a layer norm's weight
+  //    and bias) is loaded a vector at a time inside that phase's column loop;
   //  - each output vector is stored as soon as its V values are computed, not held for the whole row;
   //  - a value needed by a later phase is recomputed from the inputs unless it costs a transcendental
   //    or a division (softmax's exp), in which case the phase that first computes it keeps it (a float
@@ -413,9 +414,15 @@ class Printer {
         break;  // no full outputs
       }
       const std::vector<bool>& need = phases.needed[phase];
+      // Inputs first needed by the output phase (a layer norm's weight and bias) are read a vector at a
+      // time inside its column loop, not held for the whole row.
+      std::vector<bool> per_chunk(p_.inputs.size(), false);
       for (size_t k = 0; k < p_.inputs.size(); ++k)
         if (!p_.inputs[k].row && need[p_.inputs[k].reg] && !loaded[k]) {
-          load_row_input(o, k);
+          if (output_phase)
+            per_chunk[k] = true;
+          else
+            load_row_input(o, k);
           loaded[k] = true;
         }
       for (size_t r = 0; r < phases.kept_in.size(); ++r)
@@ -429,6 +436,8 @@ class Printer {
       }
       o << "#pragma unroll\n    for (int j = 0; j < J; ++j) {\n";
       o << "      const int col0 = (j * T + lane) * V;\n";
+      for (size_t k = 0; k < p_.inputs.size(); ++k)
+        if (per_chunk[k]) load_row_chunk(o, k);
       if (output_phase)
         for (size_t k = 0; k < p_.outputs.size(); ++k)
           if (!p_.outputs[k].row) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
@@ -438,7 +447,8 @@ class Printer {
       for (size_t k = 0; k < p_.inputs.size(); ++k)
         if (!p_.inputs[k].row && need[p_.inputs[k].reg])
           o << "        float " << reg(p_.inputs[k].reg) << " = "
-            << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(x" + str(k) + "[j], v)") << ";\n";
+            << to_float(in_type(k), "get_elem<" + std::string(storage_type(in_type(k))) + ">(x" + str(k) + (per_chunk[k] ? "c" : "[j]") + ", v)")
+            << ";\n";
       for (size_t m = 0; m < p_.code.size(); ++m) {
         const Instr& i = p_.code[m];
         if (p_.reg_is_row[i.dst] || !need[i.dst]) continue;
@@ -531,15 +541,39 @@ class Printer {
     o << "    }\n";
   }
 
+  // Input k's vector of the chunk at col0 as packed words x<k>c[W] (inside the column loop).
+  void load_row_chunk(Source& o, size_t k) {
+    const std::string x = "x" + str(k) + "c", t = storage_type(in_type(k)), w = str(words(in_type(k)));
+    o << "      unsigned " << x << "[" << w << "] = {};\n";
+    if (k < static_cast<size_t>(kMaxVectorInputs)) {
+      o << "      if ((p.vec >> " << k << ") & 1u) {\n";
+      o << "        if (col0 < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k << " + col0, " << x << ");\n";
+      o << "      } else {\n";
+    } else {
+      o << "      {\n";
+    }
+    o << "#pragma unroll\n        for (int v = 0; v < V; ++v)\n";
+    o << "          if (col0 + v < cols) set_elem<" << t << ">(" << x << ", v, " << in_ptr(in_type(k), k) << "[b" << k
+      << " + (i64)(col0 + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
+    o << "      }\n";
+  }
+
   // The register-resident row variants worth compiling: those whose registers stay bounded, and where
   // the row length is known at compile time, only the one chosen for it.
   std::vector<RowVariant> row_variants(const std::string& name) const {
     if (p_.rank == 0) return {};
-    size_t full_inputs = 0;
-    for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
+    // Registers per value of the row held across phases: the inputs some reduction reads, packed in
+    // 32-bit words (those only the output phase reads come a vector at a time).
+    const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
+    double words_per_value = 0;
+    for (const ProgramInput& in : p_.inputs) {
+      bool cached = false;
+      for (size_t q = 0; q < phases.targets.size(); ++q) cached |= phases.targets[q] >= 0 && phases.needed[q][in.reg];
+      if (!in.row && cached) words_per_value += c10::elementSize(dtype(in.value)) / 4.0;
+    }
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
-      if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues) continue;
+      if (chunks * width_ * std::max(words_per_value, 1.0) > kMaxCachedValues) continue;
       all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
     }
@@ -584,7 +618,7 @@ class Printer {
     return static_cast<int>(std::min<size_t>(8, 16 / widest));
   }
 
-  static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
+  static constexpr int kMaxCachedValues = 64;  // registers per thread holding the full inputs' rows
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 
