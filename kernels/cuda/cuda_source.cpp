@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 namespace ember::cuda {
 namespace {
@@ -571,10 +572,15 @@ class Printer {
       for (size_t q = 0; q < phases.targets.size(); ++q) cached |= phases.targets[q] >= 0 && phases.needed[q][in.reg];
       if (!in.row && cached) words_per_value += c10::elementSize(dtype(in.value)) / 4.0;
     }
+    // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
+    static const bool blocks_only = [] {
+      const char* v = std::getenv("EMBER_CUDA_ROWS");
+      return v && std::string(v) == "block";
+    }();
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
       if (chunks * width_ * std::max(words_per_value, 1.0) > kMaxCachedValues) continue;
-      all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
+      if (!blocks_only) all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
     }
     std::optional<int64_t> cols = static_cols();
