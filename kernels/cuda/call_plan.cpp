@@ -44,6 +44,30 @@ int64_t repeat_period(const int64_t* stride, const std::vector<int64_t>& full) {
   return period;
 }
 
+// Broadcast over the trailing dimensions (stride 0, `span` elements in all) and over the leading ones,
+// contiguous over the dimensions between (`count` values: NCHW's per-channel [C, 1, 1]): element i
+// reads value (i / span) % count. False where the input does not have that form, or span is 1 (then
+// repeat_period's form).
+bool channel_form(const int64_t* stride, const std::vector<int64_t>& full, int64_t* span, int64_t* count) {
+  *span = 1;
+  *count = 1;
+  size_t d = full.size();
+  for (; d-- > 0;) {
+    if (full[d] == 1) continue;
+    if (stride[d] != 0) break;
+    *span *= full[d];
+  }
+  if (d == static_cast<size_t>(-1) || *span == 1) return false;
+  for (d = d + 1; d-- > 0;) {
+    if (full[d] == 1) continue;
+    if (stride[d] != *count) break;
+    *count *= full[d];
+  }
+  for (d = d + 1; d-- > 0;)
+    if (full[d] != 1 && stride[d] != 0) return false;
+  return *count > 1;
+}
+
 // Contiguous in the iteration space (row-major over the full shape; size-1 dims take any stride).
 bool contiguous(const int64_t* stride, const std::vector<int64_t>& full) {
   int64_t expected = 1;
@@ -65,12 +89,12 @@ bool row_vectorizable(const int64_t* stride, const std::vector<int64_t>& full, i
 
 // Flat groups: the vector kernel where outputs are aligned (below one vector it would run only its
 // tail), its strided entry where some input is neither vector-loaded nor one value.
-void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[3], size_t inputs, int width, int unroll,
+void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t inputs, int width, int unroll,
                const LaunchLimits& limits) {
   const bool vector = (masks[0] & kVectorOutputs) && numel >= width;
   bool strided = inputs > static_cast<size_t>(kMaxVectorInputs);
   for (size_t k = 0; k < inputs && k < static_cast<size_t>(kMaxVectorInputs); ++k)
-    strided |= !(((masks[0] | masks[1] | masks[2]) >> k) & 1u);
+    strided |= !(((masks[0] | masks[1] | masks[2] | masks[3]) >> k) & 1u);
   plan.entry = vector ? (strided ? 2 : 1) : 0;
   plan.threads = kThreads;
   plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads)
@@ -136,7 +160,7 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   // Params, laid out as the printed struct.
   const size_t in_words = std::max<size_t>(ni, 1), out_words = std::max<size_t>(no, 1);
   std::vector<int64_t>& words = plan.params;
-  words.assign(in_words + out_words + rank + in_words * rank + 5 + in_words +
+  words.assign(in_words + out_words + rank + in_words * rank + 5 + 2 * in_words +
                              (std::max<size_t>(program.scalars.size(), 1) + 1) / 2, 0);
   const size_t stride_base = in_words + out_words + rank;
   size_t w = 0;
@@ -180,8 +204,9 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   words[w++] = numel;
   words[w++] = rows;
   words[w++] = cols;
-  uint32_t masks[4] = {0, 0, 0, 0};  // vec, bcast, inner, unused
+  uint32_t masks[4] = {0, 0, 0, 0};  // vec, bcast, inner, chan
   int64_t* period = &words[w + 2];
+  int64_t* span = period + in_words;
   for (size_t k = 0; k < ni && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
     if (program.inputs[k].row) continue;
     const at::Tensor& t = buffers[reads[k]].toTensor();
@@ -193,10 +218,12 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
       masks[1] |= 1u << k;
     else if (!program.has_reduction && vector_aligned && (period[k] = repeat_period(stride, full)) > 0 && period[k] % width == 0)
       masks[2] |= 1u << k;
+    else if (((source.channel_inputs >> k) & 1u) && channel_form(stride, full, &span[k], &period[k]))
+      masks[3] |= 1u << k;
   }
   if (outputs_aligned && (!program.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
   std::memcpy(&words[w], masks, sizeof(masks));
-  w += 2 + in_words;
+  w += 2 + 2 * in_words;
   float* scalars = reinterpret_cast<float*>(&words[w]);
   for (size_t s = 0; s < program.scalars.size(); ++s) {
     const c10::IValue& v = buffers[reads[ni + s]];

@@ -150,6 +150,23 @@ template <class T> __device__ __forceinline__ unsigned splat(T v) {
   else if constexpr (sizeof(T) == 2) return (unsigned)v * 0x10001u;
   else return (unsigned)v * 0x1010101u;
 }
+// A vector of V elements from i0 of an input read by channel (NCHW's per-channel values): element i
+// reads ptr[(i / span) % count]. One load and a splat where the vector lies in one channel, else one
+// load per element.
+template <class T, int W> __device__ __forceinline__ void ld_channel(const T* ptr, i64 i0, i64 span, i64 count, unsigned* w) {
+  constexpr int V = W * 4 / (int)sizeof(T);
+  if (((unsigned long long)((i0 + V) | span | count) >> 32) == 0) {
+    const unsigned q = (unsigned)i0 / (unsigned)span, r = (unsigned)i0 - q * (unsigned)span;
+    if (r + V <= (unsigned)span) {
+      const unsigned s = splat<T>(ptr[q % (unsigned)count]);
+#pragma unroll
+      for (int x = 0; x < W; ++x) w[x] = s;
+      return;
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v) set_elem<T>(w, v, ptr[((i0 + v) / span) % count]);
+}
 template <int OP> __device__ float block_reduce(float v, float* shared) {
   for (int o = 16; o > 0; o >>= 1) v = combine<OP>(v, __shfl_xor_sync(0xffffffffu, v, o));
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

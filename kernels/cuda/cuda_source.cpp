@@ -10,7 +10,7 @@
 //
 // The kernel's only argument is a Params struct; its layout (printed in the source and filled by
 // cuda_kernel.cpp) is: in[ni] pointers, out[no] pointers, size[rank], stride[ni][rank], numel, rows,
-// cols (int64), vec, bcast, inner and one unused (uint32), period[ni] (int64), scalar[ns] (float).
+// cols (int64), vec, bcast, inner, chan (uint32), period[ni], span[ni] (int64), scalar[ns] (float).
 // Array lengths are at least 1.
 #include "kernels/cuda/cuda_source.h"
 
@@ -36,11 +36,13 @@ class Printer {
     out.general = name;
     out.vector_width = width_;
     if (!p_.has_reduction) out.flat_unroll = flat_unroll();
+    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k)
+      if (!p_.has_reduction && broadcasts(k)) out.channel_inputs |= 1u << k;
     Source o;
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
-      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, unused; i64 period["
-      << ni() << "]; float scalar[" << ns() << "]; };\n";
+      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
+      << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "]; };\n";
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
     if (p_.has_reduction) rows(o);
     else flat(o);
@@ -188,8 +190,10 @@ class Printer {
 
   // The flat group over vectors of V elements: outputs are contiguous and aligned; each input is read
   // with vector loads (contiguous and aligned: bit in p.vec; contiguous over the trailing p.period[k]
-  // elements and repeated over the leading dimensions, a bias: bit in p.inner), once (one value for
-  // all: bit in p.bcast), or, in the STRIDED entry only, element by element through its strides. The
+  // elements and repeated over the leading dimensions, a bias: bit in p.inner), by channel (one value
+  // per p.span[k] elements, p.period[k] of them repeating: NCHW's per-channel [C, 1, 1]; bit in p.chan),
+  // once (one value for all: bit in p.bcast), or, in the STRIDED entry only, element by element through
+  // its strides. The
   // last numel % V elements run the general body.
   //
   // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
@@ -216,6 +220,9 @@ class Printer {
         o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
         o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + period_offset(chunk * V, p.period[" << k
           << "]), " << a << "[u]);\n";
+        if (broadcasts(k))  // (the branch costs the vector entries registers, so only where it may be taken)
+          o << "      else if ((p.chan >> " << k << ") & 1u) ld_channel<" << t << ", " << w << ">(" << in_ptr(in_type(k), k)
+          << ", chunk * V, p.span[" << k << "], p.period[" << k << "], " << a << "[u]);\n";
         o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
         o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
         o << "      } else if constexpr (STRIDED) {\n";
@@ -542,6 +549,22 @@ class Printer {
     o << "    }\n";
   }
 
+  // Whether input k's type may be read by channel: broadcast (size 1 or stride 0) over the innermost
+  // dimension of the group's shape that is not 1.
+  bool broadcasts(size_t k) const {
+    const TensorType& t = p_.inputs[k].value->type.tensor;
+    if (p_.outputs.empty()) return true;
+    const std::vector<Dim>& full = p_.outputs[0].value->type.tensor.sizes;
+    for (size_t i = 0; i < full.size(); ++i) {
+      const size_t d = full.size() - 1 - i;  // innermost first
+      if (full[d].is_constant() && full[d].value == 1) continue;
+      if (i >= t.sizes.size()) return false;  // a leading dimension the input lacks: no broadcast inside
+      const size_t e = t.sizes.size() - 1 - i;
+      return (t.sizes[e].is_constant() && t.sizes[e].value == 1) || (t.strides[e].is_constant() && t.strides[e].value == 0);
+    }
+    return false;
+  }
+
   // Input k's vector of the chunk at col0 as packed words x<k>c[W] (inside the column loop).
   void load_row_chunk(Source& o, size_t k) {
     const std::string x = "x" + str(k) + "c", t = storage_type(in_type(k)), w = str(words(in_type(k)));
@@ -563,15 +586,11 @@ class Printer {
   // the row length is known at compile time, only the one chosen for it.
   std::vector<RowVariant> row_variants(const std::string& name) const {
     if (p_.rank == 0) return {};
-    // Registers per value of the row held across phases: the inputs some reduction reads, packed in
-    // 32-bit words (those only the output phase reads come a vector at a time).
-    const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
-    double words_per_value = 0;
-    for (const ProgramInput& in : p_.inputs) {
-      bool cached = false;
-      for (size_t q = 0; q < phases.targets.size(); ++q) cached |= phases.targets[q] >= 0 && phases.needed[q][in.reg];
-      if (!in.row && cached) words_per_value += c10::elementSize(dtype(in.value)) / 4.0;
-    }
+    // Every full input's row counts, including those the output phase reads a vector at a time: on the
+    // H100, GPT-2's bf16 residual + layer norm over 768 columns ran 8% slower as a warp per row (w4,
+    // with 128 registers) than as a block per row (b1).
+    size_t full_inputs = 0;
+    for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
     static const bool blocks_only = [] {
       const char* v = std::getenv("EMBER_CUDA_ROWS");
@@ -579,7 +598,7 @@ class Printer {
     }();
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
-      if (chunks * width_ * std::max(words_per_value, 1.0) > kMaxCachedValues) continue;
+      if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues) continue;
       if (!blocks_only) all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
     }
@@ -624,7 +643,7 @@ class Printer {
     return static_cast<int>(std::min<size_t>(8, 16 / widest));
   }
 
-  static constexpr int kMaxCachedValues = 64;  // registers per thread holding the full inputs' rows
+  static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 

@@ -38,6 +38,9 @@ struct CudaSource {
   // Flat groups whose outputs are dense in another order than row-major (channels_last): the logical
   // dimension iterated at each position, outermost in memory first (call_plan.cpp); else empty.
   std::vector<int> iteration_order;
+  // Flat groups: bit k set where the vector entries can read input k by channel (p.chan); the call
+  // plan sets p.chan only within it.
+  uint32_t channel_inputs = 0;
 };
 
 // Prints `program` with its entry points named `name`, `name`_vec, `name`_vec_strided, `name`_w<chunks>,

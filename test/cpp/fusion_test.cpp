@@ -453,19 +453,12 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         EXPECT_EQ(src.rows[0].entry, f32 ? "k_w8" : "k_w4") << label;
       }
       if (label.rfind("layer_norm_768", 0) == 0 || label.rfind("residual_ln_768", 0) == 0) {
-        // The weight and bias are read a vector at a time in the output phase, so only the normalized
-        // input is held across the row: a warp per row (w4: 32 16-bit values per thread; w8: 32 floats).
-        // Residual f32 holds three full inputs (96 registers at w8): a block per row, b2 backing b1 up
-        // when b1's registers do not allow its block.
+        // Three or more full inputs bound the warp variants below 768 columns; b2 backs b1 up when
+        // b1's registers do not allow its block. The weight and bias load a vector at a time.
+        ASSERT_GE(src.rows.size(), 1u) << label;
+        EXPECT_EQ(src.rows[0].entry, "k_b1") << label;
+        if (label.rfind("layer_norm", 0) == 0) EXPECT_EQ(src.rows.size(), 2u) << label;  // b1, b2
         EXPECT_NE(src.text.find("c, v)"), std::string::npos) << label;  // get_elem(x<k>c, v)
-        if (f32 && label.rfind("residual", 0) == 0) {
-          ASSERT_EQ(src.rows.size(), 2u) << label;
-          EXPECT_EQ(src.rows[0].entry, "k_b1") << label;
-          EXPECT_EQ(src.rows[1].entry, "k_b2") << label;
-        } else {
-          ASSERT_EQ(src.rows.size(), 1u) << label;
-          EXPECT_EQ(src.rows[0].entry, f32 ? "k_w8" : "k_w4") << label;
-        }
       }
     }
   }
@@ -556,6 +549,21 @@ TEST(CudaLaunch, EntryAndOneWaveGrid) {
   EXPECT_EQ(plan.entry, 2u);  // a misaligned input: the strided vector entry
   plan = call(flat[0], flat_source, {at::randn({4096}), at::randn({4096})}, flat_limits);
   EXPECT_EQ(plan.blocks, 1u);  // 1024 vectors: one block's 256 threads x 4 vectors
+  // NCHW per-channel values ([C, 1, 1] over [N, C, H, W]) are read by channel, in the entry without
+  // strided inputs, whether H * W is a multiple of the vector width (6x6) or not (7x7).
+  for (int64_t hw : {6, 7}) {
+    const std::string t = "f32[4, 8, " + std::to_string(hw) + ", " + std::to_string(hw) + "]{" + std::to_string(8 * hw * hw) + ", " +
+                          std::to_string(hw * hw) + ", " + std::to_string(hw) + ", 1}@cuda:0";
+    std::vector<Program> per_channel = cuda_programs("graph(%x: " + t + ", %w: f32[8, 1, 1]{1, 1, 1}@cuda:0):\n"
+                                                     "  %m: " + t + " = aten::mul.Tensor(%x, %w)\n"
+                                                     "  %r: " + t + " = aten::relu(%m)\n"
+                                                     "  return (%r)\n");
+    ASSERT_EQ(per_channel.size(), 1u);
+    cuda::CudaSource channel_source = cuda::generate(per_channel[0], "k");
+    ASSERT_EQ(per_channel[0].inputs[0].value->name, "w");  // the program's inputs in its own order
+    plan = call(per_channel[0], channel_source, {at::randn({8, 1, 1}), at::randn({4, 8, hw, hw})}, flat_limits);
+    EXPECT_EQ(plan.entry, 1u) << hw;
+  }
 
   const std::string softmax =
       "graph(%x: bf16[s0, 1024]{1024, 1}@cuda:0, %s0: int):\n"

@@ -103,6 +103,25 @@ def test_flat_vector_entry_grid_stride(dtype, numel):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("hw", [(6, 6), (7, 7), (16, 16), (1, 1)], ids=["6x6", "7x7", "16x16", "1x1"])
+def test_flat_per_channel_inputs_read_by_channel(dtype, hw):
+    """NCHW per-channel tensors ([C, 1, 1], [1, C, 1, 1]) and per-sample ones ([N, 1, 1, 1]) beside a
+    contiguous input: read by channel in the vector entry, whether or not a vector stays in one channel
+    (H * W a multiple of the vector width or not)."""
+
+    def fn(x, w, b, s):
+        return torch.relu((x - b) * w + b) * s
+
+    n, c = 4, 24
+    x = torch.randn(n, c, *hw, device="cuda", dtype=dtype)
+    w = torch.randn(c, 1, 1, device="cuda", dtype=dtype)
+    b = torch.randn(1, c, 1, 1, device="cuda", dtype=dtype)
+    s = torch.randn(n, 1, 1, 1, device="cuda", dtype=dtype)
+    _, kernels = compare(fn, x, w, b, s)
+    assert kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_flat_strided_vector_entry_misaligned_one_input(dtype):
     """One misaligned input beside aligned ones: the strided vector entry."""
     n = (1 << 16) + 9
