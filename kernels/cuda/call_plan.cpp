@@ -216,7 +216,8 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
       masks[0] |= 1u << k;
     else if (one_value(stride, full))
       masks[1] |= 1u << k;
-    else if (!program.has_reduction && vector_aligned && (period[k] = repeat_period(stride, full)) > 0 && period[k] % width == 0)
+    else if (((source.repeat_inputs >> k) & 1u) && vector_aligned && (period[k] = repeat_period(stride, full)) > 0 &&
+             period[k] % width == 0 && period[k] < (int64_t{1} << 31))  // (the kernel's offsets are 32-bit)
       masks[2] |= 1u << k;
     else if (((source.channel_inputs >> k) & 1u) && channel_form(stride, full, &span[k], &period[k]))
       masks[3] |= 1u << k;

@@ -36,17 +36,6 @@ class Printer {
     out.general = name;
     out.vector_width = width_;
     if (!p_.has_reduction) out.flat_unroll = flat_unroll();
-    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k)
-      if (!p_.has_reduction && broadcasts(k)) out.channel_inputs |= 1u << k;
-    Source o;
-    o << kPrelude;
-    o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
-      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
-      << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "]; };\n";
-    o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
-    if (p_.has_reduction) rows(o);
-    else flat(o);
-    o << "}\n";
     if (!p_.has_reduction && !p_.outputs.empty()) {
       const TensorType& t = p_.outputs[0].value->type.tensor;
       const std::vector<int> order = memory_order(t);
@@ -56,6 +45,22 @@ class Printer {
         out.iteration_order.insert(out.iteration_order.end(), order.begin(), order.end());
       }
     }
+    order_ = out.iteration_order;
+    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs) && !p_.has_reduction; ++k) {
+      if (broadcasts_inner(k)) out.channel_inputs |= 1u << k;
+      if (broadcasts_somewhere(k)) out.repeat_inputs |= 1u << k;
+    }
+    repeat_inputs_ = out.repeat_inputs;
+    channel_inputs_ = out.channel_inputs;
+    Source o;
+    o << kPrelude;
+    o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
+      << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
+      << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "]; };\n";
+    o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
+    if (p_.has_reduction) rows(o);
+    else flat(o);
+    o << "}\n";
     if (!p_.has_reduction) {
       out.vector_entry = name + "_vec";
       out.strided_vector_entry = name + "_vec_strided";
@@ -209,6 +214,18 @@ class Printer {
     for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k)
       o << "  const unsigned s" << k << " = (p.bcast >> " << k << ") & 1u ? splat<" << storage_type(in_type(k)) << ">("
         << in_ptr(in_type(k), k) << "[0]) : 0u;\n";
+    // Inputs read as a repeating period keep their offset per vector and advance it by the loop's step
+    // modulo the period (one compare), instead of dividing in every iteration: a channels_last batch
+    // norm reads four per-channel inputs so, and the divisions had bound its kernel. (Periods stay
+    // below 2^31, call_plan.cpp checks, so offsets are 32-bit.)
+    for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
+      if (!((repeat_inputs_ >> k) & 1u)) continue;
+      o << "  const bool r" << k << " = (p.inner >> " << k << ") & 1u;\n";
+      o << "  const unsigned rstep" << k << " = r" << k << " ? (unsigned)period_offset(step * U * V, p.period[" << k << "]) : 0u;\n";
+      o << "  unsigned roff" << k << "[U];\n";
+      o << "#pragma unroll\n  for (int u = 0; u < U; ++u) roff" << k << "[u] = r" << k
+        << " ? (unsigned)period_offset(((i64)blockIdx.x * blockDim.x * U + threadIdx.x + (i64)u * blockDim.x) * V, p.period[" << k << "]) : 0u;\n";
+    }
     o << "  for (i64 base = (i64)blockIdx.x * blockDim.x * U + threadIdx.x; base < chunks; base += step * U) {\n";
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
       const std::string a = "a" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
@@ -218,9 +235,14 @@ class Printer {
       o << "      if (chunk >= chunks) break;\n";
       if (k < static_cast<size_t>(kMaxVectorInputs)) {
         o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
-        o << "      else if ((p.inner >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + period_offset(chunk * V, p.period[" << k
-          << "]), " << a << "[u]);\n";
-        if (broadcasts(k))  // (the branch costs the vector entries registers, so only where it may be taken)
+        if ((repeat_inputs_ >> k) & 1u) {
+          o << "      else if (r" << k << ") {\n";
+          o << "        ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + roff" << k << "[u], " << a << "[u]);\n";
+          o << "        roff" << k << "[u] += rstep" << k << ";\n";
+          o << "        if (roff" << k << "[u] >= (unsigned)p.period[" << k << "]) roff" << k << "[u] -= (unsigned)p.period[" << k << "];\n";
+          o << "      }\n";
+        }
+        if ((channel_inputs_ >> k) & 1u)  // (each branch costs the vector entries registers: only where it may be taken)
           o << "      else if ((p.chan >> " << k << ") & 1u) ld_channel<" << t << ", " << w << ">(" << in_ptr(in_type(k), k)
           << ", chunk * V, p.span[" << k << "], p.period[" << k << "], " << a << "[u]);\n";
         o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
@@ -549,19 +571,38 @@ class Printer {
     o << "    }\n";
   }
 
-  // Whether input k's type may be read by channel: broadcast (size 1 or stride 0) over the innermost
-  // dimension of the group's shape that is not 1.
-  bool broadcasts(size_t k) const {
+  // Input k's dimension aligned with the group's dimension d (right-aligned), or -1 where it has none.
+  int aligned_dim(size_t k, size_t d) const {
+    const size_t rank = p_.inputs[k].value->type.tensor.sizes.size(), full = p_.outputs[0].value->type.tensor.sizes.size();
+    return d + rank >= full ? static_cast<int>(d + rank - full) : -1;
+  }
+  // Whether input k broadcasts over the group's dimension d (lacks it, or has size 1 or stride 0 there
+  // where the group's size is not 1).
+  bool broadcast_over(size_t k, size_t d) const {
+    const Dim& f = p_.outputs[0].value->type.tensor.sizes[d];
+    if (f.is_constant() && f.value == 1) return false;
+    const int e = aligned_dim(k, d);
+    if (e < 0) return true;
     const TensorType& t = p_.inputs[k].value->type.tensor;
+    return (t.sizes[e].is_constant() && t.sizes[e].value == 1) || (t.strides[e].is_constant() && t.strides[e].value == 0) ||
+           !(t.sizes[e] == f);
+  }
+  // May be read by channel: broadcast over the innermost iterated dimension that is not 1.
+  bool broadcasts_inner(size_t k) const {
     if (p_.outputs.empty()) return true;
     const std::vector<Dim>& full = p_.outputs[0].value->type.tensor.sizes;
-    for (size_t i = 0; i < full.size(); ++i) {
-      const size_t d = full.size() - 1 - i;  // innermost first
+    for (size_t i = full.size(); i-- > 0;) {
+      const size_t d = order_.size() == full.size() ? static_cast<size_t>(order_[i]) : i;
       if (full[d].is_constant() && full[d].value == 1) continue;
-      if (i >= t.sizes.size()) return false;  // a leading dimension the input lacks: no broadcast inside
-      const size_t e = t.sizes.size() - 1 - i;
-      return (t.sizes[e].is_constant() && t.sizes[e].value == 1) || (t.strides[e].is_constant() && t.strides[e].value == 0);
+      return broadcast_over(k, d);
     }
+    return false;
+  }
+  // May be read as a repeating period (or by channel): broadcast over some dimension.
+  bool broadcasts_somewhere(size_t k) const {
+    if (p_.outputs.empty()) return true;
+    for (size_t d = 0; d < p_.outputs[0].value->type.tensor.sizes.size(); ++d)
+      if (broadcast_over(k, d)) return true;
     return false;
   }
 
@@ -649,6 +690,9 @@ class Printer {
 
   const Program& p_;
   int width_;
+  std::vector<int> order_;         // flat groups: the iteration order (CudaSource::iteration_order)
+  uint32_t repeat_inputs_ = 0;     // CudaSource::repeat_inputs
+  uint32_t channel_inputs_ = 0;    // CudaSource::channel_inputs
   mutable const char* lane_ = "";
 };
 

@@ -41,6 +41,8 @@ struct CudaSource {
   // Flat groups: bit k set where the vector entries can read input k by channel (p.chan); the call
   // plan sets p.chan only within it.
   uint32_t channel_inputs = 0;
+  // Flat groups: bit k set where they can read input k as a repeating period (p.inner).
+  uint32_t repeat_inputs = 0;
 };
 
 // Prints `program` with its entry points named `name`, `name`_vec, `name`_vec_strided, `name`_w<chunks>,

@@ -326,6 +326,8 @@ std::vector<Program> cuda_programs(const std::string& text) {
   Graph& g = graphs.emplace_back(parse(text));
   CompileOptions options;
   PassContext ctx{options};
+  batchnorm_pointwise(g, ctx);
+  eliminate_dead_code(g, ctx);
   fuse(g, ctx);
   std::vector<Program> out;
   for (int group = 0;; ++group) {
@@ -407,6 +409,14 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
                                               "  %a: " + r + " = aten::add.Tensor(%xb, %h)\n"
                                               "  %n: " + r + ", %m: f32[s0, 1]{1, 1}@cuda:0, %rs: f32[s0, 1]{1, 1}@cuda:0 = aten::native_layer_norm(%a, [768], %w, %lb, 1e-05)\n"
                                               "  return (%a, %n)\n"});
+    // resnet's eval batch norm + residual add + relu, channels_last (bn_pointwise rewrites the batch norm).
+    const std::string cl = t + "[8, 256, 14, 14]{50176, 1, 3584, 256}@cuda:0", pc = t + "[256]{1}@cuda:0";
+    graphs.push_back({"bn_add_relu_cl_" + t, "graph(%x: " + cl + ", %w: " + pc + ", %b: " + pc + ", %m: " + pc + ", %v: " + pc + ", %r: " + cl + "):\n"
+                                             "  %y: " + cl + ", %s1: " + t + "[0]{1}@cuda:0, %s2: " + t + "[0]{1}@cuda:0 = "
+                                             "aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+                                             "  %a: " + cl + " = aten::add.Tensor(%y, %r)\n"
+                                             "  %o: " + cl + " = aten::relu(%a)\n"
+                                             "  return (%o)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
