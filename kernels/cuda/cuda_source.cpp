@@ -226,39 +226,50 @@ class Printer {
       o << "#pragma unroll\n  for (int u = 0; u < U; ++u) roff" << k << "[u] = r" << k
         << " ? (unsigned)period_offset(((i64)blockIdx.x * blockDim.x * U + threadIdx.x + (i64)u * blockDim.x) * V, p.period[" << k << "]) : 0u;\n";
     }
+    // Vector u of input k into a<k>[u] (`chunk` in scope), by the mode its bits in p select.
+    auto load = [&](size_t k, const std::string& ind) {
+      const std::string a = "a" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+      if (k < static_cast<size_t>(kMaxVectorInputs)) {
+        o << ind << "if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
+        if ((repeat_inputs_ >> k) & 1u) {
+          o << ind << "else if (r" << k << ") {\n";
+          o << ind << "  ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + roff" << k << "[u], " << a << "[u]);\n";
+          o << ind << "  roff" << k << "[u] += rstep" << k << ";\n";
+          o << ind << "  if (roff" << k << "[u] >= (unsigned)p.period[" << k << "]) roff" << k << "[u] -= (unsigned)p.period[" << k << "];\n";
+          o << ind << "}\n";
+        }
+        if ((channel_inputs_ >> k) & 1u)  // (each branch costs the vector entries registers: only where it may be taken)
+          o << ind << "else if ((p.chan >> " << k << ") & 1u) ld_channel<" << t << ", " << w << ">(" << in_ptr(in_type(k), k)
+            << ", chunk * V, p.span[" << k << "], p.period[" << k << "], " << a << "[u]);\n";
+        o << ind << "else if ((p.bcast >> " << k << ") & 1u) {\n";
+        o << "#pragma unroll\n" << ind << "  for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
+        o << ind << "} else if constexpr (STRIDED) {\n";
+      } else {
+        o << ind << "{\n";
+      }
+      o << "#pragma unroll\n" << ind << "  for (int v = 0; v < V; ++v) {\n";
+      offset(o, k, "chunk * V + v", "off", ind + "    ");
+      o << ind << "    set_elem<" << t << ">(" << a << "[u], v, " << in_ptr(in_type(k), k) << "[off]);\n";
+      o << ind << "  }\n" << ind << "}\n";
+    };
+    // Full inputs: every vector of the iteration is loaded before any compute (the bytes in flight).
+    // Inputs whose type broadcasts (a bias, per-channel values: cache hits) load inside the compute
+    // loop, vector by vector, so that their registers do not multiply by U.
     o << "  for (i64 base = (i64)blockIdx.x * blockDim.x * U + threadIdx.x; base < chunks; base += step * U) {\n";
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      const std::string a = "a" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
-      o << "    unsigned " << a << "[U][" << w << "] = {};\n";
+      o << "    unsigned a" << k << "[U][" << words(in_type(k)) << "] = {};\n";
+      if (late_load(k)) continue;
       o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
       o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
       o << "      if (chunk >= chunks) break;\n";
-      if (k < static_cast<size_t>(kMaxVectorInputs)) {
-        o << "      if ((p.vec >> " << k << ") & 1u) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + chunk * V, " << a << "[u]);\n";
-        if ((repeat_inputs_ >> k) & 1u) {
-          o << "      else if (r" << k << ") {\n";
-          o << "        ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + roff" << k << "[u], " << a << "[u]);\n";
-          o << "        roff" << k << "[u] += rstep" << k << ";\n";
-          o << "        if (roff" << k << "[u] >= (unsigned)p.period[" << k << "]) roff" << k << "[u] -= (unsigned)p.period[" << k << "];\n";
-          o << "      }\n";
-        }
-        if ((channel_inputs_ >> k) & 1u)  // (each branch costs the vector entries registers: only where it may be taken)
-          o << "      else if ((p.chan >> " << k << ") & 1u) ld_channel<" << t << ", " << w << ">(" << in_ptr(in_type(k), k)
-          << ", chunk * V, p.span[" << k << "], p.period[" << k << "], " << a << "[u]);\n";
-        o << "      else if ((p.bcast >> " << k << ") & 1u) {\n";
-        o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << a << "[u][w] = s" << k << ";\n";
-        o << "      } else if constexpr (STRIDED) {\n";
-      } else {
-        o << "      {\n";
-      }
-      o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
-      offset(o, k, "chunk * V + v", "off", "          ");
-      o << "          set_elem<" << t << ">(" << a << "[u], v, " << in_ptr(in_type(k), k) << "[off]);\n";
-      o << "        }\n      }\n    }\n";
+      load(k, "      ");
+      o << "    }\n";
     }
     o << "#pragma unroll\n    for (int u = 0; u < U; ++u) {\n";
     o << "      const i64 chunk = base + (i64)u * blockDim.x;\n";
     o << "      if (chunk >= chunks) break;\n";
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      if (late_load(k)) load(k, "      ");
     for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
     // Two elements at a time (V is even), so that bf16 roundings go two to a conversion instruction
     // (bf_round2): with one each, the conversions bounded GPT-2's bf16 gelu_new (eight roundings per
@@ -307,10 +318,22 @@ class Printer {
   // 32-bit words holding one vector of `width_` elements of dtype t (vectors are 4 to 16 bytes).
   int words(c10::ScalarType t) const { return std::max<int>(1, width_ * static_cast<int>(c10::elementSize(t)) / 4); }
 
-  // Vectors per thread per iteration in flat_vec: 4 for one or two inputs (up to 128 bytes in flight
+  // Vectors per thread per iteration in flat_vec: 4 for one or two full inputs (up to 128 bytes in flight
   // per thread), fewer where more inputs would hold more registers than they buy.
   int flat_unroll() const {
-    const size_t n = std::max<size_t>(p_.inputs.size(), 1);
+    // Late-loaded inputs (inside the compute loop) count half: their registers do not multiply by U,
+    // but their values do. (resnet50's bf16 batch norm + add + relu, two full and four per-channel
+    // inputs: U = 2, 64 bytes in flight per thread; U = 4 took 101 registers.)
+    size_t full = 0, late = 0;
+    for (size_t k = 0; k < p_.inputs.size(); ++k) (late_load(k) ? late : full) += 1;
+    const size_t n = std::max<size_t>(full + (late + 1) / 2, 1);
+    // EMBER_CUDA_UNROLL=1|2|4 (for measuring) sets U for every flat group.
+    static const int forced = [] {
+      const char* v = std::getenv("EMBER_CUDA_UNROLL");
+      const int u = v ? std::atoi(v) : 0;
+      return u == 1 || u == 2 || u == 4 ? u : 0;
+    }();
+    if (forced) return forced;
     return n <= 2 ? 4 : (n <= 4 ? 2 : 1);
   }
 
@@ -598,6 +621,9 @@ class Printer {
     }
     return false;
   }
+  // Flat vector entries load input k inside the compute loop (see flat_vector): its type broadcasts.
+  bool late_load(size_t k) const { return k < static_cast<size_t>(kMaxVectorInputs) && broadcasts_somewhere(k); }
+
   // May be read as a repeating period (or by channel): broadcast over some dimension.
   bool broadcasts_somewhere(size_t k) const {
     if (p_.outputs.empty()) return true;
