@@ -417,6 +417,12 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
                                              "  %a: " + cl + " = aten::add.Tensor(%y, %r)\n"
                                              "  %o: " + cl + " = aten::relu(%a)\n"
                                              "  return (%o)\n"});
+    const std::string nchw = t + "[8, 256, 14, 14]{50176, 196, 14, 1}@cuda:0";
+    graphs.push_back({"bn_relu_nchw_" + t, "graph(%x: " + nchw + ", %w: " + pc + ", %b: " + pc + ", %m: " + pc + ", %v: " + pc + "):\n"
+                                           "  %y: " + nchw + ", %s1: " + t + "[0]{1}@cuda:0, %s2: " + t + "[0]{1}@cuda:0 = "
+                                           "aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+                                           "  %o: " + nchw + " = aten::relu(%y)\n"
+                                           "  return (%o)\n"});
     graphs.push_back({"softmax_" + t, rows(t, "s1", softmax)});
     graphs.push_back({"softmax_1024_" + t, rows(t, "1024", softmax)});
     graphs.push_back({"log_softmax_" + t, rows(t, "s1", log_softmax)});
