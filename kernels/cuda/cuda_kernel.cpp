@@ -12,24 +12,28 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <atomic>
 #include <cstring>
+#include <mutex>
 
 namespace ember::cuda {
 namespace {
 
+// Entry points in CallPlan::entry order: general, vector, strided vector (flat groups) or the row
+// variants. A flat group's strided entry is compiled on first use (cuda_source.h, strided_text) unless
+// `images` is given (a package is exported or loaded: it must hold every image), so until then
+// functions_ has one entry fewer, and limits_ does not know it.
 class FusedCudaKernel final : public Kernel {
  public:
   FusedCudaKernel(Program program, CudaSource source, std::vector<void*> functions, int device)
       : p_(std::move(program)), source_(std::move(source)), functions_(std::move(functions)), device_(device) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
-    // Every block size each entry may launch with, asked once here so that calls ask the driver nothing.
     limits_.multiprocessors = multiprocessor_count(device_);
-    for (void* function : functions_) {
-      const int most = max_threads_per_block(function);
-      limits_.max_threads.push_back(most);
-      std::vector<int>& resident = limits_.resident.emplace_back();
-      for (int threads = 32; threads <= 1024; threads += 32)
-        resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
+    for (void* function : functions_) add_limits(limits_, function);
+    if (!p_.has_reduction && functions_.size() > kStridedEntry) {  // compiled with the rest
+      strided_function_ = functions_[kStridedEntry];
+      full_limits_ = limits_;
+      strided_ready_.store(true, std::memory_order_release);
     }
   }
 
@@ -42,21 +46,51 @@ class FusedCudaKernel final : public Kernel {
            const std::vector<uint32_t>& writes) const override {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
-    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, limits_);
+    const bool strided_ready = strided_ready_.load(std::memory_order_acquire);
+    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, strided_ready ? full_limits_ : limits_);
+    const bool flat = !p_.has_reduction;
+    if (plan.launch && flat && plan.entry == kStridedEntry && !strided_ready) {
+      std::call_once(strided_once_, [&] { load_strided(); });
+      plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, full_limits_);  // its grid, by its limits
+    }
     if (plan.launch) {
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
-      launch(functions_[plan.entry], plan.blocks, plan.threads, stream, plan.params.data(), device_);
+      void* function = flat && plan.entry == kStridedEntry ? strided_function_ : functions_[plan.entry];
+      launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_);
     }
     for (size_t k = 0; k < plan.outputs.size(); ++k) buffers[writes[k]] = std::move(plan.outputs[k]);
   }
 
  private:
+  static constexpr size_t kStridedEntry = 2;  // of flat groups (call_plan.cpp, plan_flat); rows use 2 for a variant
+
+  // Every block size an entry may launch with, asked once so that calls ask the driver nothing.
+  static void add_limits(LaunchLimits& limits, void* function) {
+    const int most = max_threads_per_block(function);
+    limits.max_threads.push_back(most);
+    std::vector<int>& resident = limits.resident.emplace_back();
+    for (int threads = 32; threads <= 1024; threads += 32) resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
+  }
+
+  // Once, on the first call that needs it (std::call_once orders it before every later use).
+  void load_strided() const {
+    strided_function_ = compile(source_.strided_text, source_.strided_vector_entry, device_, nullptr);
+    full_limits_ = limits_;
+    add_limits(full_limits_, strided_function_);
+    strided_ready_.store(true, std::memory_order_release);
+  }
+
   Program p_;
   CudaSource source_;
   std::vector<void*> functions_;  // general, then the vector entries (flat) or the row variants in order
   int device_;
-  LaunchLimits limits_;
+  LaunchLimits limits_;           // of functions_
   std::vector<c10::ScalarType> out_dtypes_;
+  // The strided entry, where it is compiled lazily: written once under strided_once_.
+  mutable std::once_flag strided_once_;
+  mutable std::atomic<bool> strided_ready_{false};
+  mutable void* strided_function_ = nullptr;
+  mutable LaunchLimits full_limits_;  // limits_ and the strided entry's
 };
 
 }  // namespace
@@ -68,12 +102,19 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   // One name for every kernel: the source then depends on the program alone, so identical groups (a
   // transformer's repeated layers) share one compiled module.
   CudaSource source = generate(program, "ember_fused");
-  if (listing) *listing += "// group " + std::to_string(program.group) + "\n" + source.text + "\n";
+  if (listing) {
+    *listing += "// group " + std::to_string(program.group) + "\n" + source.text;
+    if (!source.strided_vector_entry.empty())
+      *listing += "// (" + source.strided_vector_entry + ", the strided vector entry, compiles from this source on first use)\n";
+    *listing += "\n";
+  }
   std::vector<std::string> entries{source.general};
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
-  if (!source.strided_vector_entry.empty()) entries.push_back(source.strided_vector_entry);
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
   std::vector<void*> functions = compile(source.text, entries, device, images);
+  // Packages hold every image: exporting or loading one compiles the strided entry now.
+  if (images && !source.strided_vector_entry.empty())
+    functions.push_back(compile(source.strided_text, source.strided_vector_entry, device, images));
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(functions), device);
 }
 

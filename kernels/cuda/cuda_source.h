@@ -26,7 +26,8 @@ struct RowVariant {
 };
 
 struct CudaSource {
-  std::string text;
+  std::string text;          // the module: the general entry, the vector entry or the row variants
+  std::string strided_text;  // flat groups: the module of the strided vector entry alone (compiled lazily)
   std::string general;       // the strided kernel: flat groups, or General rows
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty
   // The same where some input is read through its strides (its loop carries index arithmetic, and
