@@ -283,6 +283,10 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from .attention import route_attention
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
+    if os.environ.get("EMBER_CONV_CHANNELS_LAST", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
+        from .layout import channels_last_convolutions
+
+        channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
     compiled_fn = backend(gm, example_inputs)
     direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None)
     return direct if direct is not None else compiled_fn

@@ -1,0 +1,85 @@
+"""CUDA convolutions in channels_last, chosen on the Dynamo graph before AOTAutograd traces it.
+
+cuDNN runs 2-D convolutions in NHWC: given NCHW tensors it converts each input to NHWC and each result
+back (torchvision resnet18 b8 f32 on the H100: 36 nchwToNhwc and 14 nhwcToNchw kernels, 204 of the 734 us
+of GPU time per reduce-overhead call), where inductor converts the graph to channels_last and has none.
+This rewrite does the same before tracing: each convolution reads its input and weight
+`.contiguous(memory_format=torch.channels_last)`. AOTAutograd records a copy only where a tensor is not
+already in that layout: the graph's first input and the weights (a small copy each, per call); a
+convolution's result comes out channels_last, and the pointwise ops after it keep that layout (ember's
+CUDA kernels iterate in memory order, passes/batchnorm_pointwise.cpp fuses the batch norms), so the next
+convolution's input needs none. Graph outputs that were 4-D and NCHW go back to NCHW, so callers see
+eager's strides.
+
+Only where a graph has at least two CUDA 2-D convolutions over floating NCHW tensors (a conv-heavy
+model, as inductor decides); EMBER_CONV_CHANNELS_LAST=0 turns it off.
+"""
+
+import torch
+
+
+def _tensor(node):
+    value = getattr(node, "meta", {}).get("example_value") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arg(node, position, name):
+    if len(node.args) > position:
+        return node.args[position]
+    return node.kwargs.get(name)
+
+
+def _nchw(value, force):
+    return (
+        value is not None
+        and value.dim() == 4
+        and value.dtype.is_floating_point
+        and (value.is_cuda or force)
+        and value.is_contiguous()
+        and not (value.shape[1] == 1 or value.shape[2] * value.shape[3] == 1)  # layouts coincide there
+    )
+
+
+def channels_last_convolutions(gm, force=False):
+    """Rewrites `gm` (a Dynamo graph) in place; returns the number of convolutions now reading
+    channels_last tensors. `force` applies it to CPU tensors too (for tests)."""
+    convs = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.conv2d:
+            continue
+        x, w = _arg(node, 0, "input"), _arg(node, 1, "weight")
+        xv, wv = _tensor(x), _tensor(w)
+        if xv is None or wv is None or xv.dim() != 4 or wv.dim() != 4 or not (xv.is_cuda or force):
+            continue
+        if not xv.dtype.is_floating_point:
+            continue
+        convs.append((node, x, w))
+    if len(convs) < 2 or not any(_nchw(_tensor(x), force) for _, x, _ in convs):
+        return 0
+    graph = gm.graph
+    for node, x, w in convs:
+        with graph.inserting_before(node):
+            x_cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
+            w_cl = graph.call_method("contiguous", (w,), {"memory_format": torch.channels_last})
+        args = list(node.args)
+        kwargs = dict(node.kwargs)
+        if len(args) > 0:
+            args[0] = x_cl
+        else:
+            kwargs["input"] = x_cl
+        if len(args) > 1:
+            args[1] = w_cl
+        else:
+            kwargs["weight"] = w_cl
+        node.args, node.kwargs = tuple(args), kwargs
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def restore(value):
+        if isinstance(value, torch.fx.Node) and _nchw(_tensor(value), force):
+            with graph.inserting_before(output):
+                return graph.call_method("contiguous", (value,))
+        return value
+
+    output.args = torch.fx.node.map_aggregate(output.args, restore)
+    gm.recompile()
+    return len(convs)
