@@ -13,7 +13,9 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <mutex>
 
 namespace ember::cuda {
@@ -113,7 +115,12 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
   std::vector<void*> functions = compile(source.text, entries, device, images);
   // Packages hold every image: exporting or loading one compiles the strided entry now.
-  if (images && !source.strided_vector_entry.empty())
+  // EMBER_CUDA_STRIDED=eager does so always (a measuring switch: the first call's cost of doing so).
+  static const bool eager = [] {
+    const char* v = std::getenv("EMBER_CUDA_STRIDED");
+    return v && std::string(v) == "eager";
+  }();
+  if ((images || eager) && !source.strided_vector_entry.empty())
     functions.push_back(compile(source.strided_text, source.strided_vector_entry, device, images));
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(functions), device);
 }
