@@ -344,6 +344,7 @@ class Runner final : public PlanRunner {
     source_.assign(plan.num_buffers, Source::Eager);
     for (size_t b = 0; b < plan.num_inputs; ++b) source_[b] = Source::Input;
     for (const auto& [b, v] : plan.constants) source_[b] = Source::Constant;
+    for (uint32_t b : plan.cached_results) source_[b] = Source::Constant;  // refreshed in place (runtime.h)
     std::vector<bool> read_eagerly(plan.num_buffers, false);
     for (const Part& p : seg_.parts)
       if (!p.captured)

@@ -188,12 +188,19 @@ PYBIND11_MODULE(_native, m) {
            },
            py::arg("pinned"), py::arg("warmup"), py::arg("max_graphs"),
            "Captures the plan's capturable parts into CUDA graphs after warm-up; returns '' or why not.")
+      .def("cache_parameter_steps", &CompiledGraph::cache_parameter_steps, py::arg("pinned"),
+           "Runs the steps over parameters alone once, and again only when a parameter changes; returns their count.")
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("steps", [](const CompiledGraph& g) {
-        // (kind, what) per step: ("kernel", description) / ("aten", op name) / ("prim", op name)
+        // (kind, what) per step, ("kernel", description) / ("aten" or "prim", op name): the cached steps over
+        // parameters first (runtime.h), then the plan's.
         std::vector<std::pair<std::string, std::string>> out;
-        for (const Step& s : g.plan().steps) {
+        std::vector<const Step*> all;
+        for (const Step& s : g.plan().cached_steps) all.push_back(&s);
+        for (const Step& s : g.plan().steps) all.push_back(&s);
+        for (const Step* step : all) {
+          const Step& s = *step;
           if (s.kernel) out.emplace_back("kernel", s.kernel->describe());
           else out.emplace_back(s.op ? "aten" : "prim", s.node->op);
         }

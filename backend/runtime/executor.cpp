@@ -12,6 +12,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
+#include <mutex>
 
 namespace ember {
 
@@ -114,8 +115,72 @@ std::vector<c10::IValue> CompiledGraph::start(std::vector<c10::IValue> inputs) c
   std::vector<c10::IValue> buffers(plan_.num_buffers);
   for (size_t i = 0; i < inputs.size(); ++i) buffers[i] = std::move(inputs[i]);
   for (const auto& [buf, value] : plan_.constants) buffers[buf] = value;
+  if (cache_) refresh_cached(buffers);  // before unused inputs go: a parameter only cached steps read is one
   for (uint32_t b : plan_.unused_inputs) buffers[b] = c10::IValue();
   return buffers;
+}
+
+struct CompiledGraph::ParameterCache {
+  struct Seen {
+    at::Tensor tensor;  // kept alive, so no other tensor takes its address while the cache trusts it
+    uint32_t version = 0;
+    const void* data = nullptr;
+  };
+  std::mutex mu;
+  std::vector<Seen> seen;            // per key, when every key could be checked; else empty
+  std::vector<c10::IValue> results;  // per cached result; empty before the first run
+};
+
+size_t CompiledGraph::cache_parameter_steps(const std::vector<bool>& pinned) {
+  if (runner_ || cache_) return 0;
+  const size_t moved = hoist_parameter_steps(plan_, pinned);
+  if (moved) cache_ = std::make_shared<ParameterCache>();
+  return moved;
+}
+
+void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
+  ParameterCache& c = *cache_;
+  std::lock_guard<std::mutex> lock(c.mu);
+  bool same = !c.results.empty() && c.seen.size() == plan_.cached_keys.size();
+  for (size_t i = 0; same && i < plan_.cached_keys.size(); ++i) {
+    const c10::IValue& v = buffers[plan_.cached_keys[i]];
+    const ParameterCache::Seen& s = c.seen[i];
+    same = v.isTensor() && v.toTensor().unsafeGetTensorImpl() == s.tensor.unsafeGetTensorImpl() &&
+           v.toTensor()._version() == s.version && v.toTensor().data_ptr() == s.data;
+  }
+  if (!same) {
+    c.seen.clear();
+    for (uint32_t b : plan_.cached_keys) {
+      const c10::IValue& v = buffers[b];
+      if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().is_inference()) {
+        c.seen.clear();  // unchecked: run again next time
+        break;
+      }
+      const at::Tensor& t = v.toTensor();
+      c.seen.push_back({t, t._version(), t.data_ptr()});
+    }
+    std::vector<c10::IValue> stack;
+    for (const Step& st : plan_.cached_steps) run_step(st, buffers, stack);
+    if (c.results.empty()) {
+      for (uint32_t b : plan_.cached_results) c.results.push_back(buffers[b]);
+    } else {
+      // In place: captured CUDA graphs read these tensors where they are.
+      for (size_t j = 0; j < plan_.cached_results.size(); ++j) {
+        c10::IValue& held = c.results[j];
+        const c10::IValue& fresh = buffers[plan_.cached_results[j]];
+        if (held.isTensor() && fresh.isTensor() && held.toTensor().sizes().equals(fresh.toTensor().sizes()) &&
+            held.toTensor().strides().equals(fresh.toTensor().strides()) &&
+            held.toTensor().dtype() == fresh.toTensor().dtype())
+          held.toTensor().copy_(fresh.toTensor());
+        else if (!(held.isTensor() || fresh.isTensor()))
+          held = fresh;
+        else
+          throw Error("a step over parameters produced a result of another shape than on its first run; "
+                      "set EMBER_PARAMETER_CACHE=0");
+      }
+    }
+  }
+  for (size_t j = 0; j < plan_.cached_results.size(); ++j) buffers[plan_.cached_results[j]] = c.results[j];
 }
 
 void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const {
@@ -189,6 +254,11 @@ std::string CompiledGraph::describe() const {
          " buffers, " + std::to_string(plan_.steps.size()) + " steps";
   if (plan_.folded_steps) out += " (" + std::to_string(plan_.folded_steps) + " more folded into constants at compile time)";
   out += "\n";
+  if (!plan_.cached_steps.empty())
+    out += "  cached over parameters (run again only when one changes): " + std::to_string(plan_.cached_steps.size()) +
+           " steps writing [" + list(plan_.cached_results) + "]\n";
+  for (const Step& st : plan_.cached_steps)
+    out += "    " + (st.kernel ? st.kernel->describe() : "aten " + st.node->op) + " reads [" + list(step_reads(st)) + "]\n";
   for (size_t s = 0; s < plan_.steps.size(); ++s) {
     const Step& st = plan_.steps[s];
     std::vector<uint32_t> reads = step_reads(st);

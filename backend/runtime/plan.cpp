@@ -454,50 +454,108 @@ bool foldable_op(const Step& st) {
 
 }  // namespace
 
-size_t fold_constant_steps(Plan& plan) {
-  const size_t n = plan.steps.size();
-  for (const Step& st : plan.steps) {  // an in-place write could change a folded value after the fact
+namespace {
+
+// Whether a plan holds an in-place write: one could change a folded or cached value after the fact.
+bool writes_in_place(const Plan& plan) {
+  for (const Step& st : plan.steps) {
     if (!st.node) continue;
     try {
-      if (op_info(st.node->op).has(kMutates)) return 0;
+      if (op_info(st.node->op).has(kMutates)) return true;
     } catch (const std::exception&) {
-      return 0;
+      return true;
     }
   }
+  return false;
+}
+
+// Per step: whether it reads nothing but `known` buffers (and results of such steps) and `may_take(step)`.
+// A taken value must not reach the caller, nor a step that may hand it on as an alias: the caller could
+// write to it, and every later call would see that. With `own_results`, a taken step that may return an
+// alias of what it reads (a view of a parameter) is taken only when every reader is taken too: the
+// values later steps read must be tensors of their own.
+template <class MayTake>
+std::vector<char> steps_over(const Plan& plan, const std::vector<char>& seed, MayTake may_take, bool own_results) {
+  const size_t n = plan.steps.size();
   std::vector<int64_t> producer(plan.num_buffers, -1);
   for (size_t s = 0; s < n; ++s)
     for (int32_t b : plan.steps[s].outputs)
       if (b >= 0) producer[static_cast<size_t>(b)] = static_cast<int64_t>(s);
-  std::vector<char> blocked(n, 0), folded(n, 0), known(plan.num_buffers, 0);
+  std::vector<char> blocked(n, 0), taken(n, 0), known(plan.num_buffers, 0);
   for (bool changed = true; changed;) {
     changed = false;
-    std::fill(known.begin(), known.end(), 0);
-    std::fill(folded.begin(), folded.end(), 0);
-    for (const auto& c : plan.constants) known[c.first] = 1;
+    known = seed;
+    std::fill(taken.begin(), taken.end(), 0);
     for (size_t s = 0; s < n; ++s) {
       const Step& st = plan.steps[s];
-      if (blocked[s] || !foldable_op(st)) continue;
+      if (blocked[s] || !may_take(st)) continue;
       bool all_known = true;
       for (uint32_t b : step_reads(st)) all_known = all_known && known[b];
       if (!all_known) continue;
-      folded[s] = 1;
+      taken[s] = 1;
       for (int32_t b : st.outputs)
         if (b >= 0) known[static_cast<size_t>(b)] = 1;
     }
-    // A folded value must not reach the caller, nor a step that may hand it on as an alias: the caller
-    // could write to it, and every later call would see that.
     auto block = [&](int64_t b) {
       const int64_t s = b >= 0 ? producer[static_cast<size_t>(b)] : -1;
-      if (s >= 0 && folded[static_cast<size_t>(s)] && !blocked[static_cast<size_t>(s)]) {
+      if (s >= 0 && taken[static_cast<size_t>(s)] && !blocked[static_cast<size_t>(s)]) {
         blocked[static_cast<size_t>(s)] = 1;
         changed = true;
       }
     };
     for (const PlanOutput& o : plan.outputs) block(o.buffer);
-    for (size_t s = 0; s < n; ++s)
-      if (!folded[s] && plan.steps[s].node && may_alias(plan.steps[s].node->op))
-        for (uint32_t b : step_reads(plan.steps[s])) block(b);
+    for (size_t s = 0; s < n; ++s) {
+      if (taken[s] || !plan.steps[s].node) continue;
+      const bool aliases = may_alias(plan.steps[s].node->op);
+      for (uint32_t b : step_reads(plan.steps[s])) {
+        const int64_t p = producer[b];
+        if (aliases || (own_results && p >= 0 && plan.steps[static_cast<size_t>(p)].node &&
+                        may_alias(plan.steps[static_cast<size_t>(p)].node->op)))
+          block(b);
+      }
+    }
   }
+  return taken;
+}
+
+// Buffers written by `taken` steps and read by the others.
+std::vector<uint32_t> results_of(const Plan& plan, const std::vector<char>& taken) {
+  std::vector<char> read_later(plan.num_buffers, 0);
+  for (size_t s = 0; s < plan.steps.size(); ++s)
+    if (!taken[s])
+      for (uint32_t b : step_reads(plan.steps[s])) read_later[b] = 1;
+  std::vector<uint32_t> out;
+  for (size_t s = 0; s < plan.steps.size(); ++s)
+    if (taken[s])
+      for (int32_t b : plan.steps[s].outputs)
+        if (b >= 0 && read_later[static_cast<size_t>(b)]) out.push_back(static_cast<uint32_t>(b));
+  return out;
+}
+
+// Moves the taken steps out of plan.steps, in order, into *moved (or drops them).
+size_t remove_steps(Plan& plan, const std::vector<char>& taken, std::vector<Step>* moved) {
+  std::vector<Step> kept;
+  kept.reserve(plan.steps.size());
+  size_t count = 0;
+  for (size_t s = 0; s < plan.steps.size(); ++s) {
+    if (!taken[s]) {
+      kept.push_back(std::move(plan.steps[s]));
+      continue;
+    }
+    ++count;
+    if (moved) moved->push_back(std::move(plan.steps[s]));
+  }
+  plan.steps = std::move(kept);
+  return count;
+}
+
+}  // namespace
+
+size_t fold_constant_steps(Plan& plan) {
+  if (writes_in_place(plan)) return 0;
+  std::vector<char> seed(plan.num_buffers, 0);
+  for (const auto& c : plan.constants) seed[c.first] = 1;
+  std::vector<char> folded = steps_over(plan, seed, foldable_op, false);
   if (std::find(folded.begin(), folded.end(), 1) == folded.end()) return 0;
 
   std::vector<c10::IValue> buffers(plan.num_buffers), stack;
@@ -506,7 +564,7 @@ size_t fold_constant_steps(Plan& plan) {
     c10::impl::ExcludeDispatchKeyGuard real(
         c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}) |
         c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-    for (size_t s = 0; s < n; ++s) {
+    for (size_t s = 0; s < plan.steps.size(); ++s) {
       if (!folded[s]) continue;
       Step once = plan.steps[s];
       once.frees.clear();  // frees were planned for every step's reads: the kept steps' too
@@ -515,27 +573,41 @@ size_t fold_constant_steps(Plan& plan) {
   } catch (const std::exception&) {
     return 0;  // left to run per call, where an error names its node
   }
-  std::vector<char> read_later(plan.num_buffers, 0);
-  for (size_t s = 0; s < n; ++s)
-    if (!folded[s])
-      for (uint32_t b : step_reads(plan.steps[s])) read_later[b] = 1;
-  for (size_t s = 0; s < n; ++s)
-    if (folded[s])
-      for (int32_t b : plan.steps[s].outputs)
-        if (b >= 0 && read_later[static_cast<size_t>(b)]) plan.constants.emplace_back(static_cast<uint32_t>(b), buffers[static_cast<size_t>(b)]);
-  std::vector<Step> kept;
-  kept.reserve(n);
-  size_t count = 0;
-  for (size_t s = 0; s < n; ++s) {
-    if (folded[s]) {
-      ++count;
-      continue;
-    }
-    kept.push_back(std::move(plan.steps[s]));
-  }
-  plan.steps = std::move(kept);
+  for (uint32_t b : results_of(plan, folded)) plan.constants.emplace_back(b, buffers[b]);
+  const size_t count = remove_steps(plan, folded, nullptr);
   plan.folded_steps += count;
   return count;
+}
+
+size_t hoist_parameter_steps(Plan& plan, const std::vector<bool>& pinned) {
+  if (!plan.cached_steps.empty() || writes_in_place(plan)) return 0;
+  std::vector<char> seed(plan.num_buffers, 0);
+  for (const auto& c : plan.constants) seed[c.first] = 1;
+  bool any = false;
+  for (size_t i = 0; i < plan.num_inputs && i < pinned.size(); ++i) {
+    seed[i] = pinned[i] ? 1 : 0;
+    any = any || pinned[i];
+  }
+  if (!any) return 0;
+  // Generated kernels and ATen ops; not shape arithmetic (host values are as cheap to recompute as to check).
+  auto may_take = [](const Step& st) { return st.kernel != nullptr || (st.op != nullptr && foldable_op(st)); };
+  std::vector<char> taken = steps_over(plan, seed, may_take, true);
+  // Worth it only where a step does device work: views alone cost nothing to run.
+  bool work = false;
+  for (size_t s = 0; s < plan.steps.size(); ++s)
+    work = work || (taken[s] && (plan.steps[s].kernel || !is_view_op(plan.steps[s].node->op)));
+  if (!work) return 0;
+  plan.cached_results = results_of(plan, taken);
+  std::vector<char> key(plan.num_buffers, 0);
+  for (size_t s = 0; s < plan.steps.size(); ++s)
+    if (taken[s])
+      for (uint32_t b : step_reads(plan.steps[s]))
+        if (b < plan.num_inputs && !key[b]) {
+          key[b] = 1;
+          plan.cached_keys.push_back(b);
+        }
+  std::sort(plan.cached_keys.begin(), plan.cached_keys.end());
+  return remove_steps(plan, taken, &plan.cached_steps);
 }
 
 at::Tensor wrap_scalar(const c10::IValue& v) {

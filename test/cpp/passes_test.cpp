@@ -202,6 +202,42 @@ TEST(FoldConstantSteps, StepsOnConstantsRunOnceAtCompileTime) {
   }
 }
 
+TEST(CacheParameterSteps, StepsOverParametersRunAgainOnlyWhenOneChanges) {
+  // %w (a parameter) scaled and transposed into a copy: cached; the matmul with %x runs per call.
+  const std::string text =
+      "graph(%x: f32[4, 3]{3, 1}@cpu, %w: f32[5, 3]{3, 1}@cpu):\n"
+      "  %m: f32[5, 3]{3, 1}@cpu = aten::mul.Tensor(%w, 2.0)\n"
+      "  %t: f32[3, 5]{1, 3}@cpu = aten::permute(%m, [1, 0])\n"
+      "  %c: f32[3, 5]{5, 1}@cpu = aten::clone(%t, memory_format=contiguous_format)\n"
+      "  %y: f32[4, 5]{5, 1}@cpu = aten::mm(%x, %c)\n"
+      "  return (%y)\n";
+  CompileOptions options;
+  options.disabled_passes = {"fuse"};
+  auto compiled = compile(parse(text), {}, options);
+  EXPECT_EQ(compiled->cache_parameter_steps({false, true}), 3u) << compiled->describe();
+  EXPECT_EQ(compiled->plan().steps.size(), 1u);
+  at::Tensor w = at::randn({5, 3});
+  auto expect = [&](const at::Tensor& x) { return at::mm(x, (w * 2).t()); };
+  at::Tensor first_cached;
+  for (int call = 0; call < 6; ++call) {
+    if (call == 2) w.mul_(-1);             // in place: the version counter moves
+    if (call == 4) w = at::randn({5, 3});  // another tensor
+    at::Tensor x = at::randn({4, 3});
+    at::Tensor y = compiled->run({x, w})[0].toTensor();
+    EXPECT_TRUE(at::allclose(y, expect(x), 1e-5, 1e-5)) << "call " << call;
+  }
+  // An input that is not pinned keeps its steps in the plan; so does a step whose result is returned.
+  auto unpinned = compile(parse(text), {}, options);
+  EXPECT_EQ(unpinned->cache_parameter_steps({false, false}), 0u);
+  const std::string returned =
+      "graph(%x: f32[5, 3]{3, 1}@cpu, %w: f32[5, 3]{3, 1}@cpu):\n"
+      "  %m: f32[5, 3]{3, 1}@cpu = aten::mul.Tensor(%w, 2.0)\n"
+      "  %y: f32[5, 3]{3, 1}@cpu = aten::add.Tensor(%x, %m)\n"
+      "  return (%y, %m)\n";
+  auto r = compile(parse(returned), {}, options);
+  EXPECT_EQ(r->cache_parameter_steps({false, true}), 0u) << r->describe();
+}
+
 TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
   // resnet's conv -> batch norm -> relu, bf16 channels_last on CUDA: the batch norm becomes float32
   // pointwise ops over per-channel columns, rounded once, and the fuse pass puts all of it and the relu

@@ -121,6 +121,11 @@ struct Plan {
   std::vector<PlanOutput> outputs;
   std::vector<const Value*> buffer_values;  // the IR value each buffer holds; valid while the Graph lives
   size_t folded_steps = 0;                  // steps run once at compile time (fold_constant_steps)
+  // Steps over parameters alone (hoist_parameter_steps): run by CompiledGraph::start when a parameter
+  // changed, else their results are the cached ones.
+  std::vector<Step> cached_steps;
+  std::vector<uint32_t> cached_keys;     // the input buffers they read (pinned: parameters, buffers)
+  std::vector<uint32_t> cached_results;  // their buffers that later steps read
 };
 
 // Another way to run a CompiledGraph's plan, installed on it after compilation (cudagraph/: capture
@@ -151,6 +156,16 @@ class CompiledGraph {
   void execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const;
   std::vector<c10::IValue> finish(std::vector<c10::IValue>& buffers) const;
 
+  // Runs the steps over parameters once and then only when a parameter changed (hoist_parameter_steps):
+  // at the start of a call, each parameter they read is compared with the one they last ran on (the
+  // same TensorImpl, version counter and data pointer). On a change they run again and their results
+  // are copied into the cached tensors, which keep their addresses for captured CUDA graphs. A
+  // parameter written through `.data` (which has a version counter of its own) is not seen: set
+  // EMBER_PARAMETER_CACHE=0 (backend.py) for models changed that way. Inference tensors carry no
+  // version counter, so with one among the parameters the steps run on every call. Call before
+  // set_runner. Returns the number of steps moved.
+  size_t cache_parameter_steps(const std::vector<bool>& pinned);
+
   void set_runner(std::unique_ptr<PlanRunner> runner) { runner_ = std::move(runner); }
   const PlanRunner* runner() const { return runner_.get(); }
 
@@ -167,6 +182,10 @@ class CompiledGraph {
   Graph graph_;  // the optimized IR the plan was built from (kept for describe() and debugging)
   Plan plan_;
   std::unique_ptr<PlanRunner> runner_;  // null: run() executes the plan directly
+
+  struct ParameterCache;  // executor.cpp
+  void refresh_cached(std::vector<c10::IValue>& buffers) const;
+  std::shared_ptr<ParameterCache> cache_;  // set by cache_parameter_steps
 };
 
 // Runs once, at compile time, the steps that read nothing but constants and results of such steps (an
@@ -176,6 +195,13 @@ class CompiledGraph {
 // aliases (a caller could write to them). Returns the number of steps folded; 0, changing nothing,
 // where running them fails.
 size_t fold_constant_steps(Plan& plan);
+// Moves out of plan.steps, into plan.cached_steps, the steps that read nothing but pinned inputs
+// (`pinned[i]`: input i is a parameter or buffer), constants and results of such steps: a convolution
+// weight put in channels_last, an LM head's weight padded for the GEMM. The same exclusions as
+// fold_constant_steps, and a step that may return an alias of a parameter is moved only with all its
+// readers (the cached results are tensors of their own, refreshed in place). Returns the number of steps
+// moved; none unless one of them does device work.
+size_t hoist_parameter_steps(Plan& plan, const std::vector<bool>& pinned);
 // One step over the buffer table, as CompiledGraph::execute runs it; `stack` is scratch.
 void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack);
 

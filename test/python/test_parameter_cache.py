@@ -1,0 +1,112 @@
+"""Steps over parameters alone (a weight scaled, transposed and copied) run once in inference graphs and
+again only when a parameter changes (CompiledGraph::cache_parameter_steps, runtime.h)."""
+import os
+
+import pytest
+import torch
+
+from helpers import EMBER_GRAPHS, assert_tensor_close, compile_ember
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, n=24, m=16):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(m, n))
+        self.s = torch.nn.Parameter(torch.rand(m, 1) + 0.5)
+
+    def forward(self, x):
+        # w * s and its contiguous transpose read parameters alone: cached steps
+        wt = (self.w * self.s).t().contiguous()
+        return torch.relu(x @ wt) + 1
+
+
+def listing():
+    return "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+def check_now(m, f):
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        assert_tensor_close(f(x), m(x))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_cached_steps_follow_parameter_changes(device):
+    torch.manual_seed(0)
+    m = Scaled().to(device)
+    f = compile_ember(m)
+
+    def check_now():
+        x = torch.randn(5, 24, device=device)
+        with torch.no_grad():
+            assert_tensor_close(f(x), m(x))
+
+    for _ in range(3):
+        check_now()
+    assert "cached over parameters" in listing(), listing()
+    with torch.no_grad():
+        m.w.mul_(-2.0)  # in place: a new version
+    check_now()
+    with torch.no_grad():
+        m.s.copy_(torch.rand(16, 1, device=device))
+    check_now()
+    m.load_state_dict({"w": torch.randn(16, 24, device=device), "s": torch.rand(16, 1, device=device)})
+    check_now()
+    check_now()
+
+
+def test_training_graphs_are_not_cached():
+    torch.manual_seed(0)
+    m = Scaled()
+    f = compile_ember(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ref = Scaled()
+    ref.load_state_dict(m.state_dict())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 24)
+        for model, fn, o in ((m, f, opt), (ref, ref, ref_opt)):
+            o.zero_grad()
+            fn(x).sum().backward()
+            o.step()
+    assert_tensor_close(m.w.detach(), ref.w.detach())
+    assert "cached over parameters" not in listing()
+
+
+def test_inference_mode_parameters_run_every_call():
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = Scaled()
+        f = compile_ember(m)
+        x = torch.randn(5, 24)
+        assert_tensor_close(f(x), m(x))
+        m.w.mul_(3.0)  # inference tensors have no version counter: the cache must not trust them
+        assert_tensor_close(f(x), m(x))
+
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("EMBER_PARAMETER_CACHE", "0")
+    m = Scaled()
+    f = compile_ember(m)
+    check_now(m, f)
+    assert EMBER_GRAPHS and "cached over parameters" not in listing()
+
+
+def test_outputs_and_views_of_parameters_are_not_cached():
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return x @ self.w.t(), self.w * 2  # a view read by the matmul; a derived value returned
+
+    m = Views()
+    f = compile_ember(m)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        a, b = f(x)
+        b.add_(1)  # the caller owns its outputs
+        a2, b2 = f(x)
+        assert_tensor_close(b2, m.w * 2)
+        assert_tensor_close(a2, x @ m.w.t())
