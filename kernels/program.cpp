@@ -36,7 +36,13 @@ class Lowering {
     for (const Node* n : members_) {
       bool reduction = is_reduction(*n);
       const auto& sizes = reduction ? n->args[0].value->type.tensor.sizes : n->outputs[0]->type.tensor.sizes;
-      if (reduction) program_.has_reduction = true;
+      if (reduction) {
+        program_.has_reduction = true;
+        const size_t outer = reduced_leading_dims(*n);
+        if (outer_seen_ && program_.outer != outer) throw Unsupported("rows and columns in one group");
+        program_.outer = outer;
+        outer_seen_ = true;
+      }
       full_rank_ = std::max(full_rank_, sizes.size());
     }
     program_.rank = full_rank_;
@@ -97,6 +103,11 @@ class Lowering {
     if (is_reduction(n) || !program_.has_reduction) return false;
     const auto& sizes = n.outputs[0]->type.tensor.sizes;
     if (sizes.size() < full_rank_) return true;
+    if (program_.outer > 0) {  // keepdim columns: [1, ..., 1, kept...]
+      for (size_t d = 0; d < program_.outer; ++d)
+        if (!sizes[d].is_constant() || sizes[d].value != 1) return false;
+      return row_consumer(n);
+    }
     return !sizes.empty() && sizes.back().is_constant() && sizes.back().value == 1 && row_consumer(n);
   }
 
@@ -304,6 +315,7 @@ class Lowering {
   Program program_;
   std::vector<const Node*> members_;
   size_t full_rank_ = 0;
+  bool outer_seen_ = false;  // a reduction has set program_.outer
   std::unordered_map<const Value*, int> reg_of_;
   std::unordered_map<const Value*, int> scalar_index_;
   std::unordered_map<const Value*, bool> reduced_;
@@ -336,8 +348,10 @@ std::string Program::text() const {
     }
     return "";
   };
-  std::string s = "group " + std::to_string(group) + " on " + device.str() + (has_reduction ? " (rows)" : " (flat)") + "\n";
-  for (const ProgramInput& in : inputs) s += "  " + reg(in.reg) + " = load %" + in.value->name + (in.row ? " per row" : "") + "\n";
+  std::string kind = !has_reduction ? " (flat)" : outer ? " (columns: reduces the first " + std::to_string(outer) + " dims)" : " (rows)";
+  std::string s = "group " + std::to_string(group) + " on " + device.str() + kind + "\n";
+  for (const ProgramInput& in : inputs)
+    s += "  " + reg(in.reg) + " = load %" + in.value->name + (in.row ? (outer ? " per column" : " per row") : "") + "\n";
   for (const Instr& i : code) {
     s += "  " + reg(i.dst) + " = " + opcode_name(i.op) + " " + opnd(i.a);
     if (i.b.kind != Operand::Kind::None) s += ", " + opnd(i.b);

@@ -4,6 +4,9 @@
 //
 // The iteration space is the group's "full" shape. A Full register holds one value per element; a Row
 // register (only in groups with a reduction) holds one value per row, a row being the last dimension.
+// In a group that reduces its `outer` leading dimensions instead (a bias gradient: a sum over the batch),
+// a Row register holds one value per position of the remaining dimensions: a column of the
+// [reduced, kept] matrix. There no Full value depends on a Row value (nothing broadcasts back).
 // Every value is computed in float32 whatever its storage dtype; loads and stores convert.
 #pragma once
 
@@ -64,6 +67,7 @@ struct Program {
   c10::Device device{c10::kCPU};
   size_t rank = 0;               // rank of the full shape
   bool has_reduction = false;
+  size_t outer = 0;              // > 0: the reductions are over the first `outer` dims (columns), not rows
   std::vector<bool> reg_is_row;  // per register
   std::vector<ProgramInput> inputs;
   std::vector<const Value*> scalars;  // int/float values read from buffers on each call

@@ -9,6 +9,10 @@
 //  3. Every member shares the group's iteration space: a "full" member has the group's shape; after a
 //     reduction, a "row" member has the row shape (the full shape without its last dimension, with or
 //     without a trailing 1). Inputs may broadcast into either.
+//     Reductions over leading dimensions instead (ember/ir.h, reduced_leading_dims: a bias gradient's sum
+//     over the batch) make column groups: their "row" members have the kept shape (without the k leading
+//     dims, or with k leading 1s), all reductions of a group reduce the same k dims, and no full member
+//     reads a reduced value (nothing broadcasts back). On the CPU only, for now (outer_fused).
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
 //     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise CUDA
 //     groups, all dense in one other order (channels_last: the kernel iterates in memory order); a group
@@ -113,12 +117,24 @@ bool reduces_last_dim(const Node& n) {
 
 bool row_major(const std::vector<int>& order) { return std::is_sorted(order.begin(), order.end()); }
 
+// Where kernels run column groups (kernels/program.h, Program::outer).
+bool outer_fused(const c10::Device& d) { return d.is_cpu(); }
+
+std::vector<Dim> drop_leading(const std::vector<Dim>& d, size_t k) { return {d.begin() + static_cast<int64_t>(k), d.end()}; }
+
+std::vector<Dim> with_leading_ones(const std::vector<Dim>& d, size_t k) {
+  std::vector<Dim> out(k, Dim::constant(1));
+  out.insert(out.end(), d.begin(), d.end());
+  return out;
+}
+
 struct Group {
   int id = 0;
   size_t first = 0;  // index of the first member in the node list
   std::vector<Dim> full;
   c10::Device device{c10::kCPU};
   bool has_reduction = false;
+  size_t outer = 0;         // > 0: its reductions are over the first `outer` dims (a column group)
   int members = 0;
   bool permuted = false;    // outputs dense in another order than row-major (pointwise CUDA groups only)
   std::vector<int> order;   // that order (memory_order)
@@ -176,7 +192,7 @@ class Fuser {
             !(k == "layout" && a.kind == Arg::Kind::Layout))
           return false;
     }
-    if (info->has(kReduction)) return reduces_last_dim(n);
+    if (info->has(kReduction)) return reduces_last_dim(n) || (outer_fused(device) && reduced_leading_dims(n) > 0);
     return true;
   }
 
@@ -263,17 +279,25 @@ class Fuser {
     const bool permuted = permuted_layout(n.outputs[0]->type.tensor);
     if (permuted != g.permuted || (permuted && (reduction || g.has_reduction || memory_order(n.outputs[0]->type.tensor) != g.order)))
       return false;
+    // Rows and columns do not mix: every reduction of a group reduces the same dims.
+    const size_t outer = reduction && !reduces_last_dim(n) ? reduced_leading_dims(n) : 0;
+    if (reduction && g.has_reduction && outer != g.outer) return false;
     const std::vector<Dim>& space = space_of(n, reduction);
     bool full = same_dims(space, g.full);
-    bool row = !reduction && g.has_reduction && !g.full.empty() &&
-               (same_dims(space, drop_last(g.full)) || same_dims(space, with_trailing_one(drop_last(g.full))));
+    bool row = false;
+    if (!reduction && g.has_reduction && !g.full.empty()) {
+      row = g.outer > 0 ? same_dims(space, drop_leading(g.full, g.outer)) || same_dims(space, with_leading_ones(drop_leading(g.full, g.outer), g.outer))
+                        : same_dims(space, drop_last(g.full)) || same_dims(space, with_trailing_one(drop_last(g.full)));
+    }
     if (!full && !row) return false;
     bool ok = true;
     n.for_each_input([&](const Value* v) {
       auto it = group_of_.find(v);
       if (it != group_of_.end() && it->second == g.id) {
-        // A reduced value broadcasts over full rows only in its keepdim form ([..., 1]).
-        if (full && !reduction && row_values_.count(v) && !same_dims(v->type.tensor.sizes, with_trailing_one(drop_last(g.full))))
+        // A reduced value broadcasts over full rows only in its keepdim form ([..., 1]); in column groups
+        // not at all; no reduction reads one.
+        if (full && row_values_.count(v) &&
+            (reduction || g.outer > 0 || !same_dims(v->type.tensor.sizes, with_trailing_one(drop_last(g.full)))))
           ok = false;
         return;
       }
@@ -299,7 +323,10 @@ class Fuser {
     n.group = g.id;
     ++g.members;
     bool reduction = is_reduction(n);
-    if (reduction) g.has_reduction = true;
+    if (reduction) {
+      g.has_reduction = true;
+      g.outer = reduces_last_dim(n) ? 0 : reduced_leading_dims(n);
+    }
     for (const Value* v : n.outputs) {
       group_of_[v] = g.id;
       if (!same_dims(v->type.tensor.sizes, g.full)) row_values_[v] = true;

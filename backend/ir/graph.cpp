@@ -58,6 +58,35 @@ void Graph::replace_uses(const std::vector<std::pair<const Value*, Value*>>& map
   for (Arg& a : outputs_) a.for_each_value(rewrite);
 }
 
+size_t reduced_leading_dims(const Node& n) {
+  const bool sum_or_mean = n.op == "aten::sum.dim_IntList" || n.op == "aten::mean.dim";
+  if (!sum_or_mean && n.op != "aten::amax" && n.op != "aten::amin") return 0;
+  const Value* in = n.args.empty() || !n.args[0].is_value() ? nullptr : n.args[0].value;
+  if (!in || !in->type.is_tensor()) return 0;
+  const int64_t rank = static_cast<int64_t>(in->type.tensor.sizes.size());
+  if (sum_or_mean) {
+    const Arg* dtype = n.arg(3, "dtype");
+    if (dtype && dtype->kind != Arg::Kind::None) return 0;
+  }
+  const Arg* dims = n.arg(1, "dim");
+  if (!dims || dims->kind != Arg::Kind::List || dims->list.empty()) return 0;
+  std::vector<int64_t> d;
+  for (const Arg& a : dims->list) {
+    if (a.kind != Arg::Kind::Int) return 0;
+    d.push_back(a.i < 0 ? a.i + rank : a.i);
+  }
+  std::sort(d.begin(), d.end());
+  const int64_t k = static_cast<int64_t>(d.size());
+  if (k >= rank) return 0;
+  bool trivial = true;
+  for (int64_t i = 0; i < k; ++i) {
+    if (d[i] != i) return 0;
+    const Dim& s = in->type.tensor.sizes[i];
+    trivial = trivial && s.is_constant() && s.value == 1;
+  }
+  return trivial ? 0 : static_cast<size_t>(k);
+}
+
 std::vector<int> memory_order(const TensorType& t) {
   std::vector<int> dims;
   for (size_t d = 0; d < t.sizes.size() && d < t.strides.size(); ++d) {

@@ -20,6 +20,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -227,7 +228,7 @@ class FusedCpuKernel final : public Kernel {
 
   std::string describe() const override {
     return std::string("cpu fused group (" EMBER_CPU_ISA_NAME ") ") + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) + " instructions" +
-           (p_.has_reduction ? ", row reductions" : "") + ")";
+           (!p_.has_reduction ? "" : p_.outer ? ", column reductions" : ", row reductions") + ")";
   }
 
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
@@ -240,7 +241,8 @@ class FusedCpuKernel final : public Kernel {
     if (full.size() > static_cast<size_t>(kMaxRank)) throw Error("fused CPU kernel: rank above 12");
 
     std::vector<View> views(n_in);
-    for (size_t i = 0; i < n_in; ++i) views[i] = make_view(buffers[reads[i]].toTensor(), p_.inputs[i].row ? row_shape : full, numel);
+    for (size_t i = 0; i < n_in; ++i)
+      views[i] = make_view(buffers[reads[i]].toTensor(), p_.inputs[i].row ? row_shape : full, numel, p_.outer > 0);
     std::vector<float> scalars(p_.scalars.size());
     for (size_t s = 0; s < scalars.size(); ++s) {
       const c10::IValue& v = buffers[reads[n_in + s]];
@@ -249,9 +251,11 @@ class FusedCpuKernel final : public Kernel {
     std::vector<at::Tensor> outs;
     outs.reserve(p_.outputs.size());
     for (size_t o = 0; o < p_.outputs.size(); ++o)
-      outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction), at::TensorOptions().dtype(out_dtypes_[o])));
+      outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction, p_.outer), at::TensorOptions().dtype(out_dtypes_[o])));
 
-    if (numel > 0 || (p_.has_reduction && rows > 0)) {
+    if (p_.outer > 0) {
+      if (rows > 0) run_columns(views, scalars, outs, full, row_shape, cols, rows);
+    } else if (numel > 0 || (p_.has_reduction && rows > 0)) {
       if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
       else run_flat(views, scalars, outs, full, numel);
     }
@@ -260,12 +264,12 @@ class FusedCpuKernel final : public Kernel {
 
  private:
   // Aligns `t` to `space` (trailing dimensions; a keepdim [..., 1] row input drops its last dim).
-  static View make_view(const at::Tensor& t, const std::vector<int64_t>& space, int64_t full_numel) {
+  static View make_view(const at::Tensor& t, const std::vector<int64_t>& space, int64_t full_numel, bool trailing) {
     View v;
     v.data = static_cast<const char*>(t.data_ptr());
     v.dtype = t.scalar_type();
     v.itemsize = t.element_size();
-    aligned_strides(t, space, v.strides);
+    aligned_strides(t, space, v.strides, trailing);
     v.dense = t.is_contiguous() && t.numel() == full_numel && t.dim() >= 0 && static_cast<int64_t>(space.size()) == t.dim();
     return v;
   }
@@ -297,22 +301,24 @@ class FusedCpuKernel final : public Kernel {
     r.p = buf;
   }
 
-  // General strided gather over a flat range of the full shape.
-  static void gather(const View& v, const std::vector<int64_t>& shape, int64_t start, int64_t n, float* buf) {
+  // General strided gather over a flat range of `shape` (strides[d] for its dim d), from offset `base`.
+  static void gather(const View& v, const std::vector<int64_t>& shape, int64_t start, int64_t n, float* buf,
+                     const int64_t* strides = nullptr, int64_t base = 0) {
+    if (!strides) strides = v.strides;
     int64_t rank = static_cast<int64_t>(shape.size());
     int64_t idx[kMaxRank];
-    int64_t rest = start, off = 0;
+    int64_t rest = start, off = base;
     for (int64_t d = rank - 1; d >= 0; --d) {
       idx[d] = rest % shape[d];
       rest /= shape[d];
-      off += idx[d] * v.strides[d];
+      off += idx[d] * strides[d];
     }
     for (int64_t k = 0; k < n; ++k) {
       buf[k] = load_one(v, off);
       for (int64_t d = rank - 1; d >= 0; --d) {
-        off += v.strides[d];
+        off += strides[d];
         if (++idx[d] < shape[d]) break;
-        off -= idx[d] * v.strides[d];
+        off -= idx[d] * strides[d];
         idx[d] = 0;
       }
     }
@@ -439,6 +445,188 @@ class FusedCpuKernel final : public Kernel {
         }
       }
     });
+  }
+
+  // Column groups (Program::outer): the full shape is a [R, C] matrix (R = the reduced leading dims, C = the
+  // kept ones) and every reduction runs down its columns. A task takes a chunk of w adjacent columns and
+  // a range of rows: per row it runs the full instructions over the chunk's w values (storing full outputs)
+  // and folds them into w accumulators per reduction, 128 rows at a time into the running total (so a sum
+  // over R rows rounds like 128 + R/128 additions, not R). Then the column instructions run over the w
+  // reduced values. Where the chunks are too few to occupy every thread (a bias gradient: C = 10), the rows
+  // are split too: tasks write partial results and a second pass combines them per chunk.
+  void run_columns(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
+                   const std::vector<int64_t>& full, const std::vector<int64_t>& kept, int64_t R, int64_t C) const {
+    const int64_t k = static_cast<int64_t>(p_.outer);
+    const int64_t threads = at::get_num_threads();
+    const int64_t vec = Vec::size();
+    int64_t w = (C + 2 * threads - 1) / (2 * threads);
+    w = std::min<int64_t>(kTile, std::max<int64_t>(4 * vec, (w + vec - 1) / vec * vec));
+    const int64_t chunks = (C + w - 1) / w;
+    int64_t parts = 1;
+    if (chunks < 2 * threads && R >= 512) parts = std::min<int64_t>((2 * threads + chunks - 1) / chunks, R / 256);
+    const int64_t rows_per_part = (R + parts - 1) / parts;
+    parts = R > 0 ? (R + rows_per_part - 1) / rows_per_part : 1;
+
+    std::vector<int> reductions;  // instruction indices
+    for (size_t i = 0; i < p_.code.size(); ++i)
+      if (p_.code[i].op >= OpCode::RowSum) reductions.push_back(static_cast<int>(i));
+    const int64_t nred = static_cast<int64_t>(reductions.size());
+    auto identity = [](OpCode op) {
+      return op == OpCode::RowMax ? -INFINITY : op == OpCode::RowMin ? INFINITY : 0.f;
+    };
+    auto combine = [](OpCode op, float* acc, const float* x, int64_t n) {
+      Reg ra{acc, 0.f}, rx{x, 0.f}, none{};
+      apply_n(op == OpCode::RowMax ? OpCode::Max : op == OpCode::RowMin ? OpCode::Min : OpCode::Add, ra, rx, none, acc, n);
+    };
+    // Per input: whether its kept part is one run of a fixed stride (then `kept_stride`), else gathered.
+    std::vector<int64_t> kept_stride(views.size(), 0);
+    std::vector<char> linear(views.size(), 1);
+    for (size_t i = 0; i < views.size(); ++i) {
+      const int64_t* st = p_.inputs[i].row ? views[i].strides : views[i].strides + k;
+      int64_t expect = -1;
+      for (int64_t d = static_cast<int64_t>(kept.size()) - 1; d >= 0; --d) {
+        if (kept[d] == 1) continue;
+        if (expect < 0) kept_stride[i] = st[d];
+        else if (st[d] != expect) linear[i] = 0;
+        expect = st[d] * kept[d];
+      }
+    }
+    auto load_chunk = [&](size_t i, Reg& r, float* buf, int64_t c0, int64_t n, int64_t base) {
+      const View& v = views[i];
+      if (linear[i]) return load_input(v, r, buf, n, base + c0 * kept_stride[i], n == 1 ? 0 : kept_stride[i]);
+      gather(v, kept, c0, n, buf, p_.inputs[i].row ? v.strides : v.strides + k, base);
+      r.p = buf;
+    };
+
+    // partial[(part * chunks... ] laid out [part][reduction][C]
+    std::vector<float> partial(parts > 1 ? static_cast<size_t>(parts * nred * C) : 0);
+    auto finish = [&](Scratch& s, float* acc, int64_t c0, int64_t n) {
+      for (int64_t j = 0; j < nred; ++j) {
+        const Instr& ins = p_.code[reductions[j]];
+        float* a = acc + j * w;
+        if (ins.op == OpCode::RowMean) {
+          const float scale = R ? 1.f / static_cast<float>(R) : std::numeric_limits<float>::quiet_NaN();
+          Reg ra{a, 0.f}, rb{nullptr, scale}, none{};
+          apply_n(OpCode::Mul, ra, rb, none, a, n);
+        }
+        s.regs[ins.dst] = Reg{a, 0.f};
+      }
+      for (size_t i = 0; i < views.size(); ++i)
+        if (p_.inputs[i].row) load_chunk(i, s.regs[p_.inputs[i].reg], s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * w, c0, n, 0);
+      execute_phase(s.regs, s.data.data(), w, n, scalars, true, [](size_t, const Reg&) {});
+      for (size_t o = 0; o < outs.size(); ++o) {
+        if (!p_.outputs[o].row) continue;
+        const Reg& r = s.regs[p_.outputs[o].reg];
+        char* dst = static_cast<char*>(outs[o].data_ptr()) + c0 * outs[o].element_size();
+        store_n(r.p, r, n, out_dtypes_[o], dst);
+      }
+    };
+
+    at::parallel_for(0, chunks * parts, 1, [&](int64_t begin, int64_t end) {
+      Scratch& s = scratch(w);
+      thread_local std::vector<float> sums;
+      sums.resize(static_cast<size_t>(2 * nred * w));
+      float* acc = sums.data();
+      float* block = acc + nred * w;
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t chunk = t / parts, part = t % parts;
+        const int64_t c0 = chunk * w, n = std::min(w, C - c0);
+        const int64_t r0 = part * rows_per_part, r1 = std::min(R, r0 + rows_per_part);
+        for (int64_t j = 0; j < nred; ++j) {
+          std::fill_n(acc + j * w, n, identity(p_.code[reductions[j]].op));
+          std::fill_n(block + j * w, n, 0.f);
+        }
+        for (int64_t r = r0; r < r1; ++r) {
+          int64_t idx[kMaxRank];
+          int64_t rest = r;
+          for (int64_t d = k - 1; d >= 0; --d) {
+            idx[d] = rest % full[d];
+            rest /= full[d];
+          }
+          for (size_t i = 0; i < views.size(); ++i) {
+            if (p_.inputs[i].row) continue;
+            int64_t base = 0;
+            for (int64_t d = 0; d < k; ++d) base += idx[d] * views[i].strides[d];
+            load_chunk(i, s.regs[p_.inputs[i].reg], s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * w, c0, n, base);
+          }
+          const bool flush = (r - r0) % 128 == 127 || r + 1 == r1;
+          // Folded where the reduction stands: its operand's slot may be reused by a later instruction.
+          execute_phase(s.regs, s.data.data(), w, n, scalars, false, [&](size_t at, const Reg& x) {
+            const int64_t j = std::find(reductions.begin(), reductions.end(), static_cast<int>(at)) - reductions.begin();
+            const OpCode op = p_.code[at].op;
+            const bool summing = op == OpCode::RowSum || op == OpCode::RowMean;
+            float* into = summing ? block + j * w : acc + j * w;
+            Reg ra{into, 0.f}, none{};
+            apply_n(op == OpCode::RowMax ? OpCode::Max : op == OpCode::RowMin ? OpCode::Min : OpCode::Add, ra, x, none, into, n);
+            if (summing && flush) {
+              combine(OpCode::RowSum, acc + j * w, into, n);
+              std::fill_n(into, n, 0.f);
+            }
+          });
+          for (size_t o = 0; o < outs.size(); ++o) {
+            if (p_.outputs[o].row) continue;
+            const Reg& reg = s.regs[p_.outputs[o].reg];
+            char* dst = static_cast<char*>(outs[o].data_ptr()) + (r * C + c0) * outs[o].element_size();
+            store_n(reg.p, reg, n, out_dtypes_[o], dst);
+          }
+        }
+        if (parts == 1) {
+          finish(s, acc, c0, n);
+        } else {
+          for (int64_t j = 0; j < nred; ++j)
+            std::copy_n(acc + j * w, n, partial.data() + (part * nred + j) * C + c0);
+        }
+      }
+    });
+    if (parts == 1) return;
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      Scratch& s = scratch(w);
+      thread_local std::vector<float> sums;
+      sums.resize(static_cast<size_t>(nred * w));
+      for (int64_t chunk = begin; chunk < end; ++chunk) {
+        const int64_t c0 = chunk * w, n = std::min(w, C - c0);
+        for (int64_t j = 0; j < nred; ++j) {
+          float* a = sums.data() + j * w;
+          std::copy_n(partial.data() + j * C + c0, n, a);
+          for (int64_t part = 1; part < parts; ++part) combine(p_.code[reductions[j]].op, a, partial.data() + (part * nred + j) * C + c0, n);
+        }
+        finish(s, sums.data(), c0, n);
+      }
+    });
+  }
+
+  // The instructions of one phase of a column group: the full ones, handing each reduction's operand
+  // to `fold(instruction index, operand)`, or the column ones, which read reduced values and column
+  // inputs only.
+  template <class Fold>
+  void execute_phase(std::vector<Reg>& regs, float* data, int64_t tile, int64_t n, const std::vector<float>& scalars,
+                     bool columns, const Fold& fold) const {
+    auto operand = [&](const Operand& o) -> Reg {
+      switch (o.kind) {
+        case Operand::Kind::Reg: return regs[o.index];
+        case Operand::Kind::Imm: return Reg{nullptr, o.imm};
+        case Operand::Kind::Scalar: return Reg{nullptr, scalars[o.index]};
+        case Operand::Kind::None: break;
+      }
+      return Reg{};
+    };
+    for (size_t at = 0; at < p_.code.size(); ++at) {
+      const Instr& ins = p_.code[at];
+      if (ins.op >= OpCode::RowSum) {
+        if (!columns) fold(at, operand(ins.a));
+        continue;
+      }
+      if (p_.reg_is_row[ins.dst] != columns) continue;
+      Reg a = operand(ins.a), b = operand(ins.b), c = operand(ins.c);
+      Reg& d = regs[ins.dst];
+      if (!a.p && !b.p && !c.p) {
+        d = Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
+        continue;
+      }
+      float* out = data + static_cast<int64_t>(slot_[ins.dst]) * tile;
+      apply_n(ins.op, a, b, c, out, n);
+      d = Reg{out, 0.f};
+    }
   }
 
   // Registers whose lives do not overlap share a scratch slot, so the working set of a tile is the

@@ -181,6 +181,12 @@ std::string print_call(const Node& n);
 // layout. Row-major types give their dimensions in order; channels_last [N, C, H, W] gives N, H, W, C.
 std::vector<int> memory_order(const TensorType& t);
 
+// For a sum / mean / amax / amin over a prefix [0, k) of its input's dimensions (k below the rank,
+// dtype unchanged, not every reduced dim a constant 1): k. Else 0. A bias gradient (a sum over the batch)
+// and a layer norm's weight gradient ([0, 1] of [B, S, H]) are such reductions, which fused kernels
+// run as columns (kernels/program.h).
+size_t reduced_leading_dims(const Node& n);
+
 // Short dtype names used by the text form ("f32", "bf16", "i64", "b8", ...).
 const char* dtype_name(c10::ScalarType t);
 
