@@ -470,8 +470,8 @@ bool writes_in_place(const Plan& plan) {
 }
 
 // Per step: whether it reads nothing but `known` buffers (and results of such steps) and `may_take(step)`.
-// A taken value must not reach the caller, nor a step that may hand it on as an alias: the caller could
-// write to it, and every later call would see that. With `own_results`, a taken step that may return an
+// A taken value must not reach the caller, directly or through steps that may hand it on as an alias:
+// the caller could write to it, and every later call would see that. With `own_results`, a taken step that may return an
 // alias of what it reads (a view of a parameter) is taken only when every reader is taken too: the
 // values later steps read must be tensors of their own.
 template <class MayTake>
@@ -481,6 +481,19 @@ std::vector<char> steps_over(const Plan& plan, const std::vector<char>& seed, Ma
   for (size_t s = 0; s < n; ++s)
     for (int32_t b : plan.steps[s].outputs)
       if (b >= 0) producer[static_cast<size_t>(b)] = static_cast<int64_t>(s);
+  // What the caller may receive: the graph outputs and, through steps that may return an alias of what
+  // they read (a view, a reshape), whatever those read.
+  std::vector<char> escapes(plan.num_buffers, 0);
+  for (const PlanOutput& o : plan.outputs)
+    if (o.buffer >= 0) escapes[static_cast<size_t>(o.buffer)] = 1;
+  for (size_t s = n; s-- > 0;) {
+    const Step& st = plan.steps[s];
+    if (!st.node || !may_alias(st.node->op)) continue;
+    bool out = false;
+    for (int32_t b : st.outputs) out = out || (b >= 0 && escapes[static_cast<size_t>(b)]);
+    if (out)
+      for (uint32_t b : step_reads(st)) escapes[b] = 1;
+  }
   std::vector<char> blocked(n, 0), taken(n, 0), known(plan.num_buffers, 0);
   for (bool changed = true; changed;) {
     changed = false;
@@ -503,17 +516,17 @@ std::vector<char> steps_over(const Plan& plan, const std::vector<char>& seed, Ma
         changed = true;
       }
     };
-    for (const PlanOutput& o : plan.outputs) block(o.buffer);
-    for (size_t s = 0; s < n; ++s) {
-      if (taken[s] || !plan.steps[s].node) continue;
-      const bool aliases = may_alias(plan.steps[s].node->op);
-      for (uint32_t b : step_reads(plan.steps[s])) {
-        const int64_t p = producer[b];
-        if (aliases || (own_results && p >= 0 && plan.steps[static_cast<size_t>(p)].node &&
-                        may_alias(plan.steps[static_cast<size_t>(p)].node->op)))
-          block(b);
+    for (size_t b = 0; b < plan.num_buffers; ++b)
+      if (escapes[b]) block(static_cast<int64_t>(b));
+    if (own_results)
+      for (size_t s = 0; s < n; ++s) {
+        if (taken[s] || !plan.steps[s].node) continue;
+        for (uint32_t b : step_reads(plan.steps[s])) {
+          const int64_t p = producer[b];
+          if (p >= 0 && plan.steps[static_cast<size_t>(p)].node && may_alias(plan.steps[static_cast<size_t>(p)].node->op))
+            block(b);
+        }
       }
-    }
   }
   return taken;
 }

@@ -49,6 +49,16 @@ __device__ __forceinline__ i64 period_offset(i64 i, i64 period) {
 }
 __device__ __forceinline__ float nan_max(float a, float b) { return a != a ? a : (b != b ? b : fmaxf(a, b)); }
 __device__ __forceinline__ float nan_min(float a, float b) { return a != a ? a : (b != b ? b : fminf(a, b)); }
+// The hardware tanh (sm_75+, one MUFU instruction, relative error about 2^-11) for values eager rounds
+// to bfloat16 next (8 significant bits): the rounding dominates its error, and tanhf's accurate sequence
+// made GPT-2's bf16 gelu_new issue-bound (Printer::approx_tanh_ in cuda_source.cpp).
+__device__ __forceinline__ float tanh_approx(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 750
+  float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y;
+#else
+  return tanhf(x);
+#endif
+}
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }
 __device__ __forceinline__ float gelu_tanh(float x) { return x * 0.5f * (1.f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))); }
 __device__ __forceinline__ float gelu_backward(float g, float x) {

@@ -29,7 +29,20 @@ namespace {
 
 class Printer {
  public:
-  explicit Printer(const Program& p) : p_(p), width_(vector_width(p)) {}
+  explicit Printer(const Program& p) : p_(p), width_(vector_width(p)) {
+    // A tanh whose only reader rounds it to bfloat16 may take the hardware approximation (cuda_prelude.h).
+    std::vector<int> readers(p_.reg_is_row.size(), 0), rounded(p_.reg_is_row.size(), 0);
+    for (const Instr& i : p_.code)
+      for (const Operand* o : {&i.a, &i.b, &i.c})
+        if (o->kind == Operand::Kind::Reg) {
+          ++readers[o->index];
+          if (i.op == OpCode::RoundBFloat16) ++rounded[o->index];
+        }
+    for (const ProgramOutput& o : p_.outputs) ++readers[o.reg];
+    approx_tanh_.assign(p_.reg_is_row.size(), false);
+    for (const Instr& i : p_.code)
+      if (i.op == OpCode::Tanh) approx_tanh_[i.dst] = readers[i.dst] == 1 && rounded[i.dst] == 1;
+  }
 
   CudaSource print(const std::string& name) {
     CudaSource out;
@@ -128,7 +141,7 @@ class Printer {
       case OpCode::Expm1: return "expm1f(" + a + ")";
       case OpCode::Sin: return "sinf(" + a + ")";
       case OpCode::Cos: return "cosf(" + a + ")";
-      case OpCode::Tanh: return "tanhf(" + a + ")";
+      case OpCode::Tanh: return (approx_tanh_[i.dst] ? "tanh_approx(" : "tanhf(") + a + ")";
       case OpCode::Sigmoid: return "(1.f / (1.f + expf(-" + a + ")))";
       case OpCode::Relu: return "nan_max(" + a + ", 0.f)";
       case OpCode::Sqrt: return "sqrtf(" + a + ")";
@@ -725,6 +738,7 @@ class Printer {
 
   const Program& p_;
   int width_;
+  std::vector<bool> approx_tanh_;  // per register: a Tanh result that is only rounded to bf16
   std::vector<int> order_;         // flat groups: the iteration order (CudaSource::iteration_order)
   uint32_t repeat_inputs_ = 0;     // CudaSource::repeat_inputs
   uint32_t channel_inputs_ = 0;    // CudaSource::channel_inputs

@@ -110,3 +110,32 @@ def test_outputs_and_views_of_parameters_are_not_cached():
         a2, b2 = f(x)
         assert_tensor_close(b2, m.w * 2)
         assert_tensor_close(a2, x @ m.w.t())
+
+
+def test_a_view_between_cached_step_and_its_reader_stays_per_call():
+    """pad(w) is cached; the transpose after it (a view the matmul reads) runs per call, so the pad still
+    counts as cached (an LM head's weight padded for the GEMM, then transposed)."""
+
+    class Padded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(10, 8))
+
+        def forward(self, x):
+            return x @ torch.nn.functional.pad(self.w, (0, 0, 0, 6)).t()
+
+    m = Padded()
+    f = compile_ember(m)
+    for _ in range(2):
+        check_now_padded(m, f)
+    text = listing()
+    assert "cached over parameters" in text and "constant_pad_nd" in text.split("cached over parameters")[1].split("\n  0:")[0], text
+    with torch.no_grad():
+        m.w.add_(1.0)
+    check_now_padded(m, f)
+
+
+def check_now_padded(m, f):
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert_tensor_close(f(x), m(x))
