@@ -620,7 +620,11 @@ size_t hoist_parameter_steps(Plan& plan, const std::vector<bool>& pinned) {
           plan.cached_keys.push_back(b);
         }
   std::sort(plan.cached_keys.begin(), plan.cached_keys.end());
-  return remove_steps(plan, taken, &plan.cached_steps);
+  const size_t moved = remove_steps(plan, taken, &plan.cached_steps);
+  // Their frees were planned for the original order: a parameter whose last use was a cached step may be
+  // read by steps that now run after it (GPT-2's embedding reads the weight the padded LM head is made of).
+  for (Step& st : plan.cached_steps) st.frees.clear();
+  return moved;
 }
 
 at::Tensor wrap_scalar(const c10::IValue& v) {
