@@ -44,6 +44,11 @@ class Splitter {
       : plan_(plan), pinned_(pinned), root_(plan.num_buffers), eager_made_(plan.num_buffers, false),
         runtime_host_(plan.num_buffers, false) {
     for (size_t b = 0; b < plan.num_buffers; ++b) root_[b] = static_cast<uint32_t>(b);
+    read_.assign(plan.num_buffers, false);
+    for (const Step& st : plan.steps)
+      for (uint32_t b : step_reads(st)) read_[b] = true;
+    for (const PlanOutput& o : plan.outputs)
+      if (o.buffer >= 0) read_[static_cast<size_t>(o.buffer)] = true;
   }
 
   Segmentation run() {
@@ -84,11 +89,16 @@ class Splitter {
       if (info.has(kCpuSync)) return "waits for the device (host sync)";
       if (info.has(kDynamicShape)) return "data-dependent output shape";
       if (!info.has(kCapturable)) return "tagged cudagraph_unsafe";
-      for (const c10::Argument& r : step.op->schema().returns()) {
-        c10::TypeKind k = r.type()->kind();
-        bool tensorish = k == c10::TypeKind::TensorType || (k == c10::TypeKind::ListType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType) ||
-                         (k == c10::TypeKind::OptionalType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType);
-        if (!tensorish) return "returns a host value";
+      const auto& returns = step.op->schema().returns();
+      for (size_t i = 0; i < returns.size(); ++i) {
+        c10::TypeKind k = returns[i].type()->kind();
+        bool tensorish = k == c10::TypeKind::TensorType || (k == c10::TypeKind::ListType && returns[i].type()->containedType(0)->kind() == c10::TypeKind::TensorType) ||
+                         (k == c10::TypeKind::OptionalType && returns[i].type()->containedType(0)->kind() == c10::TypeKind::TensorType);
+        // A host value nothing reads may stay whatever the capture saw: cuDNN attention returns its
+        // sequence lengths, which no inference plan reads, and splitting there cost GPT-2 a part per
+        // layer and a copy of each attention output into the next part's static buffer.
+        const bool read = step.expand_list || (i < step.outputs.size() && step.outputs[i] >= 0 && read_[static_cast<size_t>(step.outputs[i])]);
+        if (!tensorish && read) return "returns a host value";
       }
       if (!info.has(kView)) *device_work = true;
       // In-place writes must land in memory that keeps its address between calls.
@@ -200,6 +210,7 @@ class Splitter {
   std::vector<uint32_t> root_;       // the buffer whose memory a buffer shares (views)
   std::vector<bool> eager_made_;     // made by a step that runs eagerly: new memory every call
   std::vector<bool> runtime_host_;   // a host value that can differ between calls of one signature
+  std::vector<bool> read_;           // read by some step or returned
   Segmentation seg_;
 };
 

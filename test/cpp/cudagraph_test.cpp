@@ -64,6 +64,27 @@ TEST(CudaGraphSegments, ItemInTheMiddleSplitsThePlan) {
   EXPECT_EQ(s.seg.parts[2].inputs.size(), 1u);
 }
 
+TEST(CudaGraphSegments, HostValuesNothingReadsDoNotSplit) {
+  // cuDNN attention returns its sequence lengths as host ints: unread, the step is captured with the rest;
+  // read by a later step, it splits the plan as any host value does.
+  auto attention = [](const std::string& tail) {
+    return "graph(%q: f16[2, 4, 8, 16]{512, 128, 16, 1}@cuda:0):\n"
+           "  %a: f16[2, 4, 8, 16]{512, 128, 16, 1}@cuda:0 = aten::sin(%q)\n"
+           "  %o: f16[2, 4, 8, 16]{512, 128, 16, 1}@cuda:0, %l: f32[2, 4, 8]{32, 8, 1}@cuda:0, "
+           "%c1: i64[0]{1}@cuda:0, %c2: i64[0]{1}@cuda:0, %mq: int, %mk: int, %ps: i64[]{}@cuda:0, "
+           "%po: i64[]{}@cuda:0, %dm: f16[0]{1}@cuda:0 = "
+           "aten::_scaled_dot_product_cudnn_attention(%a, %a, %a, None, false, 0.0, true, false)\n" +
+           tail;
+  };
+  auto unread = split_text(attention("  %r: f16[2, 4, 8, 16]{512, 128, 16, 1}@cuda:0 = aten::relu(%o)\n"
+                                     "  return (%r)\n"));
+  EXPECT_EQ(shape(unread.seg), "C0-2") << unread.seg.describe();
+  auto read = split_text(attention("  %r: f16[2, 4, 8, 16]{512, 128, 16, 1}@cuda:0 = aten::mul.Scalar(%o, %mq)\n"
+                                   "  return (%r)\n"));
+  EXPECT_NE(shape(read.seg), "C0-2") << read.seg.describe();
+  EXPECT_NE(read.seg.describe().find("returns a host value"), std::string::npos) << read.seg.describe();
+}
+
 TEST(CudaGraphSegments, DataDependentShapesStayEagerUntilShapesAreStaticAgain) {
   auto s = split_text(
       "graph(%x: f32[64]{1}@cuda:0):\n"
