@@ -435,6 +435,8 @@ class Printer {
     std::vector<size_t> reductions;
     for (size_t n = 0; n < p_.code.size(); ++n)
       if (is_reduction(p_.code[n])) reductions.push_back(n);
+    // Their partial results take 1 KiB of shared memory each (static shared memory stops at 48 KiB).
+    if (reductions.size() > 32) throw Error("CUDA column kernel: more than 32 reductions in one group");
     std::vector<size_t> all, full;
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
       all.push_back(k);
