@@ -12,7 +12,7 @@
 //     Reductions over leading dimensions instead (ember/ir.h, reduced_leading_dims: a bias gradient's sum
 //     over the batch) make column groups: their "row" members have the kept shape (without the k leading
 //     dims, or with k leading 1s), all reductions of a group reduce the same k dims, and no full member
-//     reads a reduced value (nothing broadcasts back). On the CPU only, for now (outer_fused).
+//     reads a reduced value (nothing broadcasts back). Both kernel generators run them (outer_fused).
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
 //     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise CUDA
 //     groups, all dense in one other order (channels_last: the kernel iterates in memory order); a group
@@ -117,8 +117,9 @@ bool reduces_last_dim(const Node& n) {
 
 bool row_major(const std::vector<int>& order) { return std::is_sorted(order.begin(), order.end()); }
 
-// Where kernels run column groups (kernels/program.h, Program::outer).
-bool outer_fused(const c10::Device& d) { return d.is_cpu(); }
+// Where kernels run column groups (kernels/program.h, Program::outer): the CPU interpreter and the
+// CUDA generator's column kernel.
+bool outer_fused(const c10::Device& d) { return d.is_cpu() || d.is_cuda(); }
 
 std::vector<Dim> drop_leading(const std::vector<Dim>& d, size_t k) { return {d.begin() + static_cast<int64_t>(k), d.end()}; }
 

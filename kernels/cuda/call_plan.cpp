@@ -101,6 +101,13 @@ void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t in
                        : blocks_for(numel, kThreads, limits, plan.entry, kThreads);
 }
 
+// Column groups: a block per tile of 32 columns (the kernel's shape, cuda_source.cpp: columns()).
+void plan_columns(CallPlan& plan, int64_t columns, const LaunchLimits& limits) {
+  plan.entry = 0;
+  plan.threads = kColumnThreads;
+  plan.blocks = blocks_for(columns, 32, limits, 0, kColumnThreads);
+}
+
 void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& source, const LaunchLimits& limits) {
   const int width = source.vector_width;
   auto index_of = [&](const RowVariant& v) {
@@ -176,7 +183,7 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
     if (k < no) {
       const at::TensorOptions options = at::TensorOptions().device(device).dtype(out_dtypes[k]);
       if (perm.empty()) {
-        outs.push_back(at::empty(output_shape(program.outputs[k], space.full, program.has_reduction), options));
+        outs.push_back(at::empty(output_shape(program.outputs[k], space.full, program.has_reduction, program.outer), options));
       } else {
         std::vector<int64_t> strides(perm.size());
         int64_t step = 1;
@@ -193,6 +200,14 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   for (size_t d = 0; d < rank; ++d) words[w++] = d < full.size() ? full[d] : 1;
   for (size_t k = 0; k < in_words; ++k, w += rank) {
     if (k >= ni) continue;
+    if (program.outer > 0) {
+      // A column group's column input (aligned to the kept shape, by its trailing dims as the CPU aligns
+      // it) has its strides at the kept dims' places, so the kernel indexes every input by full dimension.
+      const at::Tensor& t = buffers[reads[k]].toTensor();
+      if (program.inputs[k].row) aligned_strides(t, space.row_shape, &words[w + program.outer], true);
+      else aligned_strides(t, full, &words[w], true);
+      continue;
+    }
     if (perm.empty()) {
       aligned_strides(buffers[reads[k]].toTensor(), program.inputs[k].row ? space.row_shape : full, &words[w]);
       continue;
@@ -207,7 +222,8 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   uint32_t masks[4] = {0, 0, 0, 0};  // vec, bcast, inner, chan
   int64_t* period = &words[w + 2];
   int64_t* span = period + in_words;
-  for (size_t k = 0; k < ni && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
+  // (Column kernels read element by element: their masks stay 0.)
+  for (size_t k = 0; k < ni && k < static_cast<size_t>(kMaxVectorInputs) && program.outer == 0; ++k) {
     if (program.inputs[k].row) continue;
     const at::Tensor& t = buffers[reads[k]].toTensor();
     const int64_t* stride = &words[stride_base + k * rank];
@@ -222,7 +238,7 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
     else if (((source.channel_inputs >> k) & 1u) && channel_form(stride, full, &span[k], &period[k]))
       masks[3] |= 1u << k;
   }
-  if (outputs_aligned && (!program.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
+  if (outputs_aligned && program.outer == 0 && (!program.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
   std::memcpy(&words[w], masks, sizeof(masks));
   w += 2 + 2 * in_words;
   float* scalars = reinterpret_cast<float*>(&words[w]);
@@ -233,7 +249,8 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
 
   plan.launch = numel > 0 || (program.has_reduction && rows > 0);
   if (plan.launch) {
-    if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
+    if (program.outer > 0) plan_columns(plan, rows, limits);
+    else if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
     else plan_flat(plan, numel, masks, ni, width, source.flat_unroll, limits);
   }
   return plan;

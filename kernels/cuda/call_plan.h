@@ -6,6 +6,8 @@
 //  - row groups take the register-resident variant for their row length that the function's
 //    registers allow (cuda_source.h), else the general kernel; full inputs get vector loads where rows
 //    are contiguous and aligned;
+//  - column groups (Program::outer) take their one entry, a block per tile of 32 columns; a column
+//    input's strides are aligned to the kept shape and stored at the kept dims;
 //  - grids are at most one wave: the blocks of the chosen size that every multiprocessor holds at
 //    once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid of
 //    SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8

@@ -22,7 +22,7 @@ namespace ember::cuda {
 namespace {
 
 // Entry points in CallPlan::entry order: general, vector, strided vector (flat groups) or the row
-// variants. A flat group's strided entry is compiled on first use (cuda_source.h, strided_text) unless
+// variants (column groups have the general entry alone). A flat group's strided entry is compiled on first use (cuda_source.h, strided_text) unless
 // `images` is given (a package is exported or loaded: it must hold every image), so until then
 // functions_ has one entry fewer, and limits_ does not know it.
 class FusedCudaKernel final : public Kernel {
@@ -41,7 +41,7 @@ class FusedCudaKernel final : public Kernel {
 
   std::string describe() const override {
     return "cuda fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) +
-           " instructions" + (p_.has_reduction ? ", row reductions" : "") + ")";
+           " instructions" + (!p_.has_reduction ? "" : p_.outer ? ", column reductions" : ", row reductions") + ")";
   }
 
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,

@@ -6,6 +6,8 @@
 // Row groups (reductions over the last dimension): the general kernel gives each row a block and
 // recomputes the elementwise values from global memory in every pass; the register-resident
 // variants read each full input once, keep it in registers, and write each output once.
+// Column groups (reductions over leading dimensions) have the general entry alone: a block per tile of
+// 32 columns, its warps splitting the rows (see columns()).
 // Sizes, strides and the vector choices are kernel arguments, so new shapes need no recompile.
 //
 // The kernel's only argument is a Params struct; its layout (printed in the source and filled by
@@ -71,7 +73,8 @@ class Printer {
       << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
       << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "]; };\n";
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
-    if (p_.has_reduction) rows(o);
+    if (p_.outer > 0) columns(o);
+    else if (p_.has_reduction) rows(o);
     else flat(o);
     o << "}\n";
     if (!p_.has_reduction) {
@@ -83,7 +86,7 @@ class Printer {
       // sm_90: resnet50's batch norm + add + relu 5.2 s with it, 0.8 s without).
       out.strided_text = o.s + "extern \"C\" __global__ void " + out.strided_vector_entry + "(Params p) { flat_vec<true>(p); }\n";
       o << "extern \"C\" __global__ void " << out.vector_entry << "(Params p) { flat_vec<false>(p); }\n";
-    } else {
+    } else if (p_.outer == 0) {
       out.rows = row_variants(name);
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
@@ -429,6 +432,91 @@ class Printer {
     for (size_t k = 0; k < p_.outputs.size(); ++k)
       if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "row", stored(k)) << "\n";
     o << "    }\n";
+  }
+
+  // Column groups (Program::outer): the full shape as an [R, C] matrix, R = p.cols positions of the
+  // reduced leading dims by C = p.rows of the kept ones. A block of kColumnThreads threads takes tiles
+  // of 32 adjacent columns (grid-stride): `lane` (threadIdx.x % 32) is the column, so a warp's loads and
+  // stores of one row coalesce; the 8 warps split the rows (warp `rowlane` takes rowlane, rowlane + 8,
+  // ...). Each thread computes the full values of its elements, stores the full outputs (row-major
+  // over the full shape: r * C + col) and folds each reduction's operand into an accumulator of its
+  // own; the 8 partial results of a column then meet in shared memory, and warp 0 runs the column
+  // instructions and stores the column outputs (at col). Offsets: the kept dims' part once per column,
+  // the reduced dims' part per row; every input's strides are by full dimension (call_plan.cpp puts a
+  // column input's kept-shape strides at the kept dims).
+  void columns(Source& o) {
+    std::vector<size_t> reductions;
+    for (size_t n = 0; n < p_.code.size(); ++n)
+      if (is_reduction(p_.code[n])) reductions.push_back(n);
+    // Their partial results take 1 KiB of shared memory each (static shared memory stops at 48 KiB).
+    if (reductions.size() > 32) throw Error("CUDA column kernel: more than 32 reductions in one group");
+    std::vector<size_t> all, full;
+    for (size_t k = 0; k < p_.inputs.size(); ++k) {
+      all.push_back(k);
+      if (!p_.inputs[k].row) full.push_back(k);
+    }
+    const int lanes = kColumnThreads / 32;
+    o << "  __shared__ float partial[" << std::max<size_t>(reductions.size(), 1) << "][" << lanes << "][32];\n";
+    o << "  const int lane = threadIdx.x & 31, rowlane = threadIdx.x >> 5;\n";
+    o << "  for (i64 tile = blockIdx.x; tile * 32 < p.rows; tile += gridDim.x) {\n";
+    o << "    const i64 col = tile * 32 + lane;\n";
+    for (size_t k : all) o << "    i64 b" << k << " = 0;\n";
+    dims_offsets(o, "col", p_.outer, p_.rank, all, "b", "    ");
+    for (size_t j = 0; j < reductions.size(); ++j)
+      o << "    float acc" << reductions[j] << " = " << identity(reduction_kind(p_.code[reductions[j]])) << ";\n";
+    o << "    if (col < p.rows) {\n";
+    o << "      for (i64 r = rowlane; r < p.cols; r += " << lanes << ") {\n";
+    for (size_t k : full) o << "        i64 o" << k << " = b" << k << ";\n";
+    dims_offsets(o, "r", 0, p_.outer, full, "o", "        ");
+    for (size_t k : full) o << "        float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "o" + str(k)) << ";\n";
+    for (size_t n = 0; n < p_.code.size(); ++n) {
+      const Instr& i = p_.code[n];
+      if (is_reduction(i))
+        o << "        acc" << n << " = combine<" << reduction_kind(i) << ">(acc" << n << ", " << operand(i.a) << ");\n";
+      else if (!p_.reg_is_row[i.dst])
+        o << "        float " << reg(i.dst) << " = " << expr(i) << ";\n";
+    }
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      if (!p_.outputs[k].row) o << "        " << store(out_type(k), k, "r * p.rows + col", stored(k)) << "\n";
+    o << "      }\n    }\n";
+    for (size_t j = 0; j < reductions.size(); ++j) o << "    partial[" << j << "][rowlane][lane] = acc" << reductions[j] << ";\n";
+    o << "    __syncthreads();\n";
+    o << "    if (rowlane == 0 && col < p.rows) {\n";
+    for (size_t j = 0; j < reductions.size(); ++j) {
+      const Instr& i = p_.code[reductions[j]];
+      const std::string v = reg(i.dst), kind = str(reduction_kind(i));
+      o << "      float " << v << " = partial[" << j << "][0][lane];\n";
+      o << "#pragma unroll\n      for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
+        << "][q][lane]);\n";
+      if (i.op == OpCode::RowMean) o << "      " << v << " /= (float)p.cols;\n";  // 0 / 0: an empty mean is NaN
+    }
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      if (p_.inputs[k].row) o << "      float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "b" + str(k)) << ";\n";
+    for (const Instr& i : p_.code)
+      if (p_.reg_is_row[i.dst] && !is_reduction(i)) o << "      float " << reg(i.dst) << " = " << expr(i) << ";\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "col", stored(k)) << "\n";
+    o << "    }\n";
+    o << "    __syncthreads();\n";  // partial is written again by the next tile
+    o << "  }\n";
+  }
+
+  // Adds to <var><k>, for each of `inputs`, the offset of index `index` over the full dims [lo, hi)
+  // (row-major): its coordinates, innermost first, times the input's strides. The outermost coordinate
+  // is what remains of the index, with no division (right wherever the index is in range, as every
+  // offset dereferenced is).
+  void dims_offsets(Source& o, const std::string& index, size_t lo, size_t hi, const std::vector<size_t>& inputs, const std::string& var,
+                    const std::string& ind) {
+    if (lo >= hi) return;
+    o << ind << "{\n" << ind << "  i64 rest = " << index << ";\n";
+    for (size_t d = hi; d-- > lo;) {
+      o << ind << "  {";
+      if (d > lo) o << " i64 c = rest % p.size[" << d << "]; rest /= p.size[" << d << "];";
+      else o << " i64 c = rest;";
+      for (size_t k : inputs) o << " " << var << k << " += c * p.stride[" << k << "][" << d << "];";
+      o << " }\n";
+    }
+    o << ind << "}\n";
   }
 
   // Row kernels that keep each full input's row in registers: J vectors of V columns per thread,

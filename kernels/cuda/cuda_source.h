@@ -28,7 +28,7 @@ struct RowVariant {
 struct CudaSource {
   std::string text;          // the module: the general entry, the vector entry or the row variants
   std::string strided_text;  // flat groups: the module of the strided vector entry alone (compiled lazily)
-  std::string general;       // the strided kernel: flat groups, or General rows
+  std::string general;       // the strided kernel: flat groups, General rows, or column groups' only entry
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty
   // The same where some input is read through its strides (its loop carries index arithmetic, and
   // the registers it needs, that the vector entry does without).
@@ -68,6 +68,10 @@ int64_t block_threads(const RowVariant& v, int64_t cols, int vector_width);
 // Its `inner` word (flat groups): bit k says input k repeats every period[k] elements, contiguous and
 // aligned within a period (a bias over the last dimensions), read with vector loads.
 constexpr int kMaxVectorInputs = 31;
+
+// Threads of a column group's block (Program::outer): 32 columns by 8 row lanes. The kernel is printed
+// for this block size.
+constexpr unsigned kColumnThreads = 256;
 constexpr uint32_t kVectorOutputs = 1u << 31;
 
 }  // namespace ember::cuda

@@ -142,21 +142,21 @@ TEST(FusePass, ReductionsOverLeadingDimsMakeColumnGroups) {
            "  %b: f32[6, 4, 8]{32, 8, 1}@" + dev + " = aten::sub.Tensor(%d, %s)\n"
            "  return (%d, %h, %u, %b)\n";
   };
-  const std::string cpu = fuse_text(graph_on("cpu"));
-  EXPECT_NE(cpu.find("aten::where.self(%m, 0.0, %g) #0"), std::string::npos) << cpu;
-  EXPECT_NE(cpu.find("aten::sum.dim_IntList(%d, [0], true) #0"), std::string::npos) << cpu;
-  EXPECT_NE(cpu.find("aten::mul.Tensor(%s, 0.5) #0"), std::string::npos) << cpu;
-  EXPECT_EQ(cpu.find("aten::sum.dim_IntList(%d, [0, 1]) #0"), std::string::npos) << cpu;
-  EXPECT_EQ(cpu.find("aten::sub.Tensor(%d, %s) #0"), std::string::npos) << cpu;
-  Graph g = parse(cpu);
-  std::string why;
-  std::optional<Program> p = lower_group(g, 0, &why);
-  ASSERT_TRUE(p) << why;
-  EXPECT_EQ(p->outer, 1u);
-  EXPECT_NE(p->text().find("(columns: reduces the first 1 dims)"), std::string::npos) << p->text();
-  // No CUDA kernel for columns yet: the reduction stays with ATen there.
-  const std::string cuda = fuse_text(graph_on("cuda:0"));
-  EXPECT_NE(cuda.find("aten::sum.dim_IntList(%d, [0], true)\n"), std::string::npos) << cuda;
+  // Both kernel generators run column groups.
+  for (const std::string dev : {"cpu", "cuda:0"}) {
+    const std::string out = fuse_text(graph_on(dev));
+    EXPECT_NE(out.find("aten::where.self(%m, 0.0, %g) #0"), std::string::npos) << out;
+    EXPECT_NE(out.find("aten::sum.dim_IntList(%d, [0], true) #0"), std::string::npos) << out;
+    EXPECT_NE(out.find("aten::mul.Tensor(%s, 0.5) #0"), std::string::npos) << out;
+    EXPECT_EQ(out.find("aten::sum.dim_IntList(%d, [0, 1]) #0"), std::string::npos) << out;
+    EXPECT_EQ(out.find("aten::sub.Tensor(%d, %s) #0"), std::string::npos) << out;
+    Graph g = parse(out);
+    std::string why;
+    std::optional<Program> p = lower_group(g, 0, &why);
+    ASSERT_TRUE(p) << dev << ": " << why;
+    EXPECT_EQ(p->outer, 1u) << dev;
+    EXPECT_NE(p->text().find("(columns: reduces the first 1 dims)"), std::string::npos) << p->text();
+  }
 }
 
 TEST(FusePass, TensorsFromAnotherDeviceKeepNodesOut) {
@@ -460,6 +460,32 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
     graphs.push_back({"layer_norm_" + t, rows(t, "s1", layer_norm)});
     graphs.push_back({"layer_norm_768_" + t, rows(t, "768", layer_norm)});
     graphs.push_back({"entropy_" + t, rows(t, "s1", entropy)});
+    // Column groups (reductions over leading dims): relu's backward through a bool mask, a bias over
+    // the kept dims, a sum (its epilogue reads a column input), a keepdim amax, a keepdim mean with an
+    // epilogue, and an amin; all of [s0, 12, 40] down its first dim.
+    const std::string f = t + "[s0, 12, 40]{480, 40, 1}@cuda:0", k = t + "[12, 40]{40, 1}@cuda:0",
+                      kk = t + "[1, 12, 40]{480, 40, 1}@cuda:0";
+    graphs.push_back({"columns_" + t, "graph(%g: " + f + ", %m: b8[s0, 12, 40]{480, 40, 1}@cuda:0, %b: " + t + "[40]{1}@cuda:0, %w: " + k +
+                                      ", %s0: int):\n"
+                                      "  %d: " + f + " = aten::where.self(%m, 0.0, %g)\n"
+                                      "  %a: " + f + " = aten::add.Tensor(%d, %b)\n"
+                                      "  %s: " + k + " = aten::sum.dim_IntList(%a, [0])\n"
+                                      "  %h: " + k + " = aten::mul.Tensor(%s, %w)\n"
+                                      "  %mx: " + kk + " = aten::amax(%d, [0], true)\n"
+                                      "  %me: " + kk + " = aten::mean.dim(%a, [0], true)\n"
+                                      "  %r: " + kk + " = aten::sqrt(%me)\n"
+                                      "  %mn: " + k + " = aten::amin(%d, [0])\n"
+                                      "  %n: " + k + " = aten::neg(%mn)\n"
+                                      "  return (%a, %h, %mx, %r, %n)\n"});
+    // A layer norm's weight and bias gradients: sums over [0, 1] of [s0, s1, 64], the weight's reading
+    // a keepdim column input.
+    const std::string l = t + "[s0, s1, 64]{64*s1, 64, 1}@cuda:0", h = t + "[64]{1}@cuda:0";
+    graphs.push_back({"columns_2d_" + t, "graph(%g: " + l + ", %xh: " + l + ", %sc: " + t + "[1, 1, 64]{64, 64, 1}@cuda:0, %s0: int, %s1: int):\n"
+                                         "  %p: " + l + " = aten::mul.Tensor(%g, %xh)\n"
+                                         "  %dw: " + h + " = aten::sum.dim_IntList(%p, [0, 1])\n"
+                                         "  %db: " + t + "[1, 1, 64]{64, 64, 1}@cuda:0 = aten::sum.dim_IntList(%g, [0, 1], true)\n"
+                                         "  %ds: " + t + "[1, 1, 64]{64, 64, 1}@cuda:0 = aten::mul.Tensor(%db, %sc)\n"
+                                         "  return (%dw, %ds)\n"});
   }
   graphs.push_back({"mixed",
       "graph(%x: f16[s0, 301]{301, 1}@cuda:0, %w: f32[301]{1}@cuda:0, %b: f32[301]{1}@cuda:0, %m: b8[301]{1}@cuda:0, "
@@ -495,6 +521,11 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
       }
       for (const cuda::RowVariant& v : src.rows)
         EXPECT_NE(src.text.find(" " + v.entry + "(Params p)"), std::string::npos) << label;
+      if (label.rfind("columns_", 0) == 0) {  // the general entry alone
+        EXPECT_GT(program.outer, 0u) << label;
+        EXPECT_TRUE(src.rows.empty()) << label;
+        EXPECT_TRUE(src.vector_entry.empty() && src.strided_text.empty()) << label;
+      }
       bool f32 = label.find("f32") != std::string::npos;
       if (label.rfind("softmax_", 0) == 0 && label.find("1024") == std::string::npos)
         EXPECT_EQ(src.rows.size(), 6u) << label;  // w1 b1 w2 b2 w4 w8
@@ -557,35 +588,40 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
   }
 }
 
+// Limits of an H100-like device (132 multiprocessors) whose entries hold `resident_at_256` blocks of
+// 256 threads per multiprocessor.
+cuda::LaunchLimits limits_with(size_t entries, int resident_at_256) {
+  cuda::LaunchLimits limits;
+  limits.multiprocessors = 132;
+  for (size_t e = 0; e < entries; ++e) {
+    limits.max_threads.push_back(e == 0 ? 1024 : 256);
+    std::vector<int>& r = limits.resident.emplace_back();
+    for (int threads = 32; threads <= 1024; threads += 32) r.push_back(threads <= 256 ? resident_at_256 * (256 / threads) : 1);
+  }
+  return limits;
+}
+
+// The plan of one call with `inputs` in the program's input order (scalars: inputs[0]'s first size).
+cuda::CallPlan call(const Program& program, const cuda::CudaSource& source, std::vector<at::Tensor> inputs,
+                    const cuda::LaunchLimits& limits) {
+  std::vector<c10::IValue> buffers;
+  std::vector<uint32_t> reads;
+  for (at::Tensor& t : inputs) {
+    reads.push_back(static_cast<uint32_t>(buffers.size()));
+    buffers.emplace_back(t);
+  }
+  for (size_t s = 0; s < program.scalars.size(); ++s) {
+    reads.push_back(static_cast<uint32_t>(buffers.size()));
+    buffers.emplace_back(int64_t{inputs[0].size(0)});
+  }
+  std::vector<c10::ScalarType> out_dtypes;
+  for (const ProgramOutput& o : program.outputs) out_dtypes.push_back(o.value->type.tensor.dtype);
+  return cuda::plan_call(program, source, out_dtypes, buffers, reads, c10::Device(c10::kCPU), limits);
+}
+
 // The host side of a call, without a GPU (outputs land on the CPU): which entry point and what grid.
 // Grids stay within one wave of the entry's resident blocks, as the driver reports them.
 TEST(CudaLaunch, EntryAndOneWaveGrid) {
-  auto limits_with = [](size_t entries, int resident_at_256) {
-    cuda::LaunchLimits limits;
-    limits.multiprocessors = 132;
-    for (size_t e = 0; e < entries; ++e) {
-      limits.max_threads.push_back(e == 0 ? 1024 : 256);
-      std::vector<int>& r = limits.resident.emplace_back();
-      for (int threads = 32; threads <= 1024; threads += 32) r.push_back(threads <= 256 ? resident_at_256 * (256 / threads) : 1);
-    }
-    return limits;
-  };
-  auto call = [](const Program& program, const cuda::CudaSource& source, std::vector<at::Tensor> inputs,
-                 const cuda::LaunchLimits& limits) {
-    std::vector<c10::IValue> buffers;
-    std::vector<uint32_t> reads;
-    for (at::Tensor& t : inputs) {
-      reads.push_back(static_cast<uint32_t>(buffers.size()));
-      buffers.emplace_back(t);
-    }
-    for (size_t s = 0; s < program.scalars.size(); ++s) {
-      reads.push_back(static_cast<uint32_t>(buffers.size()));
-      buffers.emplace_back(int64_t{inputs[0].size(0)});
-    }
-    std::vector<c10::ScalarType> out_dtypes;
-    for (const ProgramOutput& o : program.outputs) out_dtypes.push_back(o.value->type.tensor.dtype);
-    return cuda::plan_call(program, source, out_dtypes, buffers, reads, c10::Device(c10::kCPU), limits);
-  };
   const std::string silu_add =
       "graph(%x: f32[s0]{1}@cuda:0, %y: f32[s0]{1}@cuda:0, %s0: int):\n"
       "  %g: f32[s0]{1}@cuda:0 = aten::sigmoid(%x)\n"
@@ -641,16 +677,84 @@ TEST(CudaLaunch, EntryAndOneWaveGrid) {
   EXPECT_EQ(plan.blocks, 3u);  // 20 rows, 8 warps (rows) per block
 }
 
-// The register bound warp variants carry (cuda_source.cpp, min_resident_blocks) must not make ptxas spill.
-TEST(CudaCodegen, BoundedVariantsDoNotSpill) {
+// A column group (a sum and an amax down the first dim of [R, 8, 4], an epilogue reading a transposed
+// keepdim column input): its one entry, a block per 32 columns up to one wave, outputs in the full and
+// the kept shapes, and every input's strides by full dimension, the column input's aligned to the kept
+// shape by its trailing dims.
+TEST(CudaLaunch, ColumnGroupsTileColumnsAndAlignColumnInputsToTheKeptShape) {
+  std::vector<Program> programs = cuda_programs(
+      "graph(%x: f32[s0, 8, 4]{32, 4, 1}@cuda:0, %c: f32[1, 8, 4]{32, 1, 8}@cuda:0, %s0: int):\n"
+      "  %a: f32[s0, 8, 4]{32, 4, 1}@cuda:0 = aten::mul.Tensor(%x, 2.0)\n"
+      "  %s: f32[1, 8, 4]{32, 4, 1}@cuda:0 = aten::sum.dim_IntList(%a, [0], true)\n"
+      "  %h: f32[1, 8, 4]{32, 4, 1}@cuda:0 = aten::add.Tensor(%s, %c)\n"
+      "  %m: f32[8, 4]{4, 1}@cuda:0 = aten::amax(%a, [0])\n"
+      "  return (%a, %h, %m)\n");
+  ASSERT_EQ(programs.size(), 1u);
+  const Program& program = programs[0];
+  ASSERT_EQ(program.outer, 1u);
+  ASSERT_EQ(program.inputs.size(), 2u);
+  ASSERT_EQ(program.outputs.size(), 3u);
+  cuda::CudaSource source = cuda::generate(program, "k");
+  EXPECT_TRUE(source.rows.empty());
+  EXPECT_TRUE(source.vector_entry.empty());
+  const size_t c = program.inputs[0].value->name == "c" ? 0 : 1;
+  ASSERT_TRUE(program.inputs[c].row);
+  const int64_t R = 1000;
+  std::vector<at::Tensor> inputs(2);
+  inputs[1 - c] = at::randn({R, 8, 4});
+  inputs[c] = at::randn({1, 4, 8}).transpose(1, 2);  // [1, 8, 4] with strides {32, 1, 8}
+  cuda::CallPlan plan = call(program, source, inputs, limits_with(1, 8));
+  ASSERT_TRUE(plan.launch);
+  EXPECT_EQ(plan.entry, 0u);
+  EXPECT_EQ(plan.threads, 256u);
+  EXPECT_EQ(plan.blocks, 1u);  // 32 columns: one tile
+  ASSERT_EQ(plan.outputs.size(), 3u);
+  const std::vector<std::vector<int64_t>> shapes{{R, 8, 4}, {1, 8, 4}, {8, 4}};
+  for (size_t o = 0; o < 3; ++o) {
+    const std::string name = program.outputs[o].value->name;
+    const size_t want = name == "a" ? 0 : name == "h" ? 1 : 2;
+    EXPECT_EQ(plan.outputs[o].sizes().vec(), shapes[want]) << name;
+  }
+  // Params: in[2], out[3], size[3], stride[2][3], numel, rows, cols.
+  const std::vector<int64_t>& w = plan.params;
+  const size_t size_at = 2 + 3, stride_at = size_at + 3, counts_at = stride_at + 2 * 3;
+  EXPECT_EQ(std::vector<int64_t>(w.begin() + size_at, w.begin() + stride_at), (std::vector<int64_t>{R, 8, 4}));
+  const size_t x = 1 - c;
+  EXPECT_EQ(std::vector<int64_t>(w.begin() + stride_at + 3 * x, w.begin() + stride_at + 3 * x + 3), (std::vector<int64_t>{32, 4, 1}));
+  EXPECT_EQ(std::vector<int64_t>(w.begin() + stride_at + 3 * c, w.begin() + stride_at + 3 * c + 3), (std::vector<int64_t>{0, 1, 8}));
+  EXPECT_EQ(w[counts_at], R * 32);  // numel
+  EXPECT_EQ(w[counts_at + 1], 32);  // rows: the kept positions (columns)
+  EXPECT_EQ(w[counts_at + 2], R);   // cols: the reduction's length
+
+  // A wide one: tiles of 32 columns up to one wave (132 SMs x 8 blocks); an empty reduction still runs.
+  std::vector<Program> wide = cuda_programs(
+      "graph(%x: f32[s0, s1]{s1, 1}@cuda:0, %s0: int, %s1: int):\n"
+      "  %a: f32[s0, s1]{s1, 1}@cuda:0 = aten::mul.Tensor(%x, 2.0)\n"
+      "  %s: f32[s1]{1}@cuda:0 = aten::sum.dim_IntList(%a, [0])\n"
+      "  return (%s)\n");
+  ASSERT_EQ(wide.size(), 1u);
+  cuda::CudaSource wide_source = cuda::generate(wide[0], "k");
+  EXPECT_EQ(call(wide[0], wide_source, {at::randn({4, 100000})}, limits_with(1, 8)).blocks, 132u * 8);
+  EXPECT_EQ(call(wide[0], wide_source, {at::randn({4, 33})}, limits_with(1, 8)).blocks, 2u);
+  plan = call(wide[0], wide_source, {at::randn({0, 33})}, limits_with(1, 8));
+  EXPECT_TRUE(plan.launch);  // a sum of nothing is 0, written by the kernel
+  ASSERT_EQ(plan.outputs.size(), 1u);
+  EXPECT_EQ(plan.outputs[0].sizes().vec(), (std::vector<int64_t>{33}));
+  EXPECT_FALSE(call(wide[0], wide_source, {at::randn({5, 0})}, limits_with(1, 8)).launch);
+}
+
+// The register bound warp variants carry (cuda_source.cpp, min_resident_blocks) must not make ptxas
+// spill; nor may the column kernels, which hold an accumulator per reduction and an offset per input.
+TEST(CudaCodegen, BoundedVariantsAndColumnKernelsDoNotSpill) {
   if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
-  int bounded = 0;
+  int bounded = 0, columns = 0;
   for (const auto& [label, text] : codegen_graphs()) {
     std::vector<Program> programs = cuda_programs(text);
     for (size_t i = 0; i < programs.size(); ++i) {
       std::string source = cuda::generate_source(programs[i], "k");
-      if (source.find("__launch_bounds__") == std::string::npos) continue;
-      ++bounded;
+      if (programs[i].outer > 0) ++columns;
+      else if (source.find("__launch_bounds__") != std::string::npos) ++bounded;
+      else continue;
       std::string path = ::testing::TempDir() + "ember_bounded_" + label + "_" + std::to_string(i);
       {
         std::ofstream f(path + ".cu");
@@ -666,6 +770,7 @@ TEST(CudaCodegen, BoundedVariantsDoNotSpill) {
     }
   }
   EXPECT_GT(bounded, 0);
+  EXPECT_EQ(columns, 9);  // columns_ (one group) and columns_2d_ (two), in f32, f16 and bf16
 }
 
 }  // namespace

@@ -333,8 +333,7 @@ def column_kernels():
 
 
 def expect_columns(device, at_least=1):
-    if device == "cpu":  # the CUDA generator has no column kernel yet: there they stay with ATen
-        assert column_kernels() >= at_least, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert column_kernels() >= at_least, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -409,9 +408,8 @@ def test_column_reductions_of_empty_tensors(device):
 def test_mlp_backward_fuses_bias_gradients(device):
     model = nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 40), nn.GELU(), nn.Linear(40, 7)).to(device)
     check(model, torch.randn(33, 24, device=device), **MATMUL_TOL)
-    if device == "cpu":
-        backward = [g for k, g in EMBER_GRAPHS if k == "backward"]
-        assert backward and "column reductions" in backward[0].describe(), backward[0].describe()
+    backward = [g for k, g in EMBER_GRAPHS if k == "backward"]
+    assert backward and "column reductions" in backward[0].describe(), backward[0].describe()
 
 
 @pytest.mark.parametrize("device", DEVICES)
