@@ -6,7 +6,8 @@
     python bench/harness.py --list
 
 For each workload and backend it records
-    first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's caches off)
+    first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's and ember's
+                    caches off: fresh cache folders per process)
     latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
                     alternating call by call (on CUDA each call is bracketed by torch.cuda.synchronize())
     speedup         eager latency / this backend's latency
@@ -332,14 +333,16 @@ def max_rel_error(out, ref):
 
 
 def disable_inductor_caches():
-    """Cold inductor compiles: no FX graph / autotune caches and, unless TORCHINDUCTOR_CACHE_DIR is set, a fresh
-    cache folder for this process (so compiled kernels of earlier runs are not reused). Returns the folder it
-    made (the caller removes it), or None."""
-    made = None
+    """Cold compiles: no inductor FX graph / autotune caches and, unless TORCHINDUCTOR_CACHE_DIR or
+    EMBER_CACHE_DIR is set, fresh cache folders for this process, for inductor (and Triton) and for ember's
+    NVRTC kernel cache, so that kernels compiled by earlier runs are not reused by either. Within the
+    process, a backend's later modes reuse what its earlier ones compiled. Returns the folder it made
+    (the caller removes it)."""
+    made = tempfile.mkdtemp(prefix="ember-bench-caches-")
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        made = tempfile.mkdtemp(prefix="ember-bench-inductor-")
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = made
-        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(made, "triton"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(made, "inductor")
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(made, "inductor", "triton"))
+    os.environ.setdefault("EMBER_CACHE_DIR", os.path.join(made, "ember"))
     try:
         import torch._inductor.config as config
     except Exception:  # inductor missing: it will fail (and be reported) at compile time
