@@ -139,6 +139,12 @@ class PlanBuilder {
     plan_.buffer_values.assign(buffers_.size(), nullptr);
     for (const auto& [value, buffer] : buffers_) plan_.buffer_values[buffer] = value;
     schedule_frees();
+    // Registered fast paths, asked once frees are known: a step's output freed by the step itself is one
+    // nothing reads (kernels/cuda/pool.cpp skips the indices no one reads).
+    for (Step& step : plan_.steps)
+      if (step.op && !step.fast && step.node)
+        for (FastPathMaker make : fast_path_makers())
+          if (!step.fast) step.fast = make(*step.node, step);
     return std::move(plan_);
   }
 
@@ -199,11 +205,7 @@ class PlanBuilder {
       bind_schema(n, step);
     }
     bind_outputs(n, step);
-    if (step.op) {
-      step.fast = static_view(n, step);
-      for (FastPathMaker make : fast_path_makers())
-        if (!step.fast) step.fast = make(n, step);
-    }
+    if (step.op) step.fast = static_view(n, step);
     return step;
   }
 

@@ -316,3 +316,48 @@ def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):
     assert kernels >= 2
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
     assert "batch_norm" not in listing, listing
+
+
+# ---------------------------------------------------------------------------------------------------
+# max pooling without indices (kernels/cuda/pool.cpp)
+# ---------------------------------------------------------------------------------------------------
+
+
+def max_pool_fast_paths():
+    return sum(g.describe().count("cuda max pool") for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("channels", [16, 5], ids=["c16", "c5"])
+@pytest.mark.parametrize("window", [(3, 2, 1), (2, 2, 0), (3, 1, 1), ((3, 2), (2, 1), (1, 0))],
+                         ids=["k3s2p1", "k2s2", "k3s1p1", "k32s21p10"])
+def test_max_pool_without_indices(dtype, channels_last, channels, window):
+    k, s, p = window
+    x = torch.randn(2, channels, 13, 11, device="cuda", dtype=dtype)
+    x[0, 3, 4, 5] = float("nan")  # NaN wins its windows, as in eager
+    x[1, 2] = float("-inf")       # a channel of -inf pools to -inf
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    def fn(x):
+        return F.max_pool2d(x, k, s, p), F.max_pool2d(torch.relu(x * 2), k, s, p)
+
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        expected = fn(x)
+        actual = compiled(x)
+    for a, e in zip(actual, expected):
+        assert a.stride() == e.stride(), (a.stride(), e.stride())
+        torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)  # a max is exact
+    assert max_pool_fast_paths() >= 2, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+def test_max_pool_with_indices_read_stays_aten():
+    """Training needs the indices for the backward: the pooling stays ATen's, and gradients match."""
+    x = torch.randn(2, 8, 9, 9, device="cuda", requires_grad=True)
+    compiled = compile_ember(lambda x: F.max_pool2d(x, 3, 2, 1).sum())
+    compiled(x).backward()
+    expected = torch.autograd.grad(F.max_pool2d(x, 3, 2, 1).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+    assert max_pool_fast_paths() == 0

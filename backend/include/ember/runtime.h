@@ -87,7 +87,8 @@ class WarmingForGraphs {
 
 struct Step;
 // Makes a fast path for node `n` bound as `step`, or null. Makers registered here are asked for every ATen
-// step, in registration order; the first non-null answer wins.
+// step, in registration order, once the plan's frees are scheduled (an output in the step's own frees is
+// one nothing reads); the first non-null answer wins.
 using FastPathMaker = std::shared_ptr<const FastPath> (*)(const Node& n, const Step& step);
 void register_fast_path(FastPathMaker maker);
 
