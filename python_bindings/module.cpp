@@ -142,8 +142,9 @@ py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vec
 
 std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
                                             std::vector<std::string> disabled_passes, std::string debug_dir,
-                                            std::string graph_name) {
+                                            std::string graph_name, std::vector<bool> cached_inputs) {
   CompileOptions options;
+  options.cached_inputs = std::move(cached_inputs);
   options.disabled_passes = std::move(disabled_passes);
   options.debug_dir = std::move(debug_dir);
   options.graph_name = std::move(graph_name);
@@ -208,7 +209,7 @@ PYBIND11_MODULE(_native, m) {
       });
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
-        py::arg("debug_dir"), py::arg("graph_name"));
+        py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"),
         "The graph as a callable taking its inputs positionally, after `prefix`; see DirectCall.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);

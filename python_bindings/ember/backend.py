@@ -130,11 +130,15 @@ def compile_fx_graph(gm, config, kind):
         start = time.perf_counter()
         ir, constants = lower(gm)
         lower_ms = (time.perf_counter() - start) * 1e3
-        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name)
-        compiled._boxed_call = True
+        # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
+        # norm's scale and shift) run once, and again only when a parameter changes.
+        cached = []
         if kind == "inference" and os.environ.get("EMBER_PARAMETER_CACHE", "1") != "0":
-            # Weights in channels_last, a padded LM head: made once, again only when a parameter changes.
-            compiled.cache_parameter_steps(_pinned_inputs(gm, kind))
+            cached = _pinned_inputs(gm, kind)
+        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached)
+        compiled._boxed_call = True
+        if cached:
+            compiled.cache_parameter_steps(cached)
         graphs_note = _enable_cuda_graphs(compiled, gm, config, kind) if config.cudagraphs else ""
         report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir, graphs_note)
         return compiled

@@ -238,6 +238,41 @@ TEST(CacheParameterSteps, StepsOverParametersRunAgainOnlyWhenOneChanges) {
   EXPECT_EQ(r->cache_parameter_steps({false, true}), 0u) << r->describe();
 }
 
+TEST(BatchnormPointwise, CachedParametersGiveAPerChannelScaleAndShift) {
+  // The same batch norm with its four tensors cached by the runtime (an inference graph's parameters):
+  // scale and shift over [8] in float32 (their own group), then one multiply-add per element in the relu's
+  // kernel; no rsqrt there. With one of them not cached, the per-element form stays.
+  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
+  const std::string in =
+      "graph(%x: " + t + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
+      "  %y: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+      "  %r: " + t + " = aten::relu(%y)\n"
+      "  return (%r)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  options.cached_inputs = {false, true, true, true, true};
+  PassContext ctx{options};
+  batchnorm_pointwise(g, ctx);
+  eliminate_dead_code(g, ctx);
+  g.verify();
+  const std::string after = print(g);
+  EXPECT_NE(after.find("f32[8]{1}@cuda:0 = aten::rsqrt"), std::string::npos) << after;
+  EXPECT_NE(after.find("_shift: f32[8]{1}@cuda:0 = aten::sub.Tensor"), std::string::npos) << after;
+  EXPECT_EQ(after.find("f32[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0 = aten::sub.Tensor"), std::string::npos) << after;
+  fuse(g, ctx);
+  std::set<int> full_groups;
+  for (const auto& n : g.nodes())
+    if (n->outputs[0]->type.tensor.sizes.size() == 4 && n->op != "aten::view") full_groups.insert(n->group);
+  EXPECT_EQ(full_groups.size(), 1u) << print(g);
+  EXPECT_EQ(full_groups.count(-1), 0u) << print(g);
+  Graph partly = parse(in);
+  CompileOptions some;
+  some.cached_inputs = {false, true, true, true, false};
+  PassContext some_ctx{some};
+  batchnorm_pointwise(partly, some_ctx);
+  EXPECT_NE(print(partly).find("f32[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0 = aten::rsqrt"), std::string::npos) << print(partly);
+}
+
 TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
   // resnet's conv -> batch norm -> relu, bf16 channels_last on CUDA: the batch norm becomes float32
   // pointwise ops over per-channel columns, rounded once, and the fuse pass puts all of it and the relu

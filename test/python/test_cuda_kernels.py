@@ -312,10 +312,21 @@ def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):
         return torch.relu(bn2(block(x)) + x)
 
     x = torch.randn(4, 8, 11, 13, device="cuda", dtype=dtype).to(memory_format=layout)
-    _, kernels = compare(fn, x)
+    compiled, kernels = compare(fn, x)
     assert kernels >= 2
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
     assert "batch_norm" not in listing, listing
+    # Inference: each batch norm's scale and shift are computed once over the channels and cached; a
+    # changed running variance must reach the next call.
+    assert "cached over parameters" in listing, listing
+    with torch.no_grad():
+        bn2.running_var.mul_(3.0)
+    compare(fn, x, compiled=compiled)
+    # With grad enabled (a forward graph, nothing cached) the per-element form runs.
+    atol, rtol = TOL[dtype]
+    with torch.enable_grad():
+        grad_fn = compile_ember(fn)
+        assert_same(grad_fn(x), fn(x), atol=atol, rtol=rtol)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -23,6 +23,10 @@ struct CompileOptions {
   // CUDA kernel images: asked before NVRTC, told what NVRTC compiled (ember.export collects them into a
   // package; ember::load hands in the package's). Null: compile with NVRTC, keep nothing.
   std::shared_ptr<cuda::ImageStore> kernel_images;
+  // Per graph input: whether the runtime caches the steps over it (the parameters of an inference graph,
+  // CompiledGraph::cache_parameter_steps, which the caller applies after compiling). Passes may then move
+  // work on those inputs into steps of their own (bn_pointwise: a batch norm's per-channel scale and shift).
+  std::vector<bool> cached_inputs;
 };
 
 struct PassContext {
