@@ -12,7 +12,8 @@
 //     Reductions over leading dimensions instead (ember/ir.h, reduced_leading_dims: a bias gradient's sum
 //     over the batch) make column groups: their "row" members have the kept shape (without the k leading
 //     dims, or with k leading 1s), all reductions of a group reduce the same k dims, and no full member
-//     reads a reduced value (nothing broadcasts back). Both kernel generators run them (outer_fused).
+//     reads a reduced value (nothing broadcasts back). Both kernel generators run them; on CUDA only
+//     where few rows meet the columns (outer_fused).
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
 //     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise CUDA
 //     groups, all dense in one other order (channels_last: the kernel iterates in memory order); a group
@@ -119,7 +120,26 @@ bool row_major(const std::vector<int>& order) { return std::is_sorted(order.begi
 
 // Where kernels run column groups (kernels/program.h, Program::outer): the CPU interpreter and the
 // CUDA generator's column kernel.
-bool outer_fused(const c10::Device& d) { return d.is_cpu() || d.is_cuda(); }
+// Whether the column reduction `n` (ember/ir.h, reduced_leading_dims) runs in a fused kernel. The CPU's
+// splits rows and columns over its threads, so always. CUDA's gives each column 8 threads that walk the
+// rows, with no split of the rows across blocks: fine for a bias gradient ([1024, 768] in BERT-base
+// training: 128 rows per thread), slow where few columns meet many rows ([1M, 4]: 131k rows per thread,
+// where ATen's reduction splits them). So on CUDA, with static sizes: at most 1024 rows, or at most 8192
+// rows over at least 4096 columns (enough blocks to fill the device). Symbolic sizes cannot be bounded
+// at compile time: those groups form (the kernel is right at any size, slow only at such extremes).
+bool outer_fused(const Node& n, const c10::Device& d) {
+  const size_t k = reduced_leading_dims(n);
+  if (k == 0) return false;
+  if (d.is_cpu()) return true;
+  if (!d.is_cuda()) return false;
+  const std::vector<Dim>& sizes = n.args[0].value->type.tensor.sizes;
+  int64_t rows = 1, columns = 1;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (!sizes[i].is_constant()) return true;
+    (i < k ? rows : columns) *= sizes[i].value;
+  }
+  return rows <= 1024 || (rows <= 8192 && columns >= 4096);
+}
 
 std::vector<Dim> drop_leading(const std::vector<Dim>& d, size_t k) { return {d.begin() + static_cast<int64_t>(k), d.end()}; }
 
@@ -193,7 +213,7 @@ class Fuser {
             !(k == "layout" && a.kind == Arg::Kind::Layout))
           return false;
     }
-    if (info->has(kReduction)) return reduces_last_dim(n) || (outer_fused(device) && reduced_leading_dims(n) > 0);
+    if (info->has(kReduction)) return reduces_last_dim(n) || outer_fused(n, device);
     return true;
   }
 

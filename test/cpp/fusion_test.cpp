@@ -159,6 +159,25 @@ TEST(FusePass, ReductionsOverLeadingDimsMakeColumnGroups) {
   }
 }
 
+TEST(FusePass, CudaColumnGroupsOnlyWhereFewRowsMeetTheColumns) {
+  // The CUDA column kernel walks the rows with 8 threads per column: 20000 rows over 12 columns stay
+  // with ATen; 1000 rows, or 8192 rows over 4096 columns, fuse; the CPU fuses them all.
+  auto graph_of = [](int64_t rows, int64_t cols, const std::string& dev) {
+    const std::string f = "f32[" + std::to_string(rows) + ", " + std::to_string(cols) + "]{" + std::to_string(cols) + ", 1}@" + dev;
+    const std::string k = "f32[" + std::to_string(cols) + "]{1}@" + dev;
+    return "graph(%x: " + f + "):\n  %a: " + f + " = aten::mul.Tensor(%x, 2.0)\n  %s: " + k +
+           " = aten::sum.dim_IntList(%a, [0])\n  return (%s)\n";
+  };
+  auto fused = [&](int64_t rows, int64_t cols, const std::string& dev) {
+    return fuse_text(graph_of(rows, cols, dev)).find("aten::sum.dim_IntList(%a, [0]) #0") != std::string::npos;
+  };
+  EXPECT_FALSE(fused(20000, 12, "cuda:0"));
+  EXPECT_TRUE(fused(1000, 12, "cuda:0"));
+  EXPECT_TRUE(fused(8192, 4096, "cuda:0"));
+  EXPECT_FALSE(fused(8193, 4096, "cuda:0"));
+  EXPECT_TRUE(fused(20000, 12, "cpu"));
+}
+
 TEST(FusePass, TensorsFromAnotherDeviceKeepNodesOut) {
   const std::string in =
       "graph(%x: f32[5]{1}@cuda:0, %c: f32[]{}@cpu):\n"

@@ -414,9 +414,16 @@ def test_mlp_backward_fuses_bias_gradients(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_large_column_sums_round_like_eager(device):
-    """A sum down 20000 rows: folded 128 rows at a time, it stays within float32 rounding of eager's."""
+    """A sum down 20000 rows: on the CPU, folded 128 rows at a time, it stays within float32 rounding of
+    eager's. On CUDA so many rows over 12 columns stay with ATen, whose reduction splits the rows over
+    blocks (fuse.cpp, outer_fused); 1000 rows fuse."""
     def fn(x):
         return (x + 0.5).sum(0), (x * x).mean(0)
 
     check(fn, torch.randn(20000, 12, device=device), grad=False, atol=1e-3, rtol=1e-5)
-    expect_columns(device)
+    if device == "cpu":
+        expect_columns(device)
+    else:
+        assert column_kernels() == 0, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+        check(fn, torch.randn(1000, 12, device=device), grad=False, atol=1e-4, rtol=1e-5)
+        expect_columns(device)
