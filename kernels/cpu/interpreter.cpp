@@ -301,6 +301,16 @@ class FusedCpuKernel final : public Kernel {
     r.p = buf;
   }
 
+  // The offset, through `strides`, of position `index` of the first `dims` dimensions of `shape` (row-major).
+  static int64_t leading_offset(int64_t index, const std::vector<int64_t>& shape, int64_t dims, const int64_t* strides) {
+    int64_t offset = 0;
+    for (int64_t d = dims - 1; d >= 0; --d) {
+      offset += (index % shape[d]) * strides[d];
+      index /= shape[d];
+    }
+    return offset;
+  }
+
   // General strided gather over a flat range of `shape` (strides[d] for its dim d), from offset `base`.
   static void gather(const View& v, const std::vector<int64_t>& shape, int64_t start, int64_t n, float* buf,
                      const int64_t* strides = nullptr, int64_t base = 0) {
@@ -420,16 +430,9 @@ class FusedCpuKernel final : public Kernel {
     at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / tile), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(tile);
       for (int64_t row = begin; row < end; ++row) {
-        int64_t idx[kMaxRank];
-        int64_t rest = row;
-        for (int64_t d = lead - 1; d >= 0; --d) {
-          idx[d] = rest % full[d];
-          rest /= full[d];
-        }
         for (size_t i = 0; i < views.size(); ++i) {
           const View& v = views[i];
-          int64_t base = 0;
-          for (int64_t d = 0; d < lead; ++d) base += idx[d] * v.strides[d];
+          const int64_t base = leading_offset(row, full, lead, v.strides);
           Reg& r = s.regs[p_.inputs[i].reg];
           float* buf = s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * tile;
           if (p_.inputs[i].row) load_input(v, r, buf, 1, base, 0);
@@ -537,16 +540,9 @@ class FusedCpuKernel final : public Kernel {
           std::fill_n(block + j * w, n, 0.f);
         }
         for (int64_t r = r0; r < r1; ++r) {
-          int64_t idx[kMaxRank];
-          int64_t rest = r;
-          for (int64_t d = k - 1; d >= 0; --d) {
-            idx[d] = rest % full[d];
-            rest /= full[d];
-          }
           for (size_t i = 0; i < views.size(); ++i) {
             if (p_.inputs[i].row) continue;
-            int64_t base = 0;
-            for (int64_t d = 0; d < k; ++d) base += idx[d] * views[i].strides[d];
+            const int64_t base = leading_offset(r, full, k, views[i].strides);
             load_chunk(i, s.regs[p_.inputs[i].reg], s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * w, c0, n, base);
           }
           const bool flush = (r - r0) % 128 == 127 || r + 1 == r1;

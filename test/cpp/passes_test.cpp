@@ -238,16 +238,20 @@ TEST(CacheParameterSteps, StepsOverParametersRunAgainOnlyWhenOneChanges) {
   EXPECT_EQ(r->cache_parameter_steps({false, true}), 0u) << r->describe();
 }
 
+// resnet's batch norm -> relu, bf16 channels_last on CUDA, over inputs %x, %w, %b, %m, %v.
+std::string bn_relu_graph() {
+  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
+  return "graph(%x: " + t + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
+         "  %y: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+         "  %r: " + t + " = aten::relu(%y)\n"
+         "  return (%r)\n";
+}
+
 TEST(BatchnormPointwise, CachedParametersGiveAPerChannelScaleAndShift) {
   // The same batch norm with its four tensors cached by the runtime (an inference graph's parameters):
   // scale and shift over [8] in float32 (their own group), then one multiply-add per element in the relu's
   // kernel; no rsqrt there. With one of them not cached, the per-element form stays.
-  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
-  const std::string in =
-      "graph(%x: " + t + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
-      "  %y: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
-      "  %r: " + t + " = aten::relu(%y)\n"
-      "  return (%r)\n";
+  const std::string in = bn_relu_graph();
   Graph g = parse(in);
   CompileOptions options;
   options.cached_inputs = {false, true, true, true, true};
@@ -277,12 +281,7 @@ TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
   // resnet's conv -> batch norm -> relu, bf16 channels_last on CUDA: the batch norm becomes float32
   // pointwise ops over per-channel columns, rounded once, and the fuse pass puts all of it and the relu
   // in one group.
-  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
-  const std::string in =
-      "graph(%x: " + t + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
-      "  %y: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
-      "  %r: " + t + " = aten::relu(%y)\n"
-      "  return (%r)\n";
+  const std::string in = bn_relu_graph();
   Graph g = parse(in);
   CompileOptions options;
   PassContext ctx{options};
