@@ -334,16 +334,18 @@ class FusedCpuKernel final : public Kernel {
     }
   }
 
+  static Reg operand_of(const Operand& o, const std::vector<Reg>& regs, const std::vector<float>& scalars) {
+    switch (o.kind) {
+      case Operand::Kind::Reg: return regs[o.index];
+      case Operand::Kind::Imm: return Reg{nullptr, o.imm};
+      case Operand::Kind::Scalar: return Reg{nullptr, scalars[o.index]};
+      case Operand::Kind::None: break;
+    }
+    return Reg{};
+  }
+
   void execute(std::vector<Reg>& regs, float* data, int64_t tile, int64_t n, const std::vector<float>& scalars) const {
-    auto operand = [&](const Operand& o) -> Reg {
-      switch (o.kind) {
-        case Operand::Kind::Reg: return regs[o.index];
-        case Operand::Kind::Imm: return Reg{nullptr, o.imm};
-        case Operand::Kind::Scalar: return Reg{nullptr, scalars[o.index]};
-        case Operand::Kind::None: break;
-      }
-      return Reg{};
-    };
+    auto operand = [&](const Operand& o) { return operand_of(o, regs, scalars); };
     for (const Instr& ins : p_.code) {
       Reg a = operand(ins.a), b = operand(ins.b), c = operand(ins.c);
       Reg& d = regs[ins.dst];
@@ -597,15 +599,7 @@ class FusedCpuKernel final : public Kernel {
   template <class Fold>
   void execute_phase(std::vector<Reg>& regs, float* data, int64_t tile, int64_t n, const std::vector<float>& scalars,
                      bool columns, const Fold& fold) const {
-    auto operand = [&](const Operand& o) -> Reg {
-      switch (o.kind) {
-        case Operand::Kind::Reg: return regs[o.index];
-        case Operand::Kind::Imm: return Reg{nullptr, o.imm};
-        case Operand::Kind::Scalar: return Reg{nullptr, scalars[o.index]};
-        case Operand::Kind::None: break;
-      }
-      return Reg{};
-    };
+    auto operand = [&](const Operand& o) { return operand_of(o, regs, scalars); };
     for (size_t at = 0; at < p_.code.size(); ++at) {
       const Instr& ins = p_.code[at];
       if (ins.op >= OpCode::RowSum) {
