@@ -334,6 +334,15 @@ class FusedCpuKernel final : public Kernel {
     }
   }
 
+  // One elementwise instruction over n values: once where every operand is uniform, else into the scratch
+  // slot of its destination.
+  Reg elementwise(const Instr& ins, const Reg& a, const Reg& b, const Reg& c, float* data, int64_t tile, int64_t n) const {
+    if (!a.p && !b.p && !c.p) return Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
+    float* out = data + static_cast<int64_t>(slot_[ins.dst]) * tile;
+    apply_n(ins.op, a, b, c, out, n);
+    return Reg{out, 0.f};
+  }
+
   static Reg operand_of(const Operand& o, const std::vector<Reg>& regs, const std::vector<float>& scalars) {
     switch (o.kind) {
       case Operand::Kind::Reg: return regs[o.index];
@@ -353,13 +362,7 @@ class FusedCpuKernel final : public Kernel {
         d = Reg{nullptr, reduce(ins.op, a, n)};
         continue;
       }
-      if (!a.p && !b.p && !c.p) {
-        d = Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
-        continue;
-      }
-      float* out = data + static_cast<int64_t>(slot_[ins.dst]) * tile;
-      apply_n(ins.op, a, b, c, out, n);
-      d = Reg{out, 0.f};
+      d = elementwise(ins, a, b, c, data, tile, n);
     }
   }
 
@@ -609,13 +612,7 @@ class FusedCpuKernel final : public Kernel {
       if (p_.reg_is_row[ins.dst] != columns) continue;
       Reg a = operand(ins.a), b = operand(ins.b), c = operand(ins.c);
       Reg& d = regs[ins.dst];
-      if (!a.p && !b.p && !c.p) {
-        d = Reg{nullptr, apply_scalar(ins.op, a.s, b.s, c.s)};
-        continue;
-      }
-      float* out = data + static_cast<int64_t>(slot_[ins.dst]) * tile;
-      apply_n(ins.op, a, b, c, out, n);
-      d = Reg{out, 0.f};
+      d = elementwise(ins, a, b, c, data, tile, n);
     }
   }
 
