@@ -59,6 +59,21 @@ __device__ __forceinline__ float tanh_approx(float x) {
   return tanhf(x);
 #endif
 }
+// Fast forms for values eager rounds to bf16 or f16 next (Printer::mark_rounded_values in
+// cuda_source.cpp says where): the hardware exp2 (relative error about 2^-22, plus |x| * 2^-24 from
+// scaling x) and reciprocal, and the full-range approximate division (2 ulp). None flushes subnormals.
+// div_row divides by a value shared by a whole row: the reciprocal is the same expression for every
+// element, so the compiler computes it once per row; a divisor below 2^-126 is scaled first, so that its
+// reciprocal does not overflow.
+__device__ __forceinline__ float exp_fast(float x) {
+  float y; asm("ex2.approx.f32 %0, %1;" : "=f"(y) : "f"(x * 1.44269504088896341f)); return y;
+}
+__device__ __forceinline__ float rcp_fast(float x) { float y; asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ float div_fast(float a, float b) { float y; asm("div.full.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b)); return y; }
+__device__ __forceinline__ float div_row(float a, float b) {
+  const float s = fabsf(b) < 1.17549435e-38f ? 18446744073709551616.f : 1.f;
+  return (a * s) * (1.f / (b * s));
+}
 __device__ __forceinline__ float gelu_erf(float x) { return x * 0.5f * (1.f + erff(x * 0.70710678118654752f)); }
 __device__ __forceinline__ float gelu_tanh(float x) { return x * 0.5f * (1.f + tanhf(0.79788456080286536f * (x + 0.044715f * x * x * x))); }
 __device__ __forceinline__ float gelu_backward(float g, float x) {

@@ -576,6 +576,42 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
 
 // Every variant of every family through nvcc (PTX for sm_90); NVRTC sources include nothing, so nvcc
 // sees exactly what NVRTC compiles. The f32 vector kernel must use 16-byte global loads and stores.
+TEST(CudaCodegen, FastMathOnlyWhereEagerRoundsTo16Bits) {
+  // exp, sigmoid and division take the hardware approximations only where every use of their result ends
+  // in a 16-bit rounding (cuda_source.cpp, mark_rounded_values): a bf16 softmax (its exp through the row
+  // sum, its division by the row's sum as one reciprocal per row) and a bf16 silu, but not the f32 forms,
+  // nor an exp that is added to before the rounding.
+  auto source = [](const std::string& text) {
+    std::vector<Program> programs = cuda_programs(text);
+    EXPECT_EQ(programs.size(), 1u) << text;
+    return programs.empty() ? std::string() : cuda::generate(programs[0], "k").text;
+  };
+  auto softmax = [](const std::string& t) {
+    const std::string x = t + "[s0, 100]{100, 1}@cuda:0";
+    return "graph(%x: " + x + ", %s0: int):\n  %a: " + x + " = aten::mul.Tensor(%x, 0.5)\n  %sm: " + x +
+           " = aten::_softmax(%a, -1, false)\n  return (%sm)\n";
+  };
+  auto silu = [](const std::string& t) {
+    const std::string x = t + "[64, 100]{100, 1}@cuda:0";
+    return "graph(%x: " + x + ", %y: " + x + "):\n  %a: " + x + " = aten::silu(%x)\n  %b: " + x +
+           " = aten::add.Tensor(%a, %y)\n  return (%b)\n";
+  };
+  const std::string bf16_softmax = source(softmax("bf16")), f32_softmax = source(softmax("f32"));
+  EXPECT_NE(bf16_softmax.find("= exp_fast(v"), std::string::npos) << bf16_softmax;
+  EXPECT_NE(bf16_softmax.find("= div_row(v"), std::string::npos) << bf16_softmax;
+  EXPECT_EQ(f32_softmax.find("= exp_fast(v"), std::string::npos);
+  EXPECT_EQ(f32_softmax.find("= div_row(v"), std::string::npos);
+  EXPECT_NE(f32_softmax.find("= expf(v"), std::string::npos);
+  EXPECT_NE(source(silu("f16")).find("rcp_fast(1.f + exp_fast(-v"), std::string::npos);
+  EXPECT_EQ(source(silu("f32")).find("rcp_fast(1.f + exp_fast(-v"), std::string::npos);
+  const std::string x = "bf16[64, 100]{100, 1}@cuda:0", f = "f32[64, 100]{100, 1}@cuda:0";
+  const std::string upcast = source("graph(%x: " + x + "):\n  %a: " + f + " = aten::_to_copy(%x, dtype=f32)\n  %e: " + f +
+                                    " = aten::exp(%a)\n  %s: " + f + " = aten::add.Tensor(%e, %a)\n  %o: " + x +
+                                    " = aten::_to_copy(%s, dtype=bf16)\n  return (%o)\n");
+  EXPECT_NE(upcast.find("= expf(v"), std::string::npos) << upcast;
+  EXPECT_EQ(upcast.find("= exp_fast(v"), std::string::npos) << upcast;
+}
+
 TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
   if (std::system("command -v nvcc > /dev/null 2>&1") != 0) GTEST_SKIP() << "nvcc not on PATH";
   for (const auto& [label, text] : codegen_graphs()) {
