@@ -31,6 +31,7 @@ constexpr const char* kExternOps[] = {
     "aten::_scaled_dot_product_efficient_attention_backward",
     "aten::_scaled_dot_product_cudnn_attention_backward",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::_addmm_activation",
+    "aten::cudnn_convolution_relu", "aten::cudnn_convolution_add_relu",
 };
 
 // Ops ember's generated kernels implement (kernels/cpu, kernels/cuda). Pointwise ones fuse in any

@@ -8,7 +8,8 @@
 //     no other tensor can take their address while the cache trusts it. Inference tensors have no version
 //     counter: with any among the inputs, the fold is recomputed on every call.
 //  3. The folded tensors are made outside inference mode (they need a version counter of their own for the
-//     convolution's packing check) and with the weights' own strides (the IR's type for them).
+//     convolution's packing check), computed in float32, the weights with the weights' own strides and dtype
+//     and the bias in that dtype too (the IR's types for them).
 #include "kernels/cpu/cpu_kernel.h"
 
 #include <ATen/ATen.h>
@@ -25,16 +26,18 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> fold(const at::Tensor& weights, const std::optional<at::Tensor>& bias,
                                         const std::optional<at::Tensor>& gamma, const std::optional<at::Tensor>& beta,
                                         const at::Tensor& mean, const at::Tensor& var, double eps) {
-  at::Tensor scale = at::rsqrt(var + eps);
-  if (gamma && gamma->defined()) scale = scale * *gamma;
+  // In float32 whatever the parameters' dtype; the results are rounded once, to the weights' dtype.
+  auto f32 = [](const at::Tensor& t) { return t.to(at::kFloat); };
+  at::Tensor scale = at::rsqrt(f32(var) + eps);
+  if (gamma && gamma->defined()) scale = scale * f32(*gamma);
   std::vector<int64_t> channel_shape(weights.dim(), 1);
   channel_shape[0] = -1;
   at::Tensor folded_weights = at::empty_strided(weights.sizes(), weights.strides(), weights.options());
   at::mul_out(folded_weights, weights, scale.view(channel_shape));
-  at::Tensor shifted = bias && bias->defined() ? *bias - mean : -mean;
+  at::Tensor shifted = bias && bias->defined() ? f32(*bias) - f32(mean) : -f32(mean);
   at::Tensor folded_bias = shifted * scale;
-  if (beta && beta->defined()) folded_bias = folded_bias + *beta;
-  return {folded_weights, folded_bias.contiguous()};
+  if (beta && beta->defined()) folded_bias = folded_bias + f32(*beta);
+  return {folded_weights, folded_bias.to(weights.scalar_type()).contiguous()};
 }
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {

@@ -683,5 +683,68 @@ TEST(FoldBatchNorm, LeavesBatchNormAloneWhenTheConvResultIsUsedElsewhere) {
   }
 }
 
+// resnet's bottleneck end on CUDA, bf16 channels_last: conv -> eval batch norm -> add residual -> relu.
+std::string cuda_residual_block(bool residual) {
+  const std::string t = "bf16[2, 8, 5, 5]{200, 1, 40, 8}@cuda:0", c = "bf16[8]{1}@cuda:0";
+  std::string g = "graph(%x: " + t + ", %w: bf16[8, 8, 1, 1]{8, 1, 8, 8}@cuda:0, %g: " + c + ", %b: " + c + ", %m: " + c +
+                  ", %v: " + c + ", %z: " + t + "):\n"
+                  "  %conv: " + t + " = aten::convolution(%x, %w, None, [1, 1], [0, 0], [1, 1], false, [0, 0], 1)\n"
+                  "  %bn: " + t + ", %s1: bf16[0]{1}@cuda:0, %s2: bf16[0]{1}@cuda:0 = "
+                  "aten::_native_batch_norm_legit_no_training(%conv, %g, %b, %m, %v, 0.1, 1e-05)\n";
+  if (residual) g += "  %sum: " + t + " = aten::add.Tensor(%bn, %z)\n  %r: " + t + " = aten::relu(%sum)\n";
+  else g += "  %r: " + t + " = aten::relu(%bn)\n";
+  return g + "  return (%r)\n";
+}
+
+std::string fold_with_cache(const std::string& text, std::vector<bool> cached) {
+  Graph g = parse(text);
+  CompileOptions options;
+  options.cached_inputs = std::move(cached);
+  PassContext ctx{options};
+  fold_batchnorm(g, ctx);
+  g.verify();
+  return print(g);
+}
+
+TEST(FoldBatchNorm, CudaConvBatchNormAddReluBecomesOneCudnnCall) {
+  // With the parameters cached: the fold (bf16 bias, in the weights' dtype), then one cuDNN call with the
+  // bias, the residual and the relu fused, where the relu was; the convolution, batch norm, add and relu go.
+  const std::vector<bool> cached = {false, true, true, true, true, true, false};
+  std::string after = fold_with_cache(cuda_residual_block(true), cached);
+  EXPECT_NE(after.find("%bn_b: bf16[8]{1}@cuda:0 = ember::fold_batchnorm(%w, None, %g, %b, %m, %v, 1e-05)"), std::string::npos) << after;
+  EXPECT_NE(after.find("= aten::cudnn_convolution_add_relu(%x, %bn_w, %z, 1.0, %bn_b, [1, 1], [0, 0], [1, 1], 1)"), std::string::npos)
+      << after;
+  for (const char* gone : {"aten::convolution(", "_no_training", "aten::add.Tensor", "aten::relu("})
+    EXPECT_EQ(after.find(gone), std::string::npos) << gone << "\n" << after;
+  after = fold_with_cache(cuda_residual_block(false), cached);
+  EXPECT_NE(after.find("= aten::cudnn_convolution_relu(%x, %bn_w, %bn_b, [1, 1], [0, 0], [1, 1], 1)"), std::string::npos) << after;
+
+  // A weight copied into another layout in the graph (layout.py's channels_last copies) stays put too.
+  std::string copied = cuda_residual_block(false);
+  copied.replace(copied.find("  %conv"), 0, "  %wc: bf16[8, 8, 1, 1]{8, 1, 8, 8}@cuda:0 = aten::clone(%w, memory_format=channels_last)\n");
+  copied.replace(copied.find("(%x, %w,"), 8, "(%x, %wc,");
+  EXPECT_NE(fold_with_cache(copied, cached).find("aten::cudnn_convolution_relu(%x, %bn_w,"), std::string::npos);
+}
+
+TEST(FoldBatchNorm, CudaLeavesBatchNormsWithoutAReluOrCachedParameters) {
+  // Not cached (a training graph's parameters), a batch norm that ends the graph, an add that broadcasts,
+  // and cuDNN switched off: all left for bn_pointwise.
+  const std::vector<bool> cached = {false, true, true, true, true, true, false};
+  std::string bare = cuda_residual_block(true);
+  EXPECT_EQ(fold_with_cache(bare, {false, false, true, true, true, true, false}), print(parse(bare)));
+  std::string ends = cuda_residual_block(false);
+  ends.replace(ends.find("  %r:"), ends.find("  return") - ends.find("  %r:"), "");
+  ends.replace(ends.find("return (%r)"), 11, "return (%bn)");
+  EXPECT_EQ(fold_with_cache(ends, cached), print(parse(ends)));
+  std::string broadcast = cuda_residual_block(true);
+  const std::string full_z = "%z: bf16[2, 8, 5, 5]{200, 1, 40, 8}";
+  broadcast.replace(broadcast.find(full_z), full_z.size(), "%z: bf16[8, 1, 1]{1, 1, 1}");
+  EXPECT_EQ(fold_with_cache(broadcast, cached), print(parse(broadcast)));
+  at::globalContext().setUserEnabledCuDNN(false);
+  std::string off = fold_with_cache(bare, cached);
+  at::globalContext().setUserEnabledCuDNN(true);
+  EXPECT_EQ(off, print(parse(bare)));
+}
+
 }  // namespace
 }  // namespace ember

@@ -210,6 +210,28 @@ def test_rows_transposed_and_misaligned(family, cols, dtype):
     compare(fn, xs)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_rows_fast_division_by_the_row_value(dtype):
+    """x / x.sum(-1) in 16 bits divides by one reciprocal per row (div_row in cuda_prelude.h): row sums
+    that are subnormal (bf16: scaled first, so the reciprocal does not overflow), zero, infinite or NaN
+    must give eager's results."""
+
+    def fn(x):
+        y = x * 2
+        return y / y.sum(-1, keepdim=True)
+
+    x = torch.rand(6, 100, device="cuda", dtype=dtype) + 0.5
+    if dtype == torch.bfloat16:
+        x[0] *= 1e-40
+        x[0, 20:] = 0.0  # the row sums to about 4e-39: below float32's smallest normal (1.2e-38)
+    x[1] = 0.0
+    x[2, 3] = float("inf")
+    x[3, 7] = float("nan")
+    x[4, :50] *= -1  # a sum near zero: large quotients of either sign
+    _, kernels = compare(fn, x)
+    assert kernels >= 1
+
+
 def test_rows_many_rows_and_3d():
     x = torch.randn(8, 1000, 1024, device="cuda", dtype=torch.bfloat16)
     _, kernels = compare(scaled_softmax, x)
@@ -312,7 +334,8 @@ def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):
         return torch.relu(bn2(block(x)) + x)
 
     x = torch.randn(4, 8, 11, 13, device="cuda", dtype=dtype).to(memory_format=layout)
-    compiled, kernels = compare(fn, x)
+    # (fold_batchnorm would make the conv -> batch norm -> relu one cuDNN call: the next test)
+    compiled, kernels = compare(fn, x, compiled=compile_ember(fn, options={"disable_passes": ["fold_batchnorm"]}))
     assert kernels >= 2
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
     assert "batch_norm" not in listing, listing
@@ -327,6 +350,52 @@ def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):
     with torch.enable_grad():
         grad_fn = compile_ember(fn)
         assert_same(grad_fn(x), fn(x), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["nhwc", "nchw"])
+def test_eval_conv_batch_norm_relu_become_one_cudnn_call(dtype, layout):
+    """A resnet bottleneck in eval mode (passes/fold_batchnorm.cpp, point 5): conv -> batch norm -> relu,
+    and conv -> batch norm -> + downsampled residual -> relu, each one cuDNN call with the batch norm folded
+    into weights and bias and the residual and relu in its epilogue; the downsample's batch norm (no relu)
+    stays a fused kernel. Odd sizes, a strided convolution, a conv with a bias of its own."""
+    torch.manual_seed(0)
+    conv1 = torch.nn.Conv2d(6, 12, 3, padding=1, stride=2, bias=False)
+    conv2 = torch.nn.Conv2d(12, 12, 1, bias=True)
+    down = torch.nn.Conv2d(6, 12, 1, stride=2, bias=False)
+    norms = [torch.nn.BatchNorm2d(12) for _ in range(3)]
+    for bn in norms:
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 1.5)
+        bn.bias.data.uniform_(-0.5, 0.5)
+    conv1, conv2, down, *norms = (m.to("cuda", dtype).eval().to(memory_format=layout) for m in (conv1, conv2, down, *norms))
+
+    def fn(x):
+        y = torch.relu(norms[0](conv1(x)))
+        return torch.relu(norms[1](conv2(y)) + norms[2](down(x)))
+
+    x = torch.randn(3, 6, 13, 11, device="cuda", dtype=dtype).to(memory_format=layout)
+    # Folding changes the rounding (16-bit folded weights are rounded once): within the dtype's own error.
+    # (conftest.py switches TF32 off, under which an f32 convolution would round other products than eager's.)
+    atol, rtol = TOL[dtype]
+    before = len(EMBER_GRAPHS)
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        assert_same(compiled(x), fn(x), atol=atol, rtol=rtol)
+        listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS[before:])
+        assert "cudnn_convolution_relu" in listing and "cudnn_convolution_add_relu" in listing, listing
+        # A changed running variance and weight reach the next call (the fold is redone).
+        norms[1].running_var.mul_(3.0)
+        conv1.weight.mul_(-1.0)
+        x = torch.randn_like(x)
+        assert_same(compiled(x), fn(x), atol=atol, rtol=rtol)
+    # With grad enabled (a training graph's forward: nothing cached) the convolutions stay as they are.
+    with torch.enable_grad():
+        before = len(EMBER_GRAPHS)
+        grad_fn = compile_ember(fn)
+        assert_same(grad_fn(x), fn(x), atol=TOL[dtype][0], rtol=TOL[dtype][1])
+        assert "cudnn_convolution" not in "\n".join(g.describe() for _, g in EMBER_GRAPHS[before:])
 
 
 # ---------------------------------------------------------------------------------------------------
