@@ -740,6 +740,17 @@ TEST(FoldBatchNorm, CudaLeavesBatchNormsWithoutAReluOrCachedParameters) {
   const std::string full_z = "%z: bf16[2, 8, 5, 5]{200, 1, 40, 8}";
   broadcast.replace(broadcast.find(full_z), full_z.size(), "%z: bf16[8, 1, 1]{1, 1, 1}");
   EXPECT_EQ(fold_with_cache(broadcast, cached), print(parse(broadcast)));
+  auto replaced = [](std::string text, const std::string& from, const std::string& to) {
+    return text.replace(text.find(from), from.size(), to);
+  };
+  // A grouped (ResNeXt) or dilated convolution: not tried with cuDNN's fused engines.
+  const std::string grouped = replaced(replaced(bare, "bf16[8, 8, 1, 1]{8, 1, 8, 8}", "bf16[8, 4, 1, 1]{4, 1, 4, 4}"),
+                                       "[0, 0], 1)", "[0, 0], 2)");
+  EXPECT_EQ(fold_with_cache(grouped, cached), print(parse(grouped)));
+  const std::string dilated = replaced(bare, "[0, 0], [1, 1], false", "[0, 0], [2, 2], false");
+  EXPECT_EQ(fold_with_cache(dilated, cached), print(parse(dilated)));
+  // Both are folded where nothing else differs (the checks above are not vacuous).
+  EXPECT_NE(fold_with_cache(bare, cached), print(parse(bare)));
   at::globalContext().setUserEnabledCuDNN(false);
   std::string off = fold_with_cache(bare, cached);
   at::globalContext().setUserEnabledCuDNN(true);
