@@ -80,6 +80,28 @@ TEST(EpiloguePass, StopsAtSharedValuesLateAddendsAndBroadcastingUp) {
   EXPECT_EQ(run_pass(claim_matmul_epilogues, in), expected);
 }
 
+TEST(EpiloguePass, LoneMatmulsAreClaimedOnlyForParameterWeights) {
+  // softmax(a @ b) with both operands passed by the caller, in an inference graph whose parameters are known
+  // (CompileOptions::cached_inputs): nothing to pack, the matmul stays ATen's. With %b a parameter, or with
+  // the parameters unknown (a training graph's forward), it is claimed for packing as before.
+  const std::string in =
+      "graph(%a: f32[4, 3]{3, 1}@cpu, %b: f32[3, 6]{6, 1}@cpu):\n"
+      "  %y: f32[4, 6]{6, 1}@cpu = aten::mm(%a, %b)\n"
+      "  %s: f32[4, 6]{6, 1}@cpu = aten::_softmax(%y, -1, false)\n"
+      "  return (%s)\n";
+  auto claimed = [&](std::vector<bool> cached) {
+    Graph g = parse(in);
+    CompileOptions options;
+    options.cached_inputs = std::move(cached);
+    PassContext ctx{options};
+    claim_matmul_epilogues(g, ctx);
+    return print(g).find("aten::mm(%a, %b) #0") != std::string::npos;
+  };
+  EXPECT_FALSE(claimed({false, false}));
+  EXPECT_TRUE(claimed({false, true}));
+  EXPECT_TRUE(claimed({}));
+}
+
 TEST(EpiloguePass, LeavesCudaAndDoubleMatmulsAlone) {
   const std::string in =
       "graph(%x: f64[4, 3]{3, 1}@cpu, %w: f64[3, 6]{6, 1}@cpu, %u: f32[4, 3]{3, 1}@cuda:0, %v: f32[3, 6]{6, 1}@cuda:0):\n"
