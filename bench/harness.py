@@ -7,7 +7,10 @@
 
 For each workload and backend it records
     first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's and ember's
-                    caches off: fresh cache folders per process)
+                    caches off: fresh cache folders per process). Backends share the process: a later one finds
+                    Dynamo already imported and warmed, and inductor reuses kernels an earlier workload compiled
+    cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
+                    runs once first), Dynamo's own first use in the process included
     latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
                     alternating call by call (on CUDA each call is bracketed by torch.cuda.synchronize())
     speedup         eager latency / this backend's latency
@@ -332,6 +335,11 @@ def max_rel_error(out, ref):
     return worst
 
 
+CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "EMBER_CACHE_DIR")
+# The cache folders the caller chose, before disable_inductor_caches() fills in fresh ones for this process.
+_CALLER_CACHE_ENV = {k: os.environ[k] for k in CACHE_ENV if k in os.environ}
+
+
 def disable_inductor_caches():
     """Cold compiles: no inductor FX graph / autotune caches and, unless TORCHINDUCTOR_CACHE_DIR or
     EMBER_CACHE_DIR is set, fresh cache folders for this process, for inductor (and Triton) and for ember's
@@ -478,18 +486,21 @@ def fmt(value, spec, width):
 
 
 def print_table(results):
-    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'latency ms':>11} {'speedup':>8} "
-              f"{'max rel err':>11} {'graphs':>6}  note")
+    cold = any("cold_first_call_s" in row for r in results for row in r.get("backends", {}).values())
+    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} " + (f"{'cold first s':>12} " if cold else "")
+              + f"{'latency ms':>11} {'speedup':>8} {'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
-            print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
+            print(f"{r['workload']:<20} {'':<11} {'':>12} " + (f"{'':>12} " if cold else "")
+                  + f"{'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
             speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
             print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} "
-                  f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
+                  + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} " if cold else "")
+                  + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
 
@@ -554,6 +565,46 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
+def cold_first_call(name, backend, device):
+    """The child of --cold: in this fresh process (fresh cache folders), eager runs once (the device, its
+    libraries and the model warmed as any program's first eager call would), then `backend`'s first call is
+    timed, Dynamo's own first use in the process included. Prints 'cold <seconds>'."""
+    torch._dynamo.config.suppress_errors = False
+    made = disable_inductor_caches()
+    try:
+        w = WORKLOADS[name]
+        torch.manual_seed(0)
+        model, inputs = w.build(device)
+        with (torch.enable_grad if w.training else torch.no_grad)():
+            timed_call(model, inputs, device)
+            fn = compile_with(model, backend)
+            before_call(backend)
+            seconds, _ = timed_call(fn, inputs, device)
+        print(f"cold {seconds:.6f}", flush=True)
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+    return 0
+
+
+def cold_first_call_in_child(name, backend, args):
+    """Seconds of `backend`'s first call on workload `name` in a child process (cold_first_call), or None."""
+    import subprocess
+
+    command = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--cold-one", f"{name}:{backend}"]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    # Fresh cache folders for the child, unless the caller chose them (not this process's fresh ones).
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    env.update(_CALLER_CACHE_ENV)
+    print(f"[harness] {name} {backend}: first call in a fresh process ...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("cold "):
+            return float(line.split()[1])
+    print(f"[harness] {name} {backend}: the fresh process failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    return None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -568,9 +619,14 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--floor", action="store_true",
                         help="add the 'dynamo' row: Dynamo with the captured graph run eagerly (its per-call floor)")
+    parser.add_argument("--cold", action="store_true",
+                        help="also time each backend's first call in a process of its own (cold_first_call_s)")
+    parser.add_argument("--cold-one", default=None, help=argparse.SUPPRESS)  # WORKLOAD:BACKEND, the child of --cold
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cold_one:
+        return cold_first_call(*args.cold_one.split(":"), device=args.device)
 
     if args.list:
         for w in WORKLOADS.values():
@@ -602,6 +658,12 @@ def main(argv=None):
     finally:
         if made_cache_dir:
             shutil.rmtree(made_cache_dir, ignore_errors=True)
+
+    if args.cold:
+        for r in results:
+            for backend, row in r.get("backends", {}).items():
+                if backend != "eager" and "error" not in row:
+                    row["cold_first_call_s"] = cold_first_call_in_child(r["workload"], backend, args)
 
     print_table(results)
     out = args.out or os.path.join(RESULTS_DIR, f"harness_{args.device}.json")
