@@ -247,6 +247,13 @@ std::string bn_relu_graph() {
          "  return (%r)\n";
 }
 
+// batchnorm_pointwise, then dead-code elimination, on `g`; the result verified.
+void bn_pointwise_then_dce(Graph& g, PassContext& ctx) {
+  batchnorm_pointwise(g, ctx);
+  eliminate_dead_code(g, ctx);
+  g.verify();
+}
+
 TEST(BatchnormPointwise, CachedParametersGiveAPerChannelScaleAndShift) {
   // The same batch norm with its four tensors cached by the runtime (an inference graph's parameters):
   // scale and shift over [8] in float32 (their own group), then one multiply-add per element in the relu's
@@ -256,9 +263,7 @@ TEST(BatchnormPointwise, CachedParametersGiveAPerChannelScaleAndShift) {
   CompileOptions options;
   options.cached_inputs = {false, true, true, true, true};
   PassContext ctx{options};
-  batchnorm_pointwise(g, ctx);
-  eliminate_dead_code(g, ctx);
-  g.verify();
+  bn_pointwise_then_dce(g, ctx);
   const std::string after = print(g);
   EXPECT_NE(after.find("f32[8]{1}@cuda:0 = aten::rsqrt"), std::string::npos) << after;
   EXPECT_NE(after.find("_shift: f32[8]{1}@cuda:0 = aten::sub.Tensor"), std::string::npos) << after;
@@ -285,9 +290,7 @@ TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
   Graph g = parse(in);
   CompileOptions options;
   PassContext ctx{options};
-  batchnorm_pointwise(g, ctx);
-  eliminate_dead_code(g, ctx);
-  g.verify();
+  bn_pointwise_then_dce(g, ctx);
   const std::string after = print(g);
   EXPECT_EQ(after.find("_native_batch_norm"), std::string::npos) << after;
   EXPECT_NE(after.find("aten::rsqrt"), std::string::npos) << after;
@@ -309,9 +312,7 @@ TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
                     ", %v: " + p + "):\n" + bn("y1", "x") + "  %r1: " + r + " = aten::relu(%y1)\n"
                     "  %c: " + r + " = aten::convolution(%r1, %k, None, [1, 1], [1, 1], [1, 1], false, [0, 0], 1)\n" +
                     bn("y2", "c") + "  %r2: " + r + " = aten::relu(%y2)\n  return (%r2)\n");
-  batchnorm_pointwise(two, ctx);
-  eliminate_dead_code(two, ctx);
-  two.verify();
+  bn_pointwise_then_dce(two, ctx);
   fuse(two, ctx);
   std::map<int, int> members;
   int conv_seen = 0;
