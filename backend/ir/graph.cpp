@@ -44,6 +44,20 @@ void Graph::move_last_before(size_t count, const Node* anchor) {
   std::rotate(at, nodes_.end() - static_cast<std::ptrdiff_t>(count), nodes_.end());
 }
 
+void Graph::reorder(const std::vector<const Node*>& order) {
+  if (order.size() != nodes_.size()) throw Error("internal: reorder");
+  std::unordered_map<const Node*, size_t> at;
+  for (size_t i = 0; i < nodes_.size(); ++i) at[nodes_[i].get()] = i;
+  std::vector<std::unique_ptr<Node>> out;
+  out.reserve(nodes_.size());
+  for (const Node* n : order) {
+    auto it = at.find(n);
+    if (it == at.end() || !nodes_[it->second]) throw Error("internal: reorder");
+    out.push_back(std::move(nodes_[it->second]));
+  }
+  nodes_ = std::move(out);
+}
+
 void Graph::replace_uses(const std::vector<std::pair<const Value*, Value*>>& map) {
   if (map.empty()) return;
   std::unordered_map<const Value*, Value*> m(map.begin(), map.end());

@@ -2,6 +2,7 @@
 #include "kernels/cuda/call_plan.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/row_phases.h"
 #include "kernels/iteration_space.h"
 
 #include <ATen/ops/empty.h>
@@ -101,11 +102,20 @@ void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t in
                        : blocks_for(numel, kThreads, limits, plan.entry, kThreads);
 }
 
-// Column groups: a block per tile of 32 columns (the kernel's shape, cuda_source.cpp: columns()).
-void plan_columns(CallPlan& plan, int64_t columns, const LaunchLimits& limits) {
+// Column groups: a block per tile of 32 columns and chunk of rows (the kernel's shape, cuda_source.cpp:
+// columns()). The rows split only where the tiles fill less than half a wave, into as many chunks as
+// bring the grid to one wave, each at least kColumnChunkRows long.
+void plan_columns(CallPlan& plan, int64_t columns, int64_t rows, const LaunchLimits& limits) {
   plan.entry = 0;
   plan.threads = kColumnThreads;
   plan.blocks = blocks_for(columns, 32, limits, 0, kColumnThreads);
+  const int64_t tiles = (columns + 31) / 32, wave = limits.wave(0, kColumnThreads);
+  if (tiles * 2 > wave) return;
+  const int64_t most = std::max<int64_t>(1, rows / kColumnChunkRows);
+  int64_t splits = std::clamp<int64_t>(wave / std::max<int64_t>(tiles, 1), 1, std::min<int64_t>(most, 65535));
+  if (splits <= 1) return;
+  const int64_t chunk = (rows + splits - 1) / splits;
+  plan.splits = static_cast<unsigned>(std::max<int64_t>(1, (rows + chunk - 1) / chunk));
 }
 
 void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& source, const LaunchLimits& limits) {
@@ -138,6 +148,11 @@ void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& sou
 
 }  // namespace
 
+void set_workspace(CallPlan& plan, float* part, unsigned* count) {
+  std::memcpy(&plan.params[plan.workspace_word], &part, sizeof(part));
+  std::memcpy(&plan.params[plan.workspace_word + 1], &count, sizeof(count));
+}
+
 int64_t LaunchLimits::wave(size_t entry, unsigned threads) const {
   const size_t size = (std::clamp<unsigned>(threads, 32, 1024) + 31) / 32 - 1;
   int per_multiprocessor = entry < resident.size() && size < resident[entry].size() ? resident[entry][size]
@@ -168,7 +183,8 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   const size_t in_words = std::max<size_t>(ni, 1), out_words = std::max<size_t>(no, 1);
   std::vector<int64_t>& words = plan.params;
   words.assign(in_words + out_words + rank + in_words * rank + 5 + 2 * in_words +
-                             (std::max<size_t>(program.scalars.size(), 1) + 1) / 2, 0);
+                   (std::max<size_t>(program.scalars.size(), 1) + 1) / 2 + (program.outer > 0 ? 4 : 0),
+               0);
   const size_t stride_base = in_words + out_words + rank;
   size_t w = 0;
   for (size_t k = 0; k < in_words; ++k, ++w)
@@ -248,9 +264,24 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   }
 
   plan.launch = numel > 0 || (program.has_reduction && rows > 0);
+  if (program.outer > 0) {  // part, count, splits, chunk: after the scalars, 8-byte aligned
+    plan.workspace_word = w + (std::max<size_t>(program.scalars.size(), 1) + 1) / 2;
+    int64_t* split_words = &words[plan.workspace_word];
+    split_words[2] = 1;
+    split_words[3] = cols;
+    if (plan.launch) plan_columns(plan, rows, cols, limits);
+    if (plan.splits > 1) {
+      int64_t reductions = 0;
+      for (const Instr& i : program.code) reductions += is_row_reduction(i.op) ? 1 : 0;
+      plan.workspace_floats = reductions * plan.splits * rows;
+      plan.counters = (rows + 31) / 32;
+      split_words[2] = plan.splits;
+      split_words[3] = (cols + plan.splits - 1) / plan.splits;
+    }
+    return plan;
+  }
   if (plan.launch) {
-    if (program.outer > 0) plan_columns(plan, rows, limits);
-    else if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
+    if (program.has_reduction) plan_rows(plan, rows, cols, source, limits);
     else plan_flat(plan, numel, masks, ni, width, source.flat_unroll, limits);
   }
   return plan;

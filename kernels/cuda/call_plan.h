@@ -6,8 +6,11 @@
 //  - row groups take the register-resident variant for their row length that the function's
 //    registers allow (cuda_source.h), else the general kernel; full inputs get vector loads where rows
 //    are contiguous and aligned;
-//  - column groups (Program::outer) take their one entry, a block per tile of 32 columns; a column
-//    input's strides are aligned to the kept shape and stored at the kept dims;
+//  - column groups (Program::outer) take their one entry, a block per tile of 32 columns and chunk of
+//    rows: where the tiles alone would leave the device idle (a bias gradient's 768 columns make 24),
+//    the rows split into chunks of at least kColumnChunkRows over blockIdx.y, up to one wave in all,
+//    and each chunk's results go to a workspace the launcher provides (CallPlan::workspace_floats,
+//    ::counters); a column input's strides are aligned to the kept shape and stored at the kept dims;
 //  - grids are at most one wave: the blocks of the chosen size that every multiprocessor holds at
 //    once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid of
 //    SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
@@ -44,7 +47,21 @@ struct CallPlan {
   bool launch = false;               // false: nothing to compute
   size_t entry = 0;                  // 0: the general kernel; 1: the vector kernel (flat) or row variant 0, ...
   unsigned blocks = 1, threads = 1;
+  // Column groups whose rows split (splits > 1, the grid's y): the workspace the kernel needs, floats for
+  // the chunks' results (Params::part) and zeroed counters, one per tile of 32 columns (Params::count,
+  // back to zero when the kernel ends); their pointers go to params[workspace_word] and the word after
+  // (set_workspace).
+  unsigned splits = 1;
+  int64_t workspace_floats = 0, counters = 0;
+  size_t workspace_word = 0;
 };
+
+// Writes the workspace pointers of a column group's call into its Params.
+void set_workspace(CallPlan& plan, float* part, unsigned* count);
+
+// Rows a column group's chunk takes at least (8 per warp): fewer, and combining the chunks costs more
+// than it spreads.
+constexpr int64_t kColumnChunkRows = 64;
 
 // `out_dtypes`: the program's output dtypes (its Values may be gone by run time).
 CallPlan plan_call(const Program& program, const CudaSource& source, const std::vector<c10::ScalarType>& out_dtypes,

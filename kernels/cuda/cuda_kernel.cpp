@@ -9,6 +9,8 @@
 #include "kernels/cuda/cuda_source.h"
 #include "kernels/cuda/driver.h"
 
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -58,7 +60,8 @@ class FusedCudaKernel final : public Kernel {
     if (plan.launch) {
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
       void* function = flat && plan.entry == kStridedEntry ? strided_function_ : functions_[plan.entry];
-      launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_);
+      if (plan.splits > 1) provide_workspace(plan, stream, device);
+      launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
     }
     for (size_t k = 0; k < plan.outputs.size(); ++k) buffers[writes[k]] = std::move(plan.outputs[k]);
   }
@@ -72,6 +75,29 @@ class FusedCudaKernel final : public Kernel {
     limits.max_threads.push_back(most);
     std::vector<int>& resident = limits.resident.emplace_back();
     for (int threads = 32; threads <= 1024; threads += 32) resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
+  }
+
+  // A column group's call whose rows split (call_plan.h) needs counters that start at zero (the kernel
+  // sets each back to zero when it ends) and room for the chunks' results. Both are kept per stream, so
+  // calls on different streams never share them, and grown when a call needs more; the memory of an
+  // outgrown buffer stays allocated, since a CUDA graph captured with it keeps its address. Allocated on
+  // the calling stream, in order before the kernel: no memset per call, no allocation after the first.
+  void provide_workspace(CallPlan& plan, void* stream, c10::Device device) const {
+    std::lock_guard<std::mutex> lock(workspace_mu_);
+    Workspace* w = nullptr;
+    for (Workspace& x : workspaces_)
+      if (x.stream == stream) w = &x;
+    if (!w) w = &workspaces_.emplace_back(Workspace{stream, {}, {}});
+    auto grown = [&](at::Tensor& t, int64_t need, bool zeroed) {
+      if (t.defined() && t.numel() >= need) return;
+      if (t.defined()) outgrown_.push_back(t);
+      const int64_t size = std::max<int64_t>(need, t.defined() ? 2 * t.numel() : 0);
+      const at::TensorOptions options = at::TensorOptions().device(device).dtype(at::kInt);
+      t = zeroed ? at::zeros({size}, options) : at::empty({size}, options);
+    };
+    grown(w->counters, plan.counters, true);
+    grown(w->part, plan.workspace_floats, false);
+    set_workspace(plan, static_cast<float*>(w->part.data_ptr()), static_cast<unsigned*>(w->counters.data_ptr()));
   }
 
   // Once, on the first call that needs it (std::call_once orders it before every later use).
@@ -93,6 +119,14 @@ class FusedCudaKernel final : public Kernel {
   mutable std::atomic<bool> strided_ready_{false};
   mutable void* strided_function_ = nullptr;
   mutable LaunchLimits full_limits_;  // limits_ and the strided entry's
+  // Column groups' workspaces per stream (provide_workspace).
+  struct Workspace {
+    void* stream;
+    at::Tensor counters, part;  // int32 words; part holds floats
+  };
+  mutable std::mutex workspace_mu_;
+  mutable std::vector<Workspace> workspaces_;
+  mutable std::vector<at::Tensor> outgrown_;
 };
 
 }  // namespace

@@ -7,13 +7,13 @@
 // recomputes the elementwise values from global memory in every pass; the register-resident
 // variants read each full input once, keep it in registers, and write each output once.
 // Column groups (reductions over leading dimensions) have the general entry alone: a block per tile of
-// 32 columns, its warps splitting the rows (see columns()).
+// 32 columns and chunk of rows, its warps splitting the rows (see columns()).
 // Sizes, strides and the vector choices are kernel arguments, so new shapes need no recompile.
 //
 // The kernel's only argument is a Params struct; its layout (printed in the source and filled by
 // cuda_kernel.cpp) is: in[ni] pointers, out[no] pointers, size[rank], stride[ni][rank], numel, rows,
-// cols (int64), vec, bcast, inner, chan (uint32), period[ni], span[ni] (int64), scalar[ns] (float).
-// Array lengths are at least 1.
+// cols (int64), vec, bcast, inner, chan (uint32), period[ni], span[ni] (int64), scalar[ns] (float),
+// and in column groups part (float*), count (uint32*), splits, chunk (int64). Array lengths are at least 1.
 #include "kernels/cuda/cuda_source.h"
 
 #include "ember/error.h"
@@ -125,7 +125,8 @@ class Printer {
     o << kPrelude;
     o << "struct Params { const void* in[" << ni() << "]; void* out[" << no() << "]; i64 size[" << rank()
       << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
-      << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "]; };\n";
+      << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "];"
+      << (p_.outer > 0 ? " float* part; unsigned* count; i64 splits, chunk;" : "") << " };\n";
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
     if (p_.outer > 0) columns(o);
     else if (p_.has_reduction) rows(o);
@@ -496,18 +497,23 @@ class Printer {
 
   // Column groups (Program::outer): the full shape as an [R, C] matrix, R = p.cols positions of the
   // reduced leading dims by C = p.rows of the kept ones. A block of kColumnThreads threads takes tiles
-  // of 32 adjacent columns (grid-stride): `lane` (threadIdx.x % 32) is the column, so a warp's loads and
-  // stores of one row coalesce; the 8 warps split the rows (warp `rowlane` takes rowlane, rowlane + 8,
-  // ...). Each thread computes the full values of its elements, stores the full outputs (row-major
-  // over the full shape: r * C + col) and folds each reduction's operand into an accumulator of its
-  // own; the 8 partial results of a column then meet in shared memory, and warp 0 runs the column
-  // instructions and stores the column outputs (at col). Offsets: the kept dims' part once per column,
-  // the reduced dims' part per row; every input's strides are by full dimension (call_plan.cpp puts a
-  // column input's kept-shape strides at the kept dims).
+  // of 32 adjacent columns (grid-stride over blockIdx.x): `lane` (threadIdx.x % 32) is the column, so a
+  // warp's loads and stores of one row coalesce; the 8 warps split the block's rows (warp `rowlane`
+  // takes rowlane, rowlane + 8, ...). The rows themselves split over blockIdx.y into p.splits chunks of
+  // p.chunk rows, so that few columns over many rows (a bias gradient: 768 columns, 24 tiles) still fill
+  // the device. Each thread computes the full values of its elements, stores the full outputs
+  // (row-major over the full shape: r * C + col) and folds each reduction's operand into an accumulator
+  // of its own; the 8 partial results of a column meet in shared memory. With one chunk, warp 0 then
+  // runs the column instructions and stores the column outputs (at col); with several, it stores the
+  // chunk's result in p.part[reduction][chunk][col] and counts the tile's chunks in p.count[tile]: the
+  // block that brings the count to p.splits combines the chunks' results in chunk order (the same sum
+  // whichever block ends last: deterministic), runs the epilogue and sets the count back to 0 for the
+  // next launch (the launcher keeps p.count per stream, zeroed once: kernels/cuda/cuda_kernel.cpp).
+  // Offsets: the kept dims' part once per column, the reduced dims' part per row; every input's
+  // strides are by full dimension (call_plan.cpp puts a column input's kept-shape strides at the kept
+  // dims).
   void columns(Source& o) {
-    std::vector<size_t> reductions;
-    for (size_t n = 0; n < p_.code.size(); ++n)
-      if (is_reduction(p_.code[n])) reductions.push_back(n);
+    const std::vector<size_t> reductions = reduction_instrs();
     // Their partial results take 1 KiB of shared memory each (static shared memory stops at 48 KiB).
     if (reductions.size() > 32) throw Error("CUDA column kernel: more than 32 reductions in one group");
     std::vector<size_t> all, full;
@@ -517,7 +523,9 @@ class Printer {
     }
     const int lanes = kColumnThreads / 32;
     o << "  __shared__ float partial[" << std::max<size_t>(reductions.size(), 1) << "][" << lanes << "][32];\n";
+    o << "  __shared__ unsigned arrived;\n";
     o << "  const int lane = threadIdx.x & 31, rowlane = threadIdx.x >> 5;\n";
+    o << "  const i64 first = (i64)blockIdx.y * p.chunk, last = min(p.cols, first + p.chunk);\n";
     o << "  for (i64 tile = blockIdx.x; tile * 32 < p.rows; tile += gridDim.x) {\n";
     o << "    const i64 col = tile * 32 + lane;\n";
     for (size_t k : all) o << "    i64 b" << k << " = 0;\n";
@@ -525,7 +533,7 @@ class Printer {
     for (size_t j = 0; j < reductions.size(); ++j)
       o << "    float acc" << reductions[j] << " = " << identity(reduction_kind(p_.code[reductions[j]])) << ";\n";
     o << "    if (col < p.rows) {\n";
-    o << "      for (i64 r = rowlane; r < p.cols; r += " << lanes << ") {\n";
+    o << "      for (i64 r = first + rowlane; r < last; r += " << lanes << ") {\n";
     for (size_t k : full) o << "        i64 o" << k << " = b" << k << ";\n";
     dims_offsets(o, "r", 0, p_.outer, full, "o", "        ");
     for (size_t k : full) o << "        float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "o" + str(k)) << ";\n";
@@ -541,24 +549,72 @@ class Printer {
     o << "      }\n    }\n";
     for (size_t j = 0; j < reductions.size(); ++j) o << "    partial[" << j << "][rowlane][lane] = acc" << reductions[j] << ";\n";
     o << "    __syncthreads();\n";
-    o << "    if (rowlane == 0 && col < p.rows) {\n";
     for (size_t j = 0; j < reductions.size(); ++j) {
       const Instr& i = p_.code[reductions[j]];
       const std::string v = reg(i.dst), kind = str(reduction_kind(i));
-      o << "      float " << v << " = partial[" << j << "][0][lane];\n";
-      o << "#pragma unroll\n      for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
+      o << "    float " << v << " = partial[" << j << "][0][lane];\n";
+      o << "#pragma unroll\n    for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
         << "][q][lane]);\n";
-      if (i.op == OpCode::RowMean) o << "      " << v << " /= (float)p.cols;\n";  // 0 / 0: an empty mean is NaN
     }
-    for (size_t k = 0; k < p_.inputs.size(); ++k)
-      if (p_.inputs[k].row) o << "      float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "b" + str(k)) << ";\n";
-    for (const Instr& i : p_.code)
-      if (p_.reg_is_row[i.dst] && !is_reduction(i)) o << "      float " << reg(i.dst) << " = " << expr(i) << ";\n";
-    for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (p_.outputs[k].row) o << "      " << store(out_type(k), k, "col", stored(k)) << "\n";
+    o << "    if (p.splits == 1) {\n";
+    o << "      if (rowlane == 0 && col < p.rows) {\n";
+    column_epilogue(o, "        ");
+    o << "      }\n";
+    o << "    } else {\n";
+    o << "      if (rowlane == 0 && col < p.rows) {\n";
+    for (size_t j = 0; j < reductions.size(); ++j)
+      o << "        p.part[(" << j << " * p.splits + blockIdx.y) * p.rows + col] = " << reg(p_.code[reductions[j]].dst) << ";\n";
+    o << "      }\n";
+    o << "      __threadfence();\n";  // this chunk's results reach every block before the count says so
+    o << "      __syncthreads();\n";
+    o << "      if (threadIdx.x == 0) arrived = atomicAdd(&p.count[tile], 1u);\n";
+    o << "      __syncthreads();\n";
+    // Every other chunk of the tile is in p.part: warp q combines chunks q, q + 8, ... of its lane's
+    // column (reads from L2, side by side), warp 0 the warps' results in order.
+    o << "      if (arrived == p.splits - 1) {\n";
+    for (size_t j = 0; j < reductions.size(); ++j) {
+      const std::string kind = str(reduction_kind(p_.code[reductions[j]]));
+      o << "        {\n          float t = " << identity(reduction_kind(p_.code[reductions[j]])) << ";\n";
+      o << "          if (col < p.rows)\n            for (i64 s = rowlane; s < p.splits; s += " << lanes << ") t = combine<" << kind
+        << ">(t, __ldcg(&p.part[(" << j << " * p.splits + s) * p.rows + col]));\n";
+      o << "          partial[" << j << "][rowlane][lane] = t;\n        }\n";
+    }
+    o << "        __syncthreads();\n";
+    o << "        if (rowlane == 0 && col < p.rows) {\n";
+    for (size_t j = 0; j < reductions.size(); ++j) {
+      const Instr& i = p_.code[reductions[j]];
+      const std::string v = reg(i.dst), kind = str(reduction_kind(i));
+      o << "          " << v << " = partial[" << j << "][0][lane];\n";
+      o << "#pragma unroll\n          for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
+        << "][q][lane]);\n";
+    }
+    column_epilogue(o, "          ");
+    o << "        }\n";
+    o << "        if (threadIdx.x == 0) p.count[tile] = 0;\n";
+    o << "      }\n";
     o << "    }\n";
-    o << "    __syncthreads();\n";  // partial is written again by the next tile
+    o << "    __syncthreads();\n";  // partial and arrived are written again by the next tile
     o << "  }\n";
+  }
+
+  // The column instructions after the reductions (their results in place): a mean's division, the
+  // column inputs' loads (at b<k>), the column values, and the column outputs' stores (at col).
+  void column_epilogue(Source& o, const std::string& ind) {
+    for (size_t n : reduction_instrs())
+      if (p_.code[n].op == OpCode::RowMean) o << ind << reg(p_.code[n].dst) << " /= (float)p.cols;\n";  // 0 / 0: an empty mean is NaN
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      if (p_.inputs[k].row) o << ind << "float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "b" + str(k)) << ";\n";
+    for (const Instr& i : p_.code)
+      if (p_.reg_is_row[i.dst] && !is_reduction(i)) o << ind << "float " << reg(i.dst) << " = " << expr(i) << ";\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      if (p_.outputs[k].row) o << ind << store(out_type(k), k, "col", stored(k)) << "\n";
+  }
+
+  std::vector<size_t> reduction_instrs() const {
+    std::vector<size_t> out;
+    for (size_t n = 0; n < p_.code.size(); ++n)
+      if (is_reduction(p_.code[n])) out.push_back(n);
+    return out;
   }
 
   // Adds to <var><k>, for each of `inputs`, the offset of index `index` over the full dims [lo, hi)

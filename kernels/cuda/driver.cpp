@@ -291,10 +291,10 @@ int resident_blocks(void* function, int threads) {
   return blocks;
 }
 
-void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device) {
+void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y) {
   make_current(device);
   void* args[] = {params};
-  check(api().cuLaunchKernel(function, blocks, 1, 1, threads, 1, 1, 0, stream, args, nullptr), "cuLaunchKernel");
+  check(api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, 0, stream, args, nullptr), "cuLaunchKernel");
 }
 
 }  // namespace ember::cuda

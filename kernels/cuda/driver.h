@@ -35,7 +35,8 @@ int resident_blocks(void* function, int threads);
 // `device`'s multiprocessor count, queried once per device.
 int multiprocessor_count(int device);
 
-// Launches `function` with one by-value struct argument `params` on `stream` (a CUstream).
-void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device);
+// Launches `function` with one by-value struct argument `params` on `stream` (a CUstream), on a grid of
+// blocks x blocks_y.
+void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y = 1);
 
 }  // namespace ember::cuda

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 
@@ -159,23 +160,77 @@ TEST(FusePass, ReductionsOverLeadingDimsMakeColumnGroups) {
   }
 }
 
-TEST(FusePass, CudaColumnGroupsOnlyWhereFewRowsMeetTheColumns) {
-  // The CUDA column kernel walks the rows with 8 threads per column: 20000 rows over 12 columns stay
-  // with ATen; 1000 rows, or 8192 rows over 4096 columns, fuse; the CPU fuses them all.
-  auto graph_of = [](int64_t rows, int64_t cols, const std::string& dev) {
+TEST(FusePass, ColumnGroupsAtAnySizeAndLoneOnesOnCuda) {
+  // The CUDA column kernel splits the rows over blocks where the columns are few: any shape fuses. A
+  // column sum alone stays a group on CUDA (the kernel beats ATen's reduction), not on the CPU.
+  auto graph_of = [](int64_t rows, int64_t cols, const std::string& dev, bool lone) {
     const std::string f = "f32[" + std::to_string(rows) + ", " + std::to_string(cols) + "]{" + std::to_string(cols) + ", 1}@" + dev;
     const std::string k = "f32[" + std::to_string(cols) + "]{1}@" + dev;
+    if (lone) return "graph(%a: " + f + "):\n  %s: " + k + " = aten::sum.dim_IntList(%a, [0])\n  return (%s)\n";
     return "graph(%x: " + f + "):\n  %a: " + f + " = aten::mul.Tensor(%x, 2.0)\n  %s: " + k +
            " = aten::sum.dim_IntList(%a, [0])\n  return (%s)\n";
   };
-  auto fused = [&](int64_t rows, int64_t cols, const std::string& dev) {
-    return fuse_text(graph_of(rows, cols, dev)).find("aten::sum.dim_IntList(%a, [0]) #0") != std::string::npos;
+  auto fused = [&](int64_t rows, int64_t cols, const std::string& dev, bool lone = false) {
+    return fuse_text(graph_of(rows, cols, dev, lone)).find("aten::sum.dim_IntList(%a, [0]) #0") != std::string::npos;
   };
-  EXPECT_FALSE(fused(20000, 12, "cuda:0"));
+  EXPECT_TRUE(fused(20000, 12, "cuda:0"));
   EXPECT_TRUE(fused(1000, 12, "cuda:0"));
-  EXPECT_TRUE(fused(8192, 4096, "cuda:0"));
-  EXPECT_FALSE(fused(8193, 4096, "cuda:0"));
+  EXPECT_TRUE(fused(8193, 4096, "cuda:0"));
   EXPECT_TRUE(fused(20000, 12, "cpu"));
+  EXPECT_TRUE(fused(1024, 768, "cuda:0", true));
+  EXPECT_FALSE(fused(1024, 768, "cpu", true));
+}
+
+TEST(FusePass, ColumnReductionsOfAReshapeReadItsInput) {
+  // A bias gradient: gelu's backward over [B, S, H], viewed as [B*S, H] for the weight gradient's
+  // matmul and the bias gradient's sum over dim 0. The sum reads gelu's backward over [0, 1] instead and
+  // joins its group; a view gives back the [1, H] keepdim shape. A reshape that changes the kept dims
+  // ([B, S*H]) stays as it is.
+  const std::string in =
+      "graph(%g: f32[2, 3, 8]{24, 8, 1}@cuda:0, %x: f32[2, 3, 8]{24, 8, 1}@cuda:0, %w: f32[8, 4]{4, 1}@cuda:0):\n"
+      "  %d: f32[2, 3, 8]{24, 8, 1}@cuda:0 = aten::gelu_backward(%g, %x)\n"
+      "  %v: f32[6, 8]{8, 1}@cuda:0 = aten::view(%d, [6, 8])\n"
+      "  %m: f32[6, 4]{4, 1}@cuda:0 = aten::mm(%v, %w)\n"
+      "  %s: f32[1, 8]{8, 1}@cuda:0 = aten::sum.dim_IntList(%v, [0], true)\n"
+      "  %f: f32[2, 24]{24, 1}@cuda:0 = aten::view(%d, [2, 24])\n"
+      "  %t: f32[24]{1}@cuda:0 = aten::sum.dim_IntList(%f, [0])\n"
+      "  return (%m, %s, %t)\n";
+  const std::string out = fuse_text(in);
+  EXPECT_NE(out.find("aten::gelu_backward(%g, %x) #0"), std::string::npos) << out;
+  EXPECT_NE(out.find("%s_lead: f32[1, 1, 8]{8, 8, 1}@cuda:0 = aten::sum.dim_IntList(%d, [0, 1], true) #0"), std::string::npos) << out;
+  EXPECT_NE(out.find("%s_lead_view: f32[1, 8]{8, 1}@cuda:0 = aten::view(%s_lead, [1, 8])"), std::string::npos) << out;
+  EXPECT_NE(out.find("return (%m, %s_lead_view, %t)"), std::string::npos) << out;
+  EXPECT_NE(out.find("aten::sum.dim_IntList(%f, [0]) #1"), std::string::npos) << out;  // alone, on CUDA
+  Graph g = parse(out);
+  g.verify();
+  std::string why;
+  std::optional<Program> p = lower_group(g, 0, &why);
+  ASSERT_TRUE(p) << why;
+  EXPECT_EQ(p->outer, 2u);
+}
+
+TEST(FusePass, ResidualGradientAddsMoveToOneKernel) {
+  // A residual's gradient summed as each matmul makes a term: the adds sit between the matmuls, each
+  // reading a value made after the previous add. They move down to their consumers and fuse as one
+  // group; an add across an in-place write stays.
+  auto graph_with = [](const std::string& between) {
+    const std::string t = "f32[4, 8]{8, 1}@cuda:0";
+    return "graph(%g: " + t + ", %a: " + t + ", %w: f32[8, 8]{8, 1}@cuda:0, %buf: " + t + "):\n"
+           "  %m1: " + t + " = aten::mm(%a, %w)\n"
+           "  %s1: " + t + " = aten::add.Tensor(%g, %m1)\n" + between +
+           "  %m2: " + t + " = aten::mm(%m1, %w)\n"
+           "  %s2: " + t + " = aten::add.Tensor(%s1, %m2)\n"
+           "  %m3: " + t + " = aten::mm(%m2, %w)\n"
+           "  %s3: " + t + " = aten::add.Tensor(%s2, %m3)\n"
+           "  return (%s3)\n";
+  };
+  const std::string out = fuse_text(graph_with(""));
+  for (const char* add : {"aten::add.Tensor(%g, %m1) #0", "aten::add.Tensor(%s1, %m2) #0", "aten::add.Tensor(%s2, %m3) #0"})
+    EXPECT_NE(out.find(add), std::string::npos) << out;
+  EXPECT_LT(out.find("%m3:"), out.find("%s1:")) << out;
+  parse(out).verify();
+  const std::string written = fuse_text(graph_with("  %c: f32[4, 8]{8, 1}@cuda:0 = aten::copy_(%buf, %a)\n"));
+  EXPECT_LT(written.find("%s1:"), written.find("%m2:")) << written;
 }
 
 TEST(FusePass, TensorsFromAnotherDeviceKeepNodesOut) {
@@ -796,6 +851,33 @@ TEST(CudaLaunch, ColumnGroupsTileColumnsAndAlignColumnInputsToTheKeptShape) {
   ASSERT_EQ(plan.outputs.size(), 1u);
   EXPECT_EQ(plan.outputs[0].sizes().vec(), (std::vector<int64_t>{33}));
   EXPECT_FALSE(call(wide[0], wide_source, {at::randn({5, 0})}, limits_with(1, 8)).launch);
+  EXPECT_EQ(plan.splits, 1u);
+
+  // A bias gradient's 768 columns make 24 tiles: the 1024 rows split into 16 chunks of 64 (one wave
+  // would take 44); the chunks' sums go to a workspace of 16 x 768 floats, counted per tile (24
+  // counters). Params end with part, count, splits, chunk.
+  plan = call(wide[0], wide_source, {at::randn({1024, 768})}, limits_with(1, 8));
+  EXPECT_EQ(plan.blocks, 24u);
+  EXPECT_EQ(plan.splits, 16u);
+  EXPECT_EQ(plan.workspace_floats, 16 * 768);
+  EXPECT_EQ(plan.counters, 24);
+  float part_at = 0;
+  unsigned count_at = 0;
+  cuda::set_workspace(plan, &part_at, &count_at);
+  const std::vector<int64_t>& ws = plan.params;
+  const float* part = &part_at;
+  const unsigned* count = &count_at;
+  EXPECT_EQ(std::memcmp(&ws[ws.size() - 4], &part, sizeof(part)), 0);
+  EXPECT_EQ(std::memcmp(&ws[ws.size() - 3], &count, sizeof(count)), 0);
+  EXPECT_EQ(ws[ws.size() - 2], 16);
+  EXPECT_EQ(ws[ws.size() - 1], 64);
+  plan = call(wide[0], wide_source, {at::randn({1000, 768})}, limits_with(1, 8));
+  EXPECT_EQ(plan.splits, 15u);  // 1000 rows: 15 chunks of at least 64 (67 each, the last 62)
+  EXPECT_EQ(plan.params.back(), 67);
+  plan = call(wide[0], wide_source, {at::randn({100, 768})}, limits_with(1, 8));
+  EXPECT_EQ(plan.splits, 1u);  // too few rows to split
+  EXPECT_EQ(plan.workspace_floats, 0);
+  EXPECT_EQ(plan.params.back(), 100);
 }
 
 // The register bound warp variants carry (cuda_source.cpp, min_resident_blocks) must not make ptxas

@@ -156,6 +156,8 @@ class Graph {
   }
   // Moves the last `count` nodes, in their order, to just before `anchor` (which must precede them).
   void move_last_before(size_t count, const Node* anchor);
+  // Puts the nodes in `order`, which must hold each of them once.
+  void reorder(const std::vector<const Node*>& order);
   // Rewrites every use (node arguments and graph outputs) through `map`; entries map old -> new.
   void replace_uses(const std::vector<std::pair<const Value*, Value*>>& map);
 
