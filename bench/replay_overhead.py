@@ -3,8 +3,10 @@
     python bench/replay_overhead.py [--calls 200 --rounds 30]
 
 For each graph (a 3-op pointwise chain on 16 floats; MLP 512-1024-1024-10 at batch 1; 20 x Linear(100,100) at
-batch 32) it times, on the host, each call from entry to return without synchronizing the device (the GPU runs
-behind, asynchronously), median over rounds of --calls back-to-back calls:
+batch 32) it times, on the host, each call from entry to return with the device idle before it (synchronized
+before the call, not within it): the GPU work is excluded. Timing back-to-back calls instead measures the GPU
+wherever a call's GPU work outlasts its host time, as 20 x Linear's replay does (a queue of launches fills and
+the next launch waits). Median over rounds of the mean over --calls calls:
 
     dynamo-guards   torch.compile with a backend whose compiled function returns precomputed outputs: Dynamo's
                     guard check and frame handling alone, the floor every torch.compile backend pays
@@ -14,8 +16,9 @@ behind, asynchronously), median over rounds of --calls back-to-back calls:
 
 and reports each minus dynamo-guards: the overhead on top of Dynamo's guards. Two more rows split ember's part:
 
-    ember-ro-graph  the same CompiledGraph called directly (no Dynamo, no AOTAutograd wrapper): ember's own cost
-                    per replayed call, input copies and the graph launch included
+    ember-ro-call   what ember handed Dynamo (the C++ DirectCall, or AOTAutograd's wrapper) called with Dynamo's
+                    inputs, parameters included, without Dynamo: ember's own cost per replayed call, argument
+                    conversion, input copies and the graph launch included
     torch-replay    torch.cuda.CUDAGraph.replay() of the same function captured by hand: the launch floor
 
 Writes bench/results/replay_overhead.json.
@@ -55,8 +58,6 @@ def guards_only_backend(gm, example_inputs):
 def compiled(fn, variant):
     if variant == "dynamo-guards":
         return torch.compile(fn, backend=guards_only_backend)
-    if variant == "ember-ro":
-        return torch.compile(fn, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True})
     if variant == "inductor-ro":
         return torch.compile(fn, backend="inductor", mode="reduce-overhead")
     return torch.compile(fn, backend="ember", options=EMBER_OPTIONS)
@@ -77,26 +78,20 @@ def main():
             torch._dynamo.reset()
             import ember.backend
 
-            made = []
-            original = ember.backend.compile_fx_graph
+            handed = []  # (callable Dynamo got, its example inputs) of the ember-ro compile
 
-            def keep(gm, config, kind):
-                graph = original(gm, config, kind)
-                made.append((config.cudagraphs, graph))
-                return graph
+            def ember_ro(gm, example_inputs):
+                fn_for_dynamo = ember.backend.ember_backend(
+                    gm, example_inputs, options={**EMBER_OPTIONS, "cudagraphs": True})
+                handed.append((fn_for_dynamo, list(example_inputs)))
+                return fn_for_dynamo
 
-            ember.backend.compile_fx_graph = keep
-            try:
-                fns = {v: compiled(fn, v) for v in variants}
-                for f in fns.values():
-                    for _ in range(5):
-                        f(*inputs)
-            finally:
-                ember.backend.compile_fx_graph = original
-            graph = next(g for on, g in made if on)
-            # Called directly only where the graph's inputs are the call's (no lifted parameters to order).
-            if not isinstance(fn, nn.Module) and graph.num_inputs == len(inputs):
-                fns["ember-ro-graph"] = lambda *a, _g=graph, _flat=tuple(inputs): _g(_flat)
+            fns = {v: torch.compile(fn, backend=ember_ro) if v == "ember-ro" else compiled(fn, v) for v in variants}
+            for f in fns.values():
+                for _ in range(5):
+                    f(*inputs)
+            if len(handed) == 1:
+                fns["ember-ro-call"] = lambda *a, _f=handed[0][0], _x=handed[0][1]: _f(*_x)
             static_x = [t.clone() for t in inputs]
             torch_graph = torch.cuda.CUDAGraph()
             side = torch.cuda.Stream()
@@ -114,10 +109,13 @@ def main():
             per_call = {v: [] for v in fns}
             for _ in range(args.rounds):
                 for v, f in fns.items():
-                    start = time.perf_counter()
+                    host = 0.0
                     for _ in range(args.calls):
+                        torch.cuda.synchronize()
+                        start = time.perf_counter()
                         f(*inputs)
-                    per_call[v].append((time.perf_counter() - start) / args.calls * 1e6)
+                        host += time.perf_counter() - start
+                    per_call[v].append(host / args.calls * 1e6)
                     torch.cuda.synchronize()
             us = {v: statistics.median(t) for v, t in per_call.items()}
             results[name] = {v: {"host_us": us[v], "over_guards_us": us[v] - us["dynamo-guards"]} for v in fns}
