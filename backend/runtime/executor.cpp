@@ -138,17 +138,34 @@ size_t CompiledGraph::cache_parameter_steps(const std::vector<bool>& pinned) {
   return moved;
 }
 
-void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
-  ParameterCache& c = *cache_;
-  std::lock_guard<std::mutex> lock(c.mu);
-  bool same = !c.results.empty() && c.seen.size() == plan_.cached_keys.size();
-  for (size_t i = 0; same && i < plan_.cached_keys.size(); ++i) {
-    const c10::IValue& v = buffers[plan_.cached_keys[i]];
-    const ParameterCache::Seen& s = c.seen[i];
+namespace {
+
+// Whether the cache's results were computed from the parameters in `buffers` (or the inputs: the keys
+// are input buffers): the same TensorImpls, version counters and data pointers. Under c.mu.
+template <class Cache>
+bool same_parameters(const Cache& c, const std::vector<uint32_t>& keys, const std::vector<c10::IValue>& buffers) {
+  bool same = !c.results.empty() && c.seen.size() == keys.size();
+  for (size_t i = 0; same && i < keys.size(); ++i) {
+    const c10::IValue& v = buffers[keys[i]];
+    const auto& s = c.seen[i];
     same = v.isTensor() && v.toTensor().unsafeGetTensorImpl() == s.tensor.unsafeGetTensorImpl() &&
            v.toTensor()._version() == s.version && v.toTensor().data_ptr() == s.data;
   }
-  if (!same) {
+  return same;
+}
+
+}  // namespace
+
+bool CompiledGraph::cache_current(const std::vector<c10::IValue>& inputs) const {
+  if (!cache_) return true;
+  std::lock_guard<std::mutex> lock(cache_->mu);
+  return same_parameters(*cache_, plan_.cached_keys, inputs);
+}
+
+void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
+  ParameterCache& c = *cache_;
+  std::lock_guard<std::mutex> lock(c.mu);
+  if (!same_parameters(c, plan_.cached_keys, buffers)) {
     c.seen.clear();
     for (uint32_t b : plan_.cached_keys) {
       const c10::IValue& v = buffers[b];

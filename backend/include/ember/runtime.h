@@ -166,6 +166,9 @@ class CompiledGraph {
   // version counter, so with one among the parameters the steps run on every call. Call before
   // set_runner. Returns the number of steps moved.
   size_t cache_parameter_steps(const std::vector<bool>& pinned);
+  // Whether the cached results are those of `inputs`' parameters, so a call may skip start() and its
+  // check (true where nothing is cached).
+  bool cache_current(const std::vector<c10::IValue>& inputs) const;
 
   void set_runner(std::unique_ptr<PlanRunner> runner) { runner_ = std::move(runner); }
   const PlanRunner* runner() const { return runner_.get(); }
