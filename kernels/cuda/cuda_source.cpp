@@ -549,13 +549,17 @@ class Printer {
     o << "      }\n    }\n";
     for (size_t j = 0; j < reductions.size(); ++j) o << "    partial[" << j << "][rowlane][lane] = acc" << reductions[j] << ";\n";
     o << "    __syncthreads();\n";
-    for (size_t j = 0; j < reductions.size(); ++j) {
-      const Instr& i = p_.code[reductions[j]];
-      const std::string v = reg(i.dst), kind = str(reduction_kind(i));
-      o << "    float " << v << " = partial[" << j << "][0][lane];\n";
-      o << "#pragma unroll\n    for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
-        << "][q][lane]);\n";
-    }
+    // Each reduction's value from the warps' results in shared memory, combined in warp order.
+    auto combine_warps = [&](const std::string& ind, const std::string& declare) {
+      for (size_t j = 0; j < reductions.size(); ++j) {
+        const Instr& i = p_.code[reductions[j]];
+        const std::string v = reg(i.dst), kind = str(reduction_kind(i));
+        o << ind << declare << v << " = partial[" << j << "][0][lane];\n";
+        o << "#pragma unroll\n" << ind << "for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v
+          << ", partial[" << j << "][q][lane]);\n";
+      }
+    };
+    combine_warps("    ", "float ");
     o << "    if (p.splits == 1) {\n";
     o << "      if (rowlane == 0 && col < p.rows) {\n";
     column_epilogue(o, "        ");
@@ -581,13 +585,7 @@ class Printer {
     }
     o << "        __syncthreads();\n";
     o << "        if (rowlane == 0 && col < p.rows) {\n";
-    for (size_t j = 0; j < reductions.size(); ++j) {
-      const Instr& i = p_.code[reductions[j]];
-      const std::string v = reg(i.dst), kind = str(reduction_kind(i));
-      o << "          " << v << " = partial[" << j << "][0][lane];\n";
-      o << "#pragma unroll\n          for (int q = 1; q < " << lanes << "; ++q) " << v << " = combine<" << kind << ">(" << v << ", partial[" << j
-        << "][q][lane]);\n";
-    }
+    combine_warps("          ", "");
     column_epilogue(o, "          ");
     o << "        }\n";
     o << "        if (threadIdx.x == 0) p.count[tile] = 0;\n";
