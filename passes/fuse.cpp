@@ -287,7 +287,7 @@ class Fuser {
     bool moved = false;
     for (size_t i = original.size(); i-- > 0;) {
       const Node* x = original[i];
-      if (x->group >= 0 || x->outputs.size() != 1 || is_reduction_op(*x) || !eligible(*x)) continue;
+      if (x->group >= 0 || x->outputs.size() != 1 || !eligible(*x) || is_reduction(*x)) continue;
       auto u = users.find(x->outputs[0]);
       if (u == users.end()) continue;
       const Node* first = nullptr;
@@ -309,14 +309,6 @@ class Fuser {
       moved = true;
     }
     if (moved) graph_.reorder(order);
-  }
-
-  static bool is_reduction_op(const Node& n) {
-    try {
-      return op_info(n.op).has(kReduction);
-    } catch (const std::exception&) {
-      return false;
-    }
   }
 
   // Dense in an order other than row-major (channels_last): CUDA pointwise groups iterate in that order

@@ -2,7 +2,6 @@
 #include "kernels/cuda/call_plan.h"
 
 #include "ember/error.h"
-#include "kernels/cuda/row_phases.h"
 #include "kernels/iteration_space.h"
 
 #include <ATen/ops/empty.h>
@@ -271,9 +270,7 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
     split_words[3] = cols;
     if (plan.launch) plan_columns(plan, rows, cols, limits);
     if (plan.splits > 1) {
-      int64_t reductions = 0;
-      for (const Instr& i : program.code) reductions += is_row_reduction(i.op) ? 1 : 0;
-      plan.workspace_floats = reductions * plan.splits * rows;
+      plan.workspace_floats = int64_t{source.column_reductions} * plan.splits * rows;
       plan.counters = (rows + 31) / 32;
       split_words[2] = plan.splits;
       split_words[3] = (cols + plan.splits - 1) / plan.splits;

@@ -128,7 +128,10 @@ class Printer {
       << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "];"
       << (p_.outer > 0 ? " float* part; unsigned* count; i64 splits, chunk;" : "") << " };\n";
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
-    if (p_.outer > 0) columns(o);
+    if (p_.outer > 0) {
+      out.column_reductions = static_cast<int>(reduction_instrs().size());
+      columns(o);
+    }
     else if (p_.has_reduction) rows(o);
     else flat(o);
     o << "}\n";

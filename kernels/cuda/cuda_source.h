@@ -29,6 +29,7 @@ struct CudaSource {
   std::string text;          // the module: the general entry, the vector entry or the row variants
   std::string strided_text;  // flat groups: the module of the strided vector entry alone (compiled lazily)
   std::string general;       // the strided kernel: flat groups, General rows, or column groups' only entry
+  int column_reductions = 0;  // column groups: reductions, each with a workspace row per chunk of rows
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty
   // The same where some input is read through its strides (its loop carries index arithmetic, and
   // the registers it needs, that the vector entry does without).
