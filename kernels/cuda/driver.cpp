@@ -15,6 +15,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <map>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
@@ -264,6 +265,23 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
 
 void* compile(const std::string& source, const std::string& name, int device, ImageStore* images) {
   return compile(source, std::vector<std::string>{name}, device, images).front();
+}
+
+std::vector<void*> load_image(const void* image, const std::vector<std::string>& names, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, void*> modules;
+  const Api& a = api();
+  make_current(device);
+  std::lock_guard<std::mutex> lock(mu);
+  void*& module = modules[{image, device}];
+  if (!module) check(a.cuModuleLoadData(&module, image), "cuModuleLoadData");
+  std::vector<void*> out;
+  for (const std::string& name : names) {
+    void* function = nullptr;
+    check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
+    out.push_back(function);
+  }
+  return out;
 }
 
 int multiprocessor_count(int device) {

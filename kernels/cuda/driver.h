@@ -25,6 +25,10 @@ void* compile(const std::string& source, const std::string& name, int device, Im
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images = nullptr);
 
+// The functions `names` of a module image built ahead of time (a cubin or fatbin in memory that outlives
+// the process, such as kernels/cuda/gemm_image.cpp's), loaded once per device.
+std::vector<void*> load_image(const void* image, const std::vector<std::string>& names, int device);
+
 // The largest block `function` launches with (its registers per thread bound it below 1024).
 int max_threads_per_block(void* function);
 

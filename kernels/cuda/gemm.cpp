@@ -37,8 +37,20 @@
 //     run starts with the L2 evicted, as a model's weights are (time_runs). EMBER_GEMM_ROUTE=
 //     lt|lt_bias|aten|padded forces one (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings
 //     to stderr; EMBER_GEMM_TIMING=warm times with warm caches.
+//  7. ember's own kernels (kernels/cuda/gemm_kernels.cu, built by nvcc with libember): for problems of at
+//     most kKernelMaxMacs multiply-adds, each of their configurations is one more candidate (Route::Kernel).
+//     On the H100 host a plan step through the prepared cuBLASLt call took 17.4 us of host time (20 x
+//     Linear(100,100) at batch 32, device idle before each call), through ember's kernel 7.9 us; a single
+//     100x100x100 mm graph called without Dynamo, 11.2 against 6.1 us. Such GEMMs take less GPU time than
+//     that (8 us for cuBLASLt and for the t16 kernel at 32x100x100, L2 evicted), so the host time is their
+//     time in a graph of them. Outside graph capture a kernel is therefore chosen when max(its GPU time,
+//     kKernelHostMs) beats max(the best cuBLASLt candidate's score, kLtHostMs); in the warm-up for a
+//     capture, on GPU time alone. The kernels are no match for cuBLAS on arithmetic (64x1024x1024 f32:
+//     t16 30 us, cuBLAS 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
+//     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16 one configuration (tests run each).
 #include "ember/error.h"
 #include "ember/runtime.h"
+#include "kernels/cuda/driver.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -63,6 +75,11 @@
 #include <vector>
 
 namespace ember::cuda {
+
+#ifdef EMBER_GEMM_KERNELS
+const void* gemm_kernels_image();  // kernels/cuda/gemm_image.cpp
+#endif
+
 namespace {
 
 constexpr size_t kMaxWorkspace = size_t{4} << 20;
@@ -138,8 +155,8 @@ using ProblemKey = std::array<int64_t, 13>;
 // copied out. cuBLAS(Lt) keeps align-1 kernels for such widths: the bf16 LM head of GPT-2 b16 s512
 // (8192x50257x768) took 6.1 ms on the H100, and 0.92 ms padded to 50264 (before the two copies, each a
 // pass over its matrix). Offered for problems of at least kPaddedMinMacs multiply-adds only.
-enum class Route : uint8_t { Lt, LtThenBias, Aten, Padded };
-constexpr size_t kRoutes = 4;
+enum class Route : uint8_t { Lt, LtThenBias, Aten, Padded, Kernel };
+constexpr size_t kRoutes = 5;
 constexpr double kPaddedMinMacs = double(int64_t{1} << 26);
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
@@ -147,13 +164,73 @@ int forced_route() {
   const char* v = std::getenv("EMBER_GEMM_ROUTE");
   if (!v) return -1;
   std::string r(v);
-  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : -1;
+  return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : r == "kernel" ? 4 : -1;
 }
 struct Choice {
   Route route = Route::Lt;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
+  int config = 0;  // Route::Kernel: index into kKernelConfigs
 };
+
+// ember's GEMM kernels (point 7; the entry points of kernels/cuda/gemm_kernels.cu): a tile of rows x cols
+// outputs per block, or `skinny`: up to `rows` rows, two columns per warp of four per block, for a
+// K-contiguous B.
+struct KernelConfig {
+  const char* name;
+  bool skinny;
+  int rows, cols, threads;
+};
+constexpr KernelConfig kKernelConfigs[] = {
+    {"t64", false, 64, 64, 256}, {"t32", false, 32, 64, 256}, {"t16", false, 16, 32, 128},
+    {"s4", true, 4, 8, 128},     {"s16", true, 16, 8, 128},
+};
+constexpr size_t kKernelConfigCount = sizeof(kKernelConfigs) / sizeof(kKernelConfigs[0]);
+constexpr double kKernelMaxMacs = double(int64_t{1} << 26);
+constexpr float kKernelHostMs = 0.006f;  // a plan step launching ember's kernel (point 7)
+constexpr float kLtHostMs = 0.015f;      // a plan step through the prepared cuBLASLt call
+
+// The kernel argument, as gemm_kernels.cu declares it.
+struct GemmParams {
+  const void* a;
+  const void* b;
+  const void* bias;
+  void* out;
+  int64_t m, n, k;
+  int64_t sa0, sa1, sb0, sb1;
+  int act;
+};
+
+// The kernels' functions on `device`, [config][f32, f16, bf16]; empty where this build has none or the
+// device cannot load them (an architecture the fatbin holds no code for).
+const std::vector<void*>& kernel_functions(int device) {
+  static std::mutex mu;
+  static std::map<int, std::vector<void*>> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, fresh] = loaded.try_emplace(device);
+#ifdef EMBER_GEMM_KERNELS
+  if (fresh) {
+    std::vector<std::string> names;
+    for (const KernelConfig& c : kKernelConfigs)
+      for (const char* dtype : {"f32", "f16", "bf16"}) names.push_back(std::string("ember_gemm_") + c.name + "_" + dtype);
+    try {
+      it->second = load_image(gemm_kernels_image(), names, device);
+    } catch (const std::exception&) {
+      it->second.clear();
+    }
+  }
+#endif
+  return it->second;
+}
+
+// EMBER_GEMM_KERNEL, read when a step's plan is made: -1 (none forced) or an index into kKernelConfigs.
+int forced_kernel() {
+  const char* v = std::getenv("EMBER_GEMM_KERNEL");
+  if (!v) return -1;
+  for (size_t i = 0; i < kKernelConfigCount; ++i)
+    if (std::string(v) == kKernelConfigs[i].name) return static_cast<int>(i);
+  return -1;
+}
 // Host time the timing does not see where the GPU is the bottleneck, but a graph of small GEMMs pays.
 constexpr float kSeparateBiasPenaltyMs = 0.002f;  // the extra bias launch
 constexpr float kAtenPenaltyMs = 0.004f;          // ATen's mm over a prepared cuBLASLt call
@@ -271,9 +348,10 @@ class LtGemm final : public FastPath {
       return false;
 
     c10::cuda::CUDAGuard guard(s_.device);
-    cublasLtHandle_t handle = at::cuda::getCurrentCUDABlasLtHandle();
     std::lock_guard<std::mutex> lock(mutex_);
     Prepared& p = prepared_[tf32 ? 1 : 0];
+    cublasLtHandle_t handle = nullptr;  // ember's kernels need none (fetching it costs ~1 us)
+    if (!p.tried || p.choice.route != Route::Kernel) handle = at::cuda::getCurrentCUDABlasLtHandle();
     if (!p.tried) prepare(p, handle, tf32, *a, *b, bias);
     if (!p.ok) return false;
     at::Tensor out = at::empty({s_.m, s_.n}, a->options());
@@ -296,6 +374,12 @@ class LtGemm final : public FastPath {
 
   std::string describe() const override {
     const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
+    if (route == Route::Kernel) {
+      const Choice& c = prepared_[0].tried ? prepared_[0].choice : prepared_[1].choice;
+      return std::string("ember gemm kernel ") + kKernelConfigs[c.config].name + " " + std::to_string(s_.m) + "x" +
+             std::to_string(s_.n) + "x" + std::to_string(s_.k) + ", " +
+             std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
+    }
     const char* how = route == Route::Lt           ? ""
                       : route == Route::LtThenBias ? " (bias added after)"
                       : route == Route::Aten       ? " (timed: ATen's mm faster)"
@@ -326,6 +410,24 @@ class LtGemm final : public FastPath {
   // bias pointer must be set on p.desc.
   bool launch(const Prepared& p, const Choice& c, cublasLtHandle_t handle, const at::Tensor& a, const at::Tensor& b,
               const at::Tensor* bias, at::Tensor& out, void* workspace, cudaStream_t stream) const {
+    if (c.route == Route::Kernel) {
+      const std::vector<void*>& functions = kernel_functions(s_.device);
+      const KernelConfig& k = kKernelConfigs[c.config];
+      const size_t dtype = s_.dtype == c10::kFloat ? 0 : s_.dtype == c10::kHalf ? 1 : 2;
+      GemmParams params{a.data_ptr(), b.data_ptr(), bias ? bias->data_ptr() : nullptr, out.data_ptr(),
+                        s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
+                        s_.epilogue == Epilogue::ReluBias ? 1 : s_.epilogue == Epilogue::GeluBias ? 2 : 0};
+      unsigned blocks = 0, blocks_y = 1;
+      if (k.skinny) {
+        blocks = static_cast<unsigned>((s_.n + k.cols - 1) / k.cols);
+      } else {
+        blocks = static_cast<unsigned>((s_.n + k.cols - 1) / k.cols);
+        blocks_y = static_cast<unsigned>((s_.m + k.rows - 1) / k.rows);
+      }
+      cuda::launch(functions[c.config * 3 + dtype], blocks, static_cast<unsigned>(k.threads), stream, &params,
+                   s_.device, blocks_y);
+      return true;
+    }
     if (c.route == Route::Aten) {
       at::mm_out(out, a, b);
       if (bias) out.add_(*bias);
@@ -394,6 +496,20 @@ class LtGemm final : public FastPath {
       candidates.insert(candidates.end(), plain.begin(), plain.end());
     }
     const int forced = forced_route();
+    const double macs = double(s_.m) * double(s_.n) * double(s_.k);
+    if ((macs <= kKernelMaxMacs || forced == static_cast<int>(Route::Kernel)) && !kernel_functions(s_.device).empty()) {
+      const int only = forced_kernel();
+      for (size_t i = 0; i < kKernelConfigCount; ++i) {
+        const KernelConfig& k = kKernelConfigs[i];
+        // Correct for any strides; worth timing only where its loads are coalesced (skinny) or its tile
+        // is not mostly empty (t64).
+        const bool can = (k.skinny ? s_.m <= k.rows : (s_.m + k.rows - 1) / k.rows <= 65535) &&
+                         (s_.n + k.cols - 1) / k.cols <= INT32_MAX;
+        const bool worth = k.skinny ? s_.b_strides[0] == 1 || s_.k == 1 : i > 0 || s_.m >= 32;
+        if (can && (only >= 0 ? static_cast<int>(i) == only : worth))
+          candidates.push_back({Route::Kernel, {}, 0, static_cast<int>(i)});
+      }
+    }
     if (good && (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias)) {
       candidates.push_back({Route::Aten, {}, 0});
       const bool large = double(s_.m) * double(s_.n) * double(s_.k) >= kPaddedMinMacs;
@@ -404,6 +520,7 @@ class LtGemm final : public FastPath {
       p.release();
       return;
     }
+
     // The first candidate of each route goes first: the timing budget may run out before the last.
     {
       std::vector<Choice> leaders, rest;
@@ -479,8 +596,8 @@ class LtGemm final : public FastPath {
     // choice a warm-up for capture makes (warming_for_graphs), which is kept apart.
     const bool for_graphs = warming_for_graphs();
     const ProblemKey key = {s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
-                            static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device, forced,
-                            for_graphs};
+                            static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device,
+                            forced + 16 * (forced_kernel() + 1), for_graphs};
     {
       std::lock_guard<std::mutex> lock(tuned_mutex);
       auto it = tuned().find(key);
@@ -509,17 +626,25 @@ class LtGemm final : public FastPath {
           CUBLAS_STATUS_SUCCESS)
         return candidates[0];
     }
-    Choice best = candidates[0];
-    float best_ms = -1.f, spent_ms = 0.f;
+    // The cuBLASLt/ATen candidates compete on their scores as they always did; the best kernel then
+    // replaces the winner where it is faster with host time counted (point 7).
+    Choice best = candidates[0], best_kernel;
+    float best_ms = -1.f, kernel_ms = -1.f, spent_ms = 0.f;
     const bool log = std::getenv("EMBER_GEMM_LOG") != nullptr;  // read once per problem: what the timing saw
     std::string seen;
     for (const Choice& c : candidates) {
       if (spent_ms > kTuningBudgetMs) break;
       float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream,
                            flush.defined() ? flush.data_ptr() : nullptr, flush.defined() ? static_cast<size_t>(flush.numel()) : 0);
-      if (log) seen += std::string(" ") + "lbap"[static_cast<int>(c.route)] + (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
+      if (log)
+        seen += std::string(" ") + (c.route == Route::Kernel ? kKernelConfigs[c.config].name : std::string(1, "lbapk"[static_cast<int>(c.route)])) +
+                (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
       if (ms < 0.f) continue;
       spent_ms += 5.f * ms;
+      if (c.route == Route::Kernel) {
+        if (kernel_ms < 0.f || ms < kernel_ms) best_kernel = c, kernel_ms = ms;
+        continue;
+      }
       const float host = for_graphs ? 0.f : 1.f;
       if (c.route != Route::Aten && c.route != Route::Padded && splits_k(c.algo)) ms += host * kSplitKPenaltyMs;
       if (c.route == Route::LtThenBias) ms += host * kSeparateBiasPenaltyMs;
@@ -527,10 +652,17 @@ class LtGemm final : public FastPath {
       if (c.route == Route::Padded) ms += host * kPaddedPenaltyMs;
       if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
     }
+    if (kernel_ms >= 0.f) {
+      const bool kernel_wins = best_ms < 0.f || (for_graphs ? kernel_ms < best_ms
+                                                            : std::max(kernel_ms, kKernelHostMs) < std::max(best_ms, kLtHostMs));
+      if (kernel_wins) best = best_kernel;
+    }
     if (log)
-      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %c; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded):%s\n",
+      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %s; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded, t*/s*: ember's kernels):%s\n",
                    static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
-                   static_cast<int>(s_.epilogue), for_graphs ? " (for graphs)" : "", "lbap"[static_cast<int>(best.route)], seen.c_str());
+                   static_cast<int>(s_.epilogue), for_graphs ? " (for graphs)" : "",
+                   best.route == Route::Kernel ? kKernelConfigs[best.config].name : std::string(1, "lbapk"[static_cast<int>(best.route)]).c_str(),
+                   seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;

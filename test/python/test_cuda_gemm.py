@@ -1,7 +1,7 @@
-"""CUDA GEMMs through cuBLASLt with a plan made once (kernels/cuda/gemm.cpp) against eager: mm, addmm with a
-row bias, bias + ReLU / tanh-GELU epilogues; f32 (with and without TF32), f16, bf16; odd sizes, transposed
-operands (a Linear's weight is one), operands that are neither (they stay ATen calls), misaligned inputs
-(ATen's path for that call), CUDA graphs, and training. Each test checks from the plan's listing that the
+"""CUDA GEMMs through cuBLASLt with a plan made once, or ember's own kernels (kernels/cuda/gemm.cpp,
+gemm_kernels.cu), against eager: mm, addmm with a row bias, bias + ReLU / tanh-GELU epilogues; f32 (with and
+without TF32), f16, bf16; odd sizes, transposed operands (a Linear's weight is one), operands that are neither
+(they stay ATen calls), misaligned inputs (ATen's path for that call), CUDA graphs, and training. Each test checks from the plan's listing that the
 fast path ran, or that it did not where it must not.
 """
 
@@ -18,18 +18,19 @@ DTYPE_IDS = ["f32", "f16", "bf16"]
 TOL = {torch.float32: MATMUL_TOL, torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=5e-2, rtol=3e-2)}
 
 
-def lt_calls():
-    """Calls the cuBLASLt fast path made, over every graph compiled in this test."""
+def lt_calls(prefix=("fast path: cublasLt", "fast path: ember gemm kernel")):
+    """Calls the GEMM fast path made (through cuBLASLt or, where its timing chose them, ember's own kernels),
+    over every graph compiled in this test."""
     total = 0
     for _, g in EMBER_GRAPHS:
         for line in g.describe().splitlines():
-            if "fast path: cublasLt" in line:
+            if any(p in line for p in prefix):
                 total += int(line.rsplit(", ", 1)[1].split()[0])
     return total
 
 
-def run_compare(fn, *inputs, dtype):
-    compiled = compile_ember(fn)
+def run_compare(fn, *inputs, dtype, dynamic=None):
+    compiled = compile_ember(fn, dynamic=dynamic)
     with torch.no_grad():
         for _ in range(2):  # the second call reuses the plan made at the first
             assert_same(compiled(*inputs), fn(*inputs), **TOL[dtype])
@@ -117,7 +118,7 @@ def test_bias_relu_and_tanh_gelu_epilogues(dtype):
     with torch.no_grad():
         check(model, torch.randn(9, 48, device="cuda", dtype=dtype), grad=False, **TOL[dtype])
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
-    assert listing.count("fast path: cublasLt") >= 3, listing
+    assert listing.count("fast path: cublasLt") + listing.count("fast path: ember gemm kernel") >= 3, listing
     assert lt_calls() >= 3
 
 
@@ -176,3 +177,69 @@ def test_training_forward_and_backward():
     model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 7)).cuda()
     check(model, torch.randn(17, 33, device="cuda"), **MATMUL_TOL)
     assert lt_calls() > 0
+
+
+KERNELS = ["t64", "t32", "t16", "s4", "s16"]
+
+
+def kernel_calls(config):
+    return lt_calls(prefix=(f"fast path: ember gemm kernel {config} ",))
+
+
+@pytest.mark.parametrize("config", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ember_gemm_kernels_match_eager(config, dtype, monkeypatch):
+    """Each of ember's own GEMM kernels (gemm_kernels.cu), forced by EMBER_GEMM_ROUTE=kernel and
+    EMBER_GEMM_KERNEL: plain, biased, ReLU and tanh-GELU epilogues; sizes off every tile and vector width
+    (the skinny kernels' 16-byte loads and their scalar loop); row-major and transposed operands."""
+    monkeypatch.setenv("EMBER_GEMM_ROUTE", "kernel")
+    monkeypatch.setenv("EMBER_GEMM_KERNEL", config)
+    rows = {"s4": [1, 3], "s16": [5, 16]}.get(config, [1, 70])
+    shapes = ((7, 5), (264, 130))  # scalar loads, tiny; 16-byte loads, columns past a tile
+    for m in rows:
+        for k, n in shapes:
+            a = torch.randn(m, k, device="cuda", dtype=dtype)
+            b = torch.randn(k, n, device="cuda", dtype=dtype)
+            w = torch.randn(n, k, device="cuda", dtype=dtype)
+            bias = torch.randn(n, device="cuda", dtype=dtype)
+            run_compare(lambda a, w, bias: torch.nn.functional.linear(a, w, bias), a, w, bias, dtype=dtype, dynamic=False)
+            run_compare(lambda a, w, bias: torch.nn.functional.linear(a, w, bias).relu(), a, w, bias, dtype=dtype, dynamic=False)
+            run_compare(lambda a, w, bias: torch.nn.functional.gelu(torch.nn.functional.linear(a, w, bias),
+                                                                   approximate="tanh"), a, w, bias, dtype=dtype, dynamic=False)
+            if config[0] == "t":  # the skinny kernels are offered for K-contiguous right operands only
+                run_compare(lambda a, b: a @ b, a, b, dtype=dtype, dynamic=False)
+                run_compare(lambda at, b: at.t() @ b, a.t().contiguous(), b, dtype=dtype, dynamic=False)
+    assert kernel_calls(config) >= 2 * 3 * len(rows) * len(shapes), "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_ember_gemm_kernels_in_training_and_graphs(mode, monkeypatch):
+    """Forward and backward GEMMs (transposed operands on both sides) through ember's kernels, eagerly and
+    replayed from CUDA graphs, against eager's values and gradients."""
+    monkeypatch.setenv("EMBER_GEMM_ROUTE", "kernel")
+    model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 7)).cuda()
+    if mode == "default":
+        check(model, torch.randn(17, 33, device="cuda"), **MATMUL_TOL)
+    else:
+        compiled = torch.compile(model, backend="ember", mode="reduce-overhead")
+        for _ in range(5):
+            x = torch.randn(17, 33, device="cuda")
+            torch.compiler.cudagraph_mark_step_begin()
+            got = compiled(x)
+            want = model(x)
+            assert_same(got.detach().clone(), want.detach(), **MATMUL_TOL)
+            g = torch.autograd.grad(got.square().sum(), list(model.parameters()))
+            w = torch.autograd.grad(want.square().sum(), list(model.parameters()))
+            for x1, x2 in zip(g, w):
+                assert_same(x1, x2, **MATMUL_TOL)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert lt_calls(prefix=("fast path: ember gemm kernel",)) > 0, listing
+
+
+def test_small_linears_choose_by_host_and_gpu_time():
+    """Without forcing, the first call's timing decides; 20 x Linear(100, 100) at batch 32 is host-bound, and
+    whichever route wins, values match eager."""
+    model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(20)]).cuda().eval()
+    with torch.no_grad():
+        check(model, torch.randn(32, 100, device="cuda"), grad=False, **MATMUL_TOL)
+    assert lt_calls() >= 20
