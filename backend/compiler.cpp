@@ -10,6 +10,7 @@
 #include "ember/compiler.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/driver.h"
 #include "kernels/kernels.h"
 #include "passes/passes.h"
 
@@ -85,8 +86,15 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   auto timings = run_passes(graph, default_passes(), ctx);
   auto t0 = Clock::now();
   std::string listing, declined;
+  const cuda::CompileStats before = cuda::compile_stats();
   auto kernels = generate_kernels(graph, options, &listing, &declined);
   timings.emplace_back("codegen", ms_since(t0));
+  const cuda::CompileStats after = cuda::compile_stats();
+  if (after.compiled > before.compiled || after.from_cache > before.from_cache) {
+    // Parts of codegen (a name with ':' is not added to the total; NVRTC time summed over its threads).
+    timings.emplace_back("codegen: nvrtc", after.nvrtc_ms - before.nvrtc_ms);
+    timings.emplace_back("codegen: module load", after.load_ms - before.load_ms);
+  }
   dump(options, "kernels.txt", listing + (declined.empty() ? "" : "declined:\n" + declined));
   t0 = Clock::now();
   Plan plan = build_plan(graph, constants, kernels);

@@ -14,6 +14,7 @@
 #include "ember/cudagraph.h"
 #include "ember/error.h"
 #include "ember/model.h"
+#include "kernels/cuda/driver.h"
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -213,6 +214,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"),
         "The graph as a callable taking its inputs positionally, after `prefix`; see DirectCall.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
+  m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
+        "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");
   m.def("mark_step_begin", &mark_step_begin);
   m.def("roundtrip", [](const std::string& text) { return print(parse(text)); },
         "Parses IR text and prints it back (the canonical form).");

@@ -15,6 +15,8 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
+#include <future>
 #include <map>
 #include <cstdlib>
 #include <mutex>
@@ -153,7 +155,35 @@ void make_current(int device) {
   check(a.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
 }
 
+std::mutex stats_mu;
+CompileStats stats;
+
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The warm-up's work (warm_up_async); a std::async future, so a process exiting during it waits for it.
+std::mutex warm_mu;
+std::shared_future<void>& warm_up_future() {
+  static std::shared_future<void> f;
+  return f;
+}
+
+void wait_for_warm_up() {
+  std::shared_future<void> f;
+  {
+    std::lock_guard<std::mutex> lock(warm_mu);
+    f = warm_up_future();
+  }
+  if (f.valid()) f.wait();
+}
+
 }  // namespace
+
+CompileStats compile_stats() {
+  std::lock_guard<std::mutex> lock(stats_mu);
+  return stats;
+}
 
 bool available(std::string* why_not) {
   try {
@@ -210,6 +240,24 @@ std::string nvrtc_compile(const std::string& source, const std::string& name, co
 
 }  // namespace
 
+void warm_up_async() {
+  std::lock_guard<std::mutex> lock(warm_mu);
+  if (warm_up_future().valid()) return;
+  warm_up_future() = std::async(std::launch::async, [] {
+    auto t0 = std::chrono::steady_clock::now();
+    try {
+      api();
+      nvrtc_api();
+      // A program of its own (never cached): what the first compile in a process pays beyond its source.
+      nvrtc_compile("extern \"C\" __global__ void ember_warm_up(float* x) { x[threadIdx.x] *= 2.f; }\n",
+                    "ember_warm_up", arch(0));
+    } catch (const std::exception&) {  // no driver or NVRTC: the real compile reports it
+    }
+    std::lock_guard<std::mutex> stats_lock(stats_mu);
+    stats.warm_up_ms += ms_since(t0);
+  }).share();
+}
+
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images) {
   // The process cache keeps each image next to its module, so a store handed in later (an export
@@ -221,6 +269,7 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
   static std::mutex mu;
   static std::unordered_map<std::string, Loaded> cache;
   if (names.empty()) throw Error("CUDA: a module needs at least one entry point");
+  wait_for_warm_up();
   const Api& a = api();
   make_current(device);
   const std::string target = arch(device);
@@ -250,14 +299,27 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
     const std::string dir = disk_cache_dir();
     if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
       image = std::move(*cached);
+      std::lock_guard<std::mutex> lock(stats_mu);
+      ++stats.from_cache;
     } else {
+      auto t0 = std::chrono::steady_clock::now();
       image = KernelImage{target, source, nvrtc_compile(source, names.front(), target), version};
+      {
+        std::lock_guard<std::mutex> lock(stats_mu);
+        stats.nvrtc_ms += ms_since(t0);
+        ++stats.compiled;
+      }
       disk_cache_store(dir, image);
     }
     if (images) images->add(image);
   }
   void* module = nullptr;
+  auto t_load = std::chrono::steady_clock::now();
   check(a.cuModuleLoadData(&module, image.image.data()), "cuModuleLoadData");
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.load_ms += ms_since(t_load);
+  }
   std::lock_guard<std::mutex> lock(mu);
   // A racing compile of the same source keeps the first.
   return functions(cache.emplace(key, Loaded{module, std::move(image)}).first->second.module);

@@ -12,6 +12,19 @@ class ImageStore;
 // found, and needed only for kernels that no image store holds.
 bool available(std::string* why_not);
 
+// Starts loading the driver and NVRTC and compiling a trivial program on a thread of its own, so that
+// NVRTC's first-use cost in the process (loading its libraries, its first compile) overlaps the tracing
+// that precedes a graph's code generation; compile() waits for it. Returns at once; repeated calls do
+// nothing.
+void warm_up_async();
+
+// Process-wide totals of compile work (milliseconds; NVRTC summed over threads).
+struct CompileStats {
+  double nvrtc_ms = 0, load_ms = 0, warm_up_ms = 0;
+  int compiled = 0, from_cache = 0;
+};
+CompileStats compile_stats();
+
 // `device`'s architecture as NVRTC names it: "sm_90".
 std::string arch(int device);
 // The NVRTC version, "13.0"; throws ember::Error where NVRTC is not found.

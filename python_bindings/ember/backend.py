@@ -268,6 +268,11 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
     from .decompositions import decomposition_table
 
+    if any(getattr(x, "is_cuda", False) for x in example_inputs):
+        from . import _C
+
+        _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
+
     inference = []
 
     def compiler(kind):
