@@ -15,6 +15,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
+#include <future>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -144,10 +145,20 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
       *listing += "// (" + source.strided_vector_entry + ", the strided vector entry, compiles from this source on first use)\n";
     *listing += "\n";
   }
-  std::vector<std::string> entries{source.general};
+  std::vector<std::string> entries;
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
-  std::vector<void*> functions = compile(source.text, entries, device, images);
+  std::vector<void*> functions;
+  if (!source.entries_text.empty()) {  // two modules compiled at once (cuda_source.h)
+    auto general = std::async(std::launch::async,
+                              [&] { return compile(source.general_text, source.general, device, images); });
+    std::vector<void*> others = compile(source.entries_text, entries, device, images);
+    functions.push_back(general.get());
+    functions.insert(functions.end(), others.begin(), others.end());
+  } else {
+    entries.insert(entries.begin(), source.general);
+    functions = compile(source.text, entries, device, images);
+  }
   // Packages hold every image: exporting or loading one compiles the strided entry now.
   // EMBER_CUDA_STRIDED=eager does so always (a measuring switch: the first call's cost of doing so).
   static const bool eager = [] {

@@ -127,6 +127,7 @@ class Printer {
       << "]; i64 stride[" << ni() << "][" << rank() << "]; i64 numel, rows, cols; unsigned vec, bcast, inner, chan; i64 period["
       << ni() << "], span[" << ni() << "]; float scalar[" << ns() << "];"
       << (p_.outer > 0 ? " float* part; unsigned* count; i64 splits, chunk;" : "") << " };\n";
+    const size_t header_end = o.s.size();
     o << "extern \"C\" __global__ void " << name << "(Params p) {\n";
     if (p_.outer > 0) {
       out.column_reductions = static_cast<int>(reduction_instrs().size());
@@ -135,6 +136,9 @@ class Printer {
     else if (p_.has_reduction) rows(o);
     else flat(o);
     o << "}\n";
+    const size_t general_end = o.s.size();
+    // The header and whatever follows the general kernel: a module without it.
+    auto without_general = [&] { return o.s.substr(0, header_end) + o.s.substr(general_end); };
     if (!p_.has_reduction) {
       out.vector_entry = name + "_vec";
       out.strided_vector_entry = name + "_vec_strided";
@@ -142,7 +146,8 @@ class Printer {
       // The strided entry is a module of its own (strided_text), compiled on first use: it is a fallback
       // (misaligned or irregularly strided inputs), and it was most of the module's compile time (nvcc,
       // sm_90: resnet50's batch norm + add + relu 5.2 s with it, 0.8 s without).
-      out.strided_text = o.s + "extern \"C\" __global__ void " + out.strided_vector_entry + "(Params p) { flat_vec<true>(p); }\n";
+      out.strided_text = without_general() + "extern \"C\" __global__ void " + out.strided_vector_entry +
+                         "(Params p) { flat_vec<true>(p); }\n";
       o << "extern \"C\" __global__ void " << out.vector_entry << "(Params p) { flat_vec<false>(p); }\n";
     } else if (p_.outer == 0) {
       out.rows = row_variants(name);
@@ -152,6 +157,10 @@ class Printer {
           << (min_resident_blocks(v) ? "__launch_bounds__(256, " + str(min_resident_blocks(v)) + ") " : std::string()) << v.entry
           << "(Params p) { rows_cached<" << v.chunks << ", "
           << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
+    }
+    if (!out.vector_entry.empty() || !out.rows.empty()) {
+      out.general_text = o.s.substr(0, general_end);
+      out.entries_text = without_general();
     }
     out.text = std::move(o.s);
     return out;

@@ -28,6 +28,11 @@ struct RowVariant {
 struct CudaSource {
   std::string text;          // the module: the general entry, the vector entry or the row variants
   std::string strided_text;  // flat groups: the module of the strided vector entry alone (compiled lazily)
+  // Where the module has entries besides the general one: `text` split into the general entry's module
+  // and the others', which NVRTC compiles at the same time on two threads (its time is mostly ptxas
+  // optimizing each entry; a pointwise group's two entries took ~0.5 s together on this project's
+  // 2-core machine).
+  std::string general_text, entries_text;
   std::string general;       // the strided kernel: flat groups, General rows, or column groups' only entry
   int column_reductions = 0;  // column groups: reductions, each with a workspace row per chunk of rows
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty

@@ -680,13 +680,37 @@ TEST(CudaCodegen, GeneratedSourceCompilesWithNvcc) {
       }
       std::string cmd = "nvcc -std=c++17 -arch=sm_90 --ptx -x cu -o " + path + ".ptx " + path + ".cu > " + path + ".log 2>&1";
       ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << ".cu (log in " << path << ".log)";
+      // The modules compiled apart: the strided entry (on first use), and the general entry beside the
+      // others (make_fused_kernel compiles the two at once). Each holds its entries and no other.
+      auto entry = [](const std::string& name) { return "__global__ void " + name + "(Params p)"; };
+      std::vector<std::pair<std::string, std::string>> parts;  // (suffix, text)
       if (!generated.strided_text.empty()) {
-        {
-          std::ofstream f(path + "_strided.cu");
-          f << generated.strided_text;
+        parts.emplace_back("_strided", generated.strided_text);
+        EXPECT_NE(generated.strided_text.find(entry(generated.strided_vector_entry)), std::string::npos);
+        EXPECT_EQ(generated.strided_text.find(entry("k")), std::string::npos) << label;
+      }
+      if (!generated.entries_text.empty()) {
+        parts.emplace_back("_general", generated.general_text);
+        parts.emplace_back("_entries", generated.entries_text);
+        EXPECT_NE(generated.general_text.find(entry("k")), std::string::npos) << label;
+        EXPECT_EQ(generated.entries_text.find(entry("k")), std::string::npos) << label;
+        if (!generated.vector_entry.empty()) {
+          EXPECT_NE(generated.entries_text.find(entry(generated.vector_entry)), std::string::npos) << label;
+          EXPECT_EQ(generated.general_text.find(entry(generated.vector_entry)), std::string::npos) << label;
         }
-        cmd = "nvcc -std=c++17 -arch=sm_90 --ptx -x cu -o " + path + "_strided.ptx " + path + "_strided.cu > " + path + "_strided.log 2>&1";
-        ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << "_strided.cu";
+        for (const cuda::RowVariant& v : generated.rows)
+          EXPECT_NE(generated.entries_text.find(v.entry + "(Params p)"), std::string::npos) << label;
+      } else {
+        EXPECT_TRUE(generated.vector_entry.empty() && generated.rows.empty()) << label;
+      }
+      for (const auto& [suffix, module] : parts) {
+        {
+          std::ofstream f(path + suffix + ".cu");
+          f << module;
+        }
+        cmd = "nvcc -std=c++17 -arch=sm_90 --ptx -x cu -o " + path + suffix + ".ptx " + path + suffix + ".cu > " + path +
+              suffix + ".log 2>&1";
+        ASSERT_EQ(std::system(cmd.c_str()), 0) << "nvcc rejected " << path << suffix << ".cu";
       }
       if (label == "pointwise_f32") {
         std::ifstream f(path + ".ptx");
