@@ -238,6 +238,17 @@ std::string nvrtc_compile(const std::string& source, const std::string& name, co
   return cubin;
 }
 
+// The functions `names` of a loaded module, in order.
+std::vector<void*> entry_points(void* module, const std::vector<std::string>& names) {
+  std::vector<void*> out;
+  for (const std::string& name : names) {
+    void* function = nullptr;
+    check(api().cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
+    out.push_back(function);
+  }
+  return out;
+}
+
 }  // namespace
 
 void warm_up_async() {
@@ -274,15 +285,7 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
   make_current(device);
   const std::string target = arch(device);
   std::string key = target + "\n" + source;
-  auto functions = [&](void* module) {
-    std::vector<void*> out;
-    for (const std::string& name : names) {
-      void* function = nullptr;
-      check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
-      out.push_back(function);
-    }
-    return out;
-  };
+  auto functions = [&](void* module) { return entry_points(module, names); };
   {
     std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(key); it != cache.end()) {
@@ -337,13 +340,7 @@ std::vector<void*> load_image(const void* image, const std::vector<std::string>&
   std::lock_guard<std::mutex> lock(mu);
   void*& module = modules[{image, device}];
   if (!module) check(a.cuModuleLoadData(&module, image), "cuModuleLoadData");
-  std::vector<void*> out;
-  for (const std::string& name : names) {
-    void* function = nullptr;
-    check(a.cuModuleGetFunction(&function, module, name.c_str()), "cuModuleGetFunction");
-    out.push_back(function);
-  }
-  return out;
+  return entry_points(module, names);
 }
 
 int multiprocessor_count(int device) {
