@@ -47,7 +47,7 @@
 //     kKernelHostMs) beats max(the best cuBLASLt candidate's score, kLtHostMs); in the warm-up for a
 //     capture, on GPU time alone. The kernels are no match for cuBLAS on arithmetic (64x1024x1024 f32:
 //     t16 30 us, cuBLAS 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
-//     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16 one configuration (tests run each).
+//     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16|k16|k32 one configuration (tests run each).
 #include "ember/error.h"
 #include "ember/runtime.h"
 #include "kernels/cuda/driver.h"
@@ -174,16 +174,20 @@ struct Choice {
 };
 
 // ember's GEMM kernels (point 7; the entry points of kernels/cuda/gemm_kernels.cu): a tile of rows x cols
-// outputs per block, or `skinny`: up to `rows` rows, two columns per warp of four per block, for a
-// K-contiguous B.
+// outputs per block (k16, k32: with K split over groups of the block's threads), or `skinny`: up to
+// `rows` rows, two columns per warp of four per block, for a K-contiguous B. Timed only for problems of
+// at least min_rows rows and min_k of K (a 64-row tile over a handful of rows, or split K over one
+// chunk, is never the fastest).
 struct KernelConfig {
   const char* name;
   bool skinny;
   int rows, cols, threads;
+  int64_t min_rows = 0, min_k = 0;
 };
 constexpr KernelConfig kKernelConfigs[] = {
-    {"t64", false, 64, 64, 256}, {"t32", false, 32, 64, 256}, {"t16", false, 16, 32, 128},
-    {"s4", true, 4, 8, 128},     {"s16", true, 16, 8, 128},
+    {"t64", false, 64, 64, 256, 32}, {"t32", false, 32, 64, 256}, {"t16", false, 16, 32, 128},
+    {"s4", true, 4, 8, 128},         {"s16", true, 16, 8, 128},   {"k16", false, 16, 32, 512, 0, 256},
+    {"k32", false, 32, 64, 512, 0, 256},
 };
 constexpr size_t kKernelConfigCount = sizeof(kKernelConfigs) / sizeof(kKernelConfigs[0]);
 constexpr double kKernelMaxMacs = double(int64_t{1} << 26);
@@ -505,7 +509,7 @@ class LtGemm final : public FastPath {
         // is not mostly empty (t64).
         const bool can = (k.skinny ? s_.m <= k.rows : (s_.m + k.rows - 1) / k.rows <= 65535) &&
                          (s_.n + k.cols - 1) / k.cols <= INT32_MAX;
-        const bool worth = k.skinny ? s_.b_strides[0] == 1 || s_.k == 1 : i > 0 || s_.m >= 32;
+        const bool worth = s_.m >= k.min_rows && s_.k >= k.min_k && (!k.skinny || s_.b_strides[0] == 1 || s_.k == 1);
         if (can && (only >= 0 ? static_cast<int>(i) == only : worth))
           candidates.push_back({Route::Kernel, {}, 0, static_cast<int>(i)});
       }

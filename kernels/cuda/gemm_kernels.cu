@@ -13,6 +13,8 @@
 //    stores consecutive), K in chunks of 32 through shared memory, the next chunk loading into registers
 //    while this one is multiplied. Each operand is loaded with consecutive threads on its contiguous
 //    dimension, whichever that is.
+//  - k16, k32: the 16x32 and 32x64 tiles with K split over 4 and 2 groups of threads in the block, for
+//    long K over few tiles (a batch-64 linear layer of 1024 inputs: 32 chunks of K per tile).
 //  - skinny<RM>: M <= RM rows (a batch-1 or batch-16 linear layer), B stored K-contiguous (a weight
 //    W[N, K] read as W^T): each warp computes all rows of two columns, lanes split K (16-byte loads where
 //    the operands allow) and the sums meet through warp shuffles; each lane then stores one output.
@@ -56,19 +58,21 @@ template <class T, int R, int BK, int NT>
 struct Chunk {
   static constexpr int kPer = R * BK / NT;
   float v[kPer];
-  __device__ __forceinline__ void load(const T* base, i64 r0, i64 rows, i64 k0, i64 k, i64 s_row, i64 s_k, bool along_k) {
+  // `t`: this thread's index among the NT that share the chunk.
+  __device__ __forceinline__ void load(const T* base, i64 r0, i64 rows, i64 k0, i64 k, i64 s_row, i64 s_k, bool along_k,
+                                       int t) {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      const int e = threadIdx.x + i * NT;
+      const int e = t + i * NT;
       const int r = along_k ? e / BK : e % R, kk = along_k ? e % BK : e / R;
       const i64 gr = r0 + r, gk = k0 + kk;
       v[i] = gr < rows && gk < k ? to_f(base[gr * s_row + gk * s_k]) : 0.f;
     }
   }
-  __device__ __forceinline__ void store(float (*smem)[R + 1], bool along_k) const {
+  __device__ __forceinline__ void store(float (*smem)[R + 1], bool along_k, int t) const {
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      const int e = threadIdx.x + i * NT;
+      const int e = t + i * NT;
       const int r = along_k ? e / BK : e % R, kk = along_k ? e % BK : e / R;
       smem[kk][r] = v[i];
     }
@@ -76,16 +80,18 @@ struct Chunk {
 };
 
 // Each K-chunk's loads are issued together and the next chunk's are in flight while this one is
-// multiplied: small GEMMs are bound by memory latency, not arithmetic.
-template <class T, int BM, int BN, int TM, int TN>
+// multiplied: small GEMMs are bound by memory latency, not arithmetic. With S > 1 the block is S groups
+// of NT threads, each taking every S-th chunk of K for the same tile (S times the loads in flight where
+// K is long and the tiles few), their sums added in group order through shared memory at the end.
+template <class T, int BM, int BN, int TM, int TN, int S>
 __device__ __forceinline__ void tile(const GemmParams& p) {
   constexpr int BK = 32, TX = BN / TN, TY = BM / TM, NT = TX * TY;
   static_assert(BM * BK % NT == 0 && BN * BK % NT == 0, "a chunk must split evenly over the threads");
-  __shared__ float As[BK][BM + 1];
-  __shared__ float Bs[BK][BN + 1];
+  __shared__ float As[S][BK][BM + 1];
+  __shared__ float Bs[S][BK][BN + 1];
   const T* A = static_cast<const T*>(p.a);
   const T* B = static_cast<const T*>(p.b);
-  const int tid = threadIdx.x, tx = tid % TX, ty = tid / TX;
+  const int g = threadIdx.x / NT, t = threadIdx.x % NT, tx = t % TX, ty = t / TX;
   const i64 m0 = static_cast<i64>(blockIdx.y) * BM, n0 = static_cast<i64>(blockIdx.x) * BN;
   const bool a_along_k = p.sa1 == 1, b_along_k = p.sb0 == 1;
   float acc[TM][TN];
@@ -95,29 +101,49 @@ __device__ __forceinline__ void tile(const GemmParams& p) {
     for (int j = 0; j < TN; ++j) acc[i][j] = 0.f;
   Chunk<T, BM, BK, NT> a;
   Chunk<T, BN, BK, NT> b;
-  a.load(A, m0, p.m, 0, p.k, p.sa0, p.sa1, a_along_k);
-  b.load(B, n0, p.n, 0, p.k, p.sb1, p.sb0, b_along_k);
-  for (i64 k0 = 0; k0 < p.k; k0 += BK) {
-    a.store(As, a_along_k);
-    b.store(Bs, b_along_k);
+  constexpr i64 kStep = static_cast<i64>(S) * BK;
+  const i64 rounds = (p.k + kStep - 1) / kStep;  // the same for every group: all reach each barrier
+  i64 k0 = static_cast<i64>(g) * BK;
+  a.load(A, m0, p.m, k0, p.k, p.sa0, p.sa1, a_along_k, t);
+  b.load(B, n0, p.n, k0, p.k, p.sb1, p.sb0, b_along_k, t);
+  for (i64 r = 0; r < rounds; ++r, k0 += kStep) {
+    a.store(As[g], a_along_k, t);
+    b.store(Bs[g], b_along_k, t);
     __syncthreads();
-    if (k0 + BK < p.k) {
-      a.load(A, m0, p.m, k0 + BK, p.k, p.sa0, p.sa1, a_along_k);
-      b.load(B, n0, p.n, k0 + BK, p.k, p.sb1, p.sb0, b_along_k);
+    if (r + 1 < rounds) {
+      a.load(A, m0, p.m, k0 + kStep, p.k, p.sa0, p.sa1, a_along_k, t);
+      b.load(B, n0, p.n, k0 + kStep, p.k, p.sb1, p.sb0, b_along_k, t);
     }
 #pragma unroll
     for (int kk = 0; kk < BK; ++kk) {
       float x[TM], y[TN];
 #pragma unroll
-      for (int i = 0; i < TM; ++i) x[i] = As[kk][ty + i * TY];
+      for (int i = 0; i < TM; ++i) x[i] = As[g][kk][ty + i * TY];
 #pragma unroll
-      for (int j = 0; j < TN; ++j) y[j] = Bs[kk][tx + j * TX];
+      for (int j = 0; j < TN; ++j) y[j] = Bs[g][kk][tx + j * TX];
 #pragma unroll
       for (int i = 0; i < TM; ++i)
 #pragma unroll
         for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(x[i], y[j], acc[i][j]);
     }
     __syncthreads();
+  }
+  if constexpr (S > 1) {
+    __shared__ float part[S - 1][TM * TN][NT];
+    if (g > 0) {
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) part[g - 1][i * TN + j][t] = acc[i][j];
+    }
+    __syncthreads();
+    if (g > 0) return;
+#pragma unroll
+    for (int h = 0; h < S - 1; ++h)
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < TN; ++j) acc[i][j] += part[h][i * TN + j][t];
   }
   T* out = static_cast<T*>(p.out);
 #pragma unroll
@@ -218,11 +244,13 @@ __device__ __forceinline__ void skinny(const GemmParams& p) {
 // Entry points: ember_gemm_<config>_<dtype>; gemm.cpp's kKernelConfigs lists the configs and their
 // launch shapes.
 #define EMBER_GEMM_ENTRIES(suffix, T)                                                                     \
-  extern "C" __global__ void __launch_bounds__(256) ember_gemm_t64_##suffix(GemmParams p) { tile<T, 64, 64, 4, 4>(p); } \
-  extern "C" __global__ void __launch_bounds__(256) ember_gemm_t32_##suffix(GemmParams p) { tile<T, 32, 64, 2, 4>(p); } \
-  extern "C" __global__ void __launch_bounds__(128) ember_gemm_t16_##suffix(GemmParams p) { tile<T, 16, 32, 2, 2>(p); } \
-  extern "C" __global__ void __launch_bounds__(128) ember_gemm_s4_##suffix(GemmParams p) { skinny<T, 4>(p); }           \
-  extern "C" __global__ void __launch_bounds__(128) ember_gemm_s16_##suffix(GemmParams p) { skinny<T, 16>(p); }
+  extern "C" __global__ void __launch_bounds__(256) ember_gemm_t64_##suffix(GemmParams p) { tile<T, 64, 64, 4, 4, 1>(p); } \
+  extern "C" __global__ void __launch_bounds__(256) ember_gemm_t32_##suffix(GemmParams p) { tile<T, 32, 64, 2, 4, 1>(p); } \
+  extern "C" __global__ void __launch_bounds__(128) ember_gemm_t16_##suffix(GemmParams p) { tile<T, 16, 32, 2, 2, 1>(p); } \
+  extern "C" __global__ void __launch_bounds__(128) ember_gemm_s4_##suffix(GemmParams p) { skinny<T, 4>(p); }              \
+  extern "C" __global__ void __launch_bounds__(128) ember_gemm_s16_##suffix(GemmParams p) { skinny<T, 16>(p); }            \
+  extern "C" __global__ void __launch_bounds__(512) ember_gemm_k16_##suffix(GemmParams p) { tile<T, 16, 32, 2, 2, 4>(p); } \
+  extern "C" __global__ void __launch_bounds__(512) ember_gemm_k32_##suffix(GemmParams p) { tile<T, 32, 64, 2, 4, 2>(p); }
 
 EMBER_GEMM_ENTRIES(f32, float)
 EMBER_GEMM_ENTRIES(f16, __half)

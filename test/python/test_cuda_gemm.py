@@ -179,7 +179,7 @@ def test_training_forward_and_backward():
     assert lt_calls() > 0
 
 
-KERNELS = ["t64", "t32", "t16", "s4", "s16"]
+KERNELS = ["t64", "t32", "t16", "s4", "s16", "k16", "k32"]
 
 
 def kernel_calls(config):
