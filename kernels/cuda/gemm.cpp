@@ -45,8 +45,8 @@
 //     that (8 us for cuBLASLt and for the t16 kernel at 32x100x100, L2 evicted), so the host time is their
 //     time in a graph of them. Outside graph capture a kernel is therefore chosen when max(its GPU time,
 //     kKernelHostMs) beats max(the best cuBLASLt candidate's score, kLtHostMs); in the warm-up for a
-//     capture, on GPU time alone. The kernels are no match for cuBLAS on arithmetic (64x1024x1024 f32:
-//     t16 30 us, cuBLAS 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
+//     capture, on GPU time alone. Beyond latency-bound sizes cuBLAS wins on arithmetic (64x1024x1024 f32
+//     without epilogue: k16 20 us, ATen's mm 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
 //     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16|k16|k32 one configuration (tests run each).
 #include "ember/error.h"
 #include "ember/runtime.h"
