@@ -15,9 +15,9 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
-#include <future>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <string>
 #include <mutex>
 

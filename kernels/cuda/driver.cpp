@@ -16,9 +16,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <future>
 #include <map>
-#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 
@@ -255,7 +255,6 @@ void warm_up_async() {
   std::lock_guard<std::mutex> lock(warm_mu);
   if (warm_up_future().valid()) return;
   warm_up_future() = std::async(std::launch::async, [] {
-    auto t0 = std::chrono::steady_clock::now();
     try {
       api();
       nvrtc_api();
@@ -264,8 +263,6 @@ void warm_up_async() {
                     "ember_warm_up", arch(0));
     } catch (const std::exception&) {  // no driver or NVRTC: the real compile reports it
     }
-    std::lock_guard<std::mutex> stats_lock(stats_mu);
-    stats.warm_up_ms += ms_since(t0);
   }).share();
 }
 

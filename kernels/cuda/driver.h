@@ -20,7 +20,7 @@ void warm_up_async();
 
 // Process-wide totals of compile work (milliseconds; NVRTC summed over threads).
 struct CompileStats {
-  double nvrtc_ms = 0, load_ms = 0, warm_up_ms = 0;
+  double nvrtc_ms = 0, load_ms = 0;
   int compiled = 0, from_cache = 0;
 };
 CompileStats compile_stats();

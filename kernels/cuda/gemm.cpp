@@ -170,7 +170,8 @@ struct Choice {
   Route route = Route::Lt;
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
-  int config = 0;  // Route::Kernel: index into kKernelConfigs
+  int config = 0;            // Route::Kernel: index into kKernelConfigs
+  void* function = nullptr;  // Route::Kernel: its entry point for the problem's dtype and device
 };
 
 // ember's GEMM kernels (point 7; the entry points of kernels/cuda/gemm_kernels.cu): a tile of rows x cols
@@ -415,9 +416,7 @@ class LtGemm final : public FastPath {
   bool launch(const Prepared& p, const Choice& c, cublasLtHandle_t handle, const at::Tensor& a, const at::Tensor& b,
               const at::Tensor* bias, at::Tensor& out, void* workspace, cudaStream_t stream) const {
     if (c.route == Route::Kernel) {
-      const std::vector<void*>& functions = kernel_functions(s_.device);
       const KernelConfig& k = kKernelConfigs[c.config];
-      const size_t dtype = s_.dtype == c10::kFloat ? 0 : s_.dtype == c10::kHalf ? 1 : 2;
       GemmParams params{a.data_ptr(), b.data_ptr(), bias ? bias->data_ptr() : nullptr, out.data_ptr(),
                         s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
                         s_.epilogue == Epilogue::ReluBias ? 1 : s_.epilogue == Epilogue::GeluBias ? 2 : 0};
@@ -428,7 +427,7 @@ class LtGemm final : public FastPath {
         blocks = static_cast<unsigned>((s_.n + k.cols - 1) / k.cols);
         blocks_y = static_cast<unsigned>((s_.m + k.rows - 1) / k.rows);
       }
-      cuda::launch(functions[c.config * 3 + dtype], blocks, static_cast<unsigned>(k.threads), stream, &params,
+      cuda::launch(c.function, blocks, static_cast<unsigned>(k.threads), stream, &params,
                    s_.device, blocks_y);
       return true;
     }
@@ -501,8 +500,10 @@ class LtGemm final : public FastPath {
     }
     const int forced = forced_route();
     const double macs = double(s_.m) * double(s_.n) * double(s_.k);
-    if ((macs <= kKernelMaxMacs || forced == static_cast<int>(Route::Kernel)) && !kernel_functions(s_.device).empty()) {
+    const std::vector<void*>& functions = kernel_functions(s_.device);  // looked up here, not per call
+    if ((macs <= kKernelMaxMacs || forced == static_cast<int>(Route::Kernel)) && !functions.empty()) {
       const int only = forced_kernel();
+      const size_t dtype = s_.dtype == c10::kFloat ? 0 : s_.dtype == c10::kHalf ? 1 : 2;
       for (size_t i = 0; i < kKernelConfigCount; ++i) {
         const KernelConfig& k = kKernelConfigs[i];
         // Correct for any strides; worth timing only where its loads are coalesced (skinny) or its tile
@@ -511,7 +512,7 @@ class LtGemm final : public FastPath {
                          (s_.n + k.cols - 1) / k.cols <= INT32_MAX;
         const bool worth = s_.m >= k.min_rows && s_.k >= k.min_k && (!k.skinny || s_.b_strides[0] == 1 || s_.k == 1);
         if (can && (only >= 0 ? static_cast<int>(i) == only : worth))
-          candidates.push_back({Route::Kernel, {}, 0, static_cast<int>(i)});
+          candidates.push_back({Route::Kernel, {}, 0, static_cast<int>(i), functions[i * 3 + dtype]});
       }
     }
     if (good && (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias)) {
