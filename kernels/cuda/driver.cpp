@@ -32,6 +32,8 @@ constexpr int kComputeCapabilityMajor = 75;
 constexpr int kComputeCapabilityMinor = 76;
 constexpr int kMultiprocessorCount = 16;
 constexpr int kFunctionMaxThreadsPerBlock = 0;
+constexpr int kMaxSharedMemoryPerBlockOptin = 97;
+constexpr int kFunctionMaxDynamicSharedSizeBytes = 8;
 
 // The driver is needed to run anything; NVRTC only to compile what no image store holds.
 struct Api {
@@ -48,6 +50,7 @@ struct Api {
                              void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuFuncGetAttribute)(int*, int, void*);
+  CUresult (*cuFuncSetAttribute)(void*, int, int);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, void*, int, size_t);
   // nvrtc
   nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
@@ -114,6 +117,7 @@ const Api& api() {
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
       bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
+      bind(driver, "cuFuncSetAttribute", a.cuFuncSetAttribute);
       bind(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", a.cuOccupancyMaxActiveBlocksPerMultiprocessor);
       if (a.cuInit(0) != 0) throw Error("cuInit failed");
     } catch (const Error& e) {
@@ -352,6 +356,18 @@ int multiprocessor_count(int device) {
   return counts[device] = std::max(count, 1);
 }
 
+int max_shared_memory_optin(int device) {
+  const Api& a = api();
+  int dev = 0, bytes = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(a.cuDeviceGetAttribute(&bytes, kMaxSharedMemoryPerBlockOptin, dev), "cuDeviceGetAttribute");
+  return bytes;
+}
+
+void set_max_dynamic_shared_memory(void* function, int bytes) {
+  check(api().cuFuncSetAttribute(function, kFunctionMaxDynamicSharedSizeBytes, bytes), "cuFuncSetAttribute");
+}
+
 int max_threads_per_block(void* function) {
   int threads = 0;
   check(api().cuFuncGetAttribute(&threads, kFunctionMaxThreadsPerBlock, function), "cuFuncGetAttribute");
@@ -365,10 +381,12 @@ int resident_blocks(void* function, int threads) {
   return blocks;
 }
 
-void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y) {
+void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y,
+            unsigned shared_bytes) {
   make_current(device);
   void* args[] = {params};
-  check(api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, 0, stream, args, nullptr), "cuLaunchKernel");
+  check(api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, shared_bytes, stream, args, nullptr),
+        "cuLaunchKernel");
 }
 
 }  // namespace ember::cuda

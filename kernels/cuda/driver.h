@@ -52,8 +52,14 @@ int resident_blocks(void* function, int threads);
 // `device`'s multiprocessor count, queried once per device.
 int multiprocessor_count(int device);
 
+// The most shared memory one block of a kernel may use on `device` once the kernel allows it (bytes).
+int max_shared_memory_optin(int device);
+// Allows `function` up to `bytes` of dynamic shared memory per block (beyond the default 48 KB).
+void set_max_dynamic_shared_memory(void* function, int bytes);
+
 // Launches `function` with one by-value struct argument `params` on `stream` (a CUstream), on a grid of
-// blocks x blocks_y.
-void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y = 1);
+// blocks x blocks_y, with `shared_bytes` of dynamic shared memory per block.
+void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y = 1,
+            unsigned shared_bytes = 0);
 
 }  // namespace ember::cuda
