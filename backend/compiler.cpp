@@ -1,6 +1,6 @@
 // The pipeline, in one list:
 //
-//   verify -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
+//   verify -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse                                     (passes)
 //          -> generate_kernels (one kernel per fusion group)                   (codegen)
 //          -> build_plan                                                       (runtime)
@@ -43,6 +43,7 @@ const std::vector<Pass>& default_passes() {
       {"fold_matmul", fold_batched_matmul},
       {"addmm_act", fuse_addmm_activation},  // before dce, which drops the addmm it absorbed
       {"pad_mm", pad_matmul},                // after addmm_act (whose mm it may pad), before dce
+      {"linear_chain", fuse_linear_chains},  // after addmm_act (whose layers it chains), before dce
       {"fold_batchnorm", fold_batchnorm},
       {"bn_pointwise", batchnorm_pointwise},  // CUDA batch norms the fold left, as pointwise ops for fuse
       {"dce", eliminate_dead_code},

@@ -17,6 +17,7 @@ std::unordered_set<const Node*> dead_nodes(const Graph& graph);
 void eliminate_common_subexpressions(Graph& graph, PassContext& ctx);
 void claim_matmul_epilogues(Graph& graph, PassContext& ctx);
 void fuse_addmm_activation(Graph& graph, PassContext& ctx);
+void fuse_linear_chains(Graph& graph, PassContext& ctx);
 void pad_matmul(Graph& graph, PassContext& ctx);
 void fuse(Graph& graph, PassContext& ctx);
 

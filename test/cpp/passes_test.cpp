@@ -758,5 +758,95 @@ TEST(FoldBatchNorm, CudaLeavesBatchNormsWithoutAReluOrCachedParameters) {
   EXPECT_EQ(off, print(parse(bare)));
 }
 
+// Consecutive small CUDA linear layers (passes/linear_chain.cpp): one ember::linear_chain node in the last
+// layer's place, the others left for dce.
+TEST(LinearChain, ConsecutiveSmallCudaLinearsBecomeOneChain) {
+  const std::string in =
+      "graph(%x: f32[32, 100]{100, 1}@cuda:0, %w0: f32[100, 100]{100, 1}@cuda:0, %b0: f32[100]{1}@cuda:0, "
+      "%w1: f32[64, 100]{100, 1}@cuda:0, %b1: f32[64]{1}@cuda:0, %w2: f32[64, 10]{10, 1}@cuda:0, %b2: f32[10]{1}@cuda:0, %w3: f32[10, 10]{1, 10}@cuda:0):\n"
+      "  %t0: f32[100, 100]{1, 100}@cuda:0 = aten::permute(%w0, [1, 0])\n"
+      "  %a0: f32[32, 100]{100, 1}@cuda:0 = aten::addmm(%b0, %x, %t0)\n"
+      "  %t1: f32[100, 64]{1, 100}@cuda:0 = aten::permute(%w1, [1, 0])\n"
+      "  %a1: f32[32, 64]{64, 1}@cuda:0 = aten::_addmm_activation(%b1, %a0, %t1, use_gelu=false)\n"
+      "  %a2: f32[32, 10]{10, 1}@cuda:0 = aten::_addmm_activation(%b2, %a1, %w2, beta=1, alpha=1, use_gelu=true)\n"
+      "  %a3: f32[32, 10]{10, 1}@cuda:0 = aten::mm(%a2, %w3)\n"
+      "  return (%a3)\n";
+  const std::string expected =
+      "graph(%x: f32[32, 100]{100, 1}@cuda:0, %w0: f32[100, 100]{100, 1}@cuda:0, %b0: f32[100]{1}@cuda:0, "
+      "%w1: f32[64, 100]{100, 1}@cuda:0, %b1: f32[64]{1}@cuda:0, %w2: f32[64, 10]{10, 1}@cuda:0, %b2: f32[10]{1}@cuda:0, %w3: f32[10, 10]{1, 10}@cuda:0):\n"
+      "  %t0: f32[100, 100]{1, 100}@cuda:0 = aten::permute(%w0, [1, 0])\n"
+      "  %t1: f32[100, 64]{1, 100}@cuda:0 = aten::permute(%w1, [1, 0])\n"
+      "  %a3: f32[32, 10]{10, 1}@cuda:0 = ember::linear_chain(%x, [%t0, %t1, %w2, %w3], [%b0, %b1, %b2, None], [0, 1, 2, 0])\n"
+      "  return (%a3)\n";
+  Graph g = parse(in);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse_linear_chains(g, ctx);
+  eliminate_dead_code(g, ctx);
+  EXPECT_EQ(print(g), expected);
+  g.verify();
+}
+
+TEST(LinearChain, LeavesLayersWhoseResultsAreReadElsewhereOrTooWide) {
+  const std::string head =
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 16]{16, 1}@cuda:0, %b: f32[16]{1}@cuda:0):\n";
+  const std::string alone[] = {
+      // the first result is also returned
+      head + "  %a: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+             "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+             "  return (%c, %a)\n",
+      // the first result is read by something else too
+      head + "  %a: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+             "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+             "  %d: f32[8, 16]{16, 1}@cuda:0 = aten::add.Tensor(%c, %a)\n"
+             "  return (%d)\n",
+      // the first result is the right operand of the next GEMM
+      head + "  %a: f32[16, 16]{16, 1}@cuda:0 = aten::addmm(%b, %w, %w)\n"
+             "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::mm(%x, %a)\n"
+             "  return (%c)\n",
+      // alpha != 1
+      head + "  %a: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %x, %w, alpha=2)\n"
+             "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+             "  return (%c)\n",
+      // a layer wider than 128
+      "graph(%x: f32[8, 16]{16, 1}@cuda:0, %w: f32[16, 200]{200, 1}@cuda:0, %v: f32[200, 16]{16, 1}@cuda:0):\n"
+      "  %a: f32[8, 200]{200, 1}@cuda:0 = aten::mm(%x, %w)\n"
+      "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::mm(%a, %v)\n"
+      "  return (%c)\n",
+      // the CPU (oneDNN takes its linears with their epilogues)
+      "graph(%x: f32[8, 16]{16, 1}@cpu, %w: f32[16, 16]{16, 1}@cpu, %b: f32[16]{1}@cpu):\n"
+      "  %a: f32[8, 16]{16, 1}@cpu = aten::addmm(%b, %x, %w)\n"
+      "  %c: f32[8, 16]{16, 1}@cpu = aten::addmm(%b, %a, %w)\n"
+      "  return (%c)\n",
+      // a graph that writes in place
+      head + "  %a: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %x, %w)\n"
+             "  %c: f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+             "  %m: f32[16]{1}@cuda:0 = aten::mul_.Tensor(%b, 2)\n"
+             "  return (%c)\n",
+  };
+  for (const std::string& text : alone) EXPECT_EQ(run_pass(fuse_linear_chains, text), text);
+}
+
+TEST(LinearChain, LongChainsSplitAtThirtyTwoLayers) {
+  std::string text = "graph(%x: bf16[4, 8]{8, 1}@cuda:0, %w: bf16[8, 8]{8, 1}@cuda:0):\n";
+  std::string prev = "%x";
+  for (int i = 0; i < 34; ++i) {
+    text += "  %y" + std::to_string(i) + ": bf16[4, 8]{8, 1}@cuda:0 = aten::mm(" + prev + ", %w)\n";
+    prev = "%y" + std::to_string(i);
+  }
+  text += "  return (" + prev + ")\n";
+  Graph g = parse(text);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse_linear_chains(g, ctx);
+  eliminate_dead_code(g, ctx);
+  const std::string out = print(g);
+  ASSERT_EQ(g.nodes().size(), 2u) << out;
+  EXPECT_EQ(g.nodes()[0]->op, "ember::linear_chain");
+  EXPECT_EQ(g.nodes()[0]->args[1].list.size(), 32u);
+  EXPECT_EQ(g.nodes()[1]->args[1].list.size(), 2u);
+  EXPECT_EQ(g.nodes()[1]->args[0].value, g.nodes()[0]->outputs[0]);
+}
+
 }  // namespace
 }  // namespace ember

@@ -233,8 +233,8 @@ PASSES = list(ember._C.pass_names())  # in pipeline order
 
 
 def test_pass_names():
-    assert PASSES[:8] == ["canonicalize", "fold_matmul", "addmm_act", "pad_mm", "fold_batchnorm", "bn_pointwise", "dce",
-                         "cse"], PASSES
+    assert PASSES[:9] == ["canonicalize", "fold_matmul", "addmm_act", "pad_mm", "linear_chain", "fold_batchnorm",
+                         "bn_pointwise", "dce", "cse"], PASSES
     assert PASSES.index("epilogue") < PASSES.index("fuse"), PASSES  # fuse leaves claimed epilogues alone
 
 

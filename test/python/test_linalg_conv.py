@@ -131,3 +131,22 @@ def test_cuda_linear_on_transposed_3d_input_folds_to_one_addmm(dtype, tmp_path):
     plans = "".join(p.read_text() for p in tmp_path.glob("*inference*after_dce.ir"))
     assert "aten::bmm" not in plans and plans.count("aten::_addmm_activation") == 1, plans
     check(model, torch.randn(5, 9, 24, device="cuda", dtype=dtype), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_chain_op_applies_its_layers_in_order(device):
+    """ember::linear_chain (passes/linear_chain.cpp makes it of CUDA linears; kernels/linear_chain_op.cpp is its
+    ATen implementation, which runs wherever the chain kernel does not): the same values as the layers one by
+    one, with and without biases, for each activation; a bad activation code is a clear error."""
+    from ember import _C  # noqa: F401  loads libember, which registers the op
+
+    x = torch.randn(7, 12, device=device)
+    w = [torch.randn(12, 9, device=device), torch.randn(9, 5, device=device), torch.randn(5, 3, device=device)]
+    b = [torch.randn(9, device=device), None, torch.randn(3, device=device)]
+    got = torch.ops.ember.linear_chain(x, w, b, [1, 0, 2])
+    want = F.gelu(torch.relu(x @ w[0] + b[0]) @ w[1] @ w[2] + b[2], approximate="tanh")
+    torch.testing.assert_close(got, want, **MATMUL_TOL)
+    with pytest.raises(RuntimeError, match="activation 3"):
+        torch.ops.ember.linear_chain(x, w, b, [3, 0, 0])
+    with pytest.raises(RuntimeError, match="needs a bias"):
+        torch.ops.ember.linear_chain(x, w, b, [0, 1, 0])
