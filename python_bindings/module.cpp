@@ -195,8 +195,9 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("steps", [](const CompiledGraph& g) {
-        // (kind, what) per step, ("kernel", description) / ("aten" or "prim", op name): the cached steps over
-        // parameters first (runtime.h), then the plan's.
+        // (kind, what) per step, ("kernel", description) / ("aten" or "prim", op name), an ember op run by its
+        // fast path (ember::linear_chain) as a kernel: the cached steps over parameters first (runtime.h), then
+        // the plan's.
         std::vector<std::pair<std::string, std::string>> out;
         std::vector<const Step*> all;
         for (const Step& s : g.plan().cached_steps) all.push_back(&s);
@@ -204,6 +205,7 @@ PYBIND11_MODULE(_native, m) {
         for (const Step* step : all) {
           const Step& s = *step;
           if (s.kernel) out.emplace_back("kernel", s.kernel->describe());
+          else if (s.fast && s.node->op.rfind("ember::", 0) == 0) out.emplace_back("kernel", s.fast->describe());
           else out.emplace_back(s.op ? "aten" : "prim", s.node->op);
         }
         return out;

@@ -241,6 +241,194 @@ __device__ __forceinline__ void skinny(const GemmParams& p) {
     static_cast<T*>(p.out)[r * p.n + n0 + c] = from_f<T>(finish<T>(p, mine, n0 + c));
 }
 
+// ---- Linear chains (passes/linear_chain.cpp; launched by kernels/cuda/linear_chain.cpp) ----
+// y = act_l(y @ B_l + bias_l) for l = 0..layers-1, y = x first: each block takes R rows through every layer.
+// Its 256 threads are 128 columns x 2 row groups (RT rows each), so a layer is at most 128 wide and reads
+// at most 128 inputs. Activations live in shared memory as f32 (rounded to T after each layer, as each
+// GEMM's result is in eager), rows padded with zeros to a multiple of 4 so products read 4 at a time. A
+// layer's weights are copied into shared memory as rows of B^T (one per output column, wstride apart),
+// with cp.async where B is K-contiguous, the next layer's copy in flight while this one multiplies
+// (buffers = 2; 1 where shared memory holds one layer only: the copy then follows the products).
+#define EMBER_CHAIN_MAX_LAYERS 32
+
+struct ChainLayer {
+  const void* w;     // B [K, N]: element (k, j) at w[k * s0 + j * s1]
+  const void* bias;  // null: none
+  i64 s0, s1;
+  int k, n;
+  int act;   // 0 none, 1 ReLU, 2 tanh-GELU
+  int copy;  // its weights' way into shared memory: 2 cp.async of 16 bytes, 1 of 4 bytes, 0 loads and stores
+};
+
+struct ChainParams {
+  const void* x;  // [M, K0], strides (sx0, sx1)
+  void* out;      // [M, N_last], contiguous
+  i64 m, sx0, sx1;
+  int layers;
+  int wrows;    // rows of a weight buffer: the widest layer
+  int wstride;  // elements between weight rows in shared memory (16-byte multiple)
+  int astride;  // floats between activation rows (multiple of 4)
+  int buffers;  // weight buffers, 1 or 2
+  ChainLayer layer[EMBER_CHAIN_MAX_LAYERS];
+};
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src));
+#endif
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(dst))),
+               "l"(src));
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// Starts copying layer `l`'s weights into `wb` (rows j of K elements, wstride apart) and zeroes each
+// row's tail up to a multiple of 4.
+template <class T>
+__device__ void chain_load_weights(const ChainLayer& l, T* wb, int wstride) {
+  const T* w = static_cast<const T*>(l.w);
+  int copy = l.copy;
+#if __CUDA_ARCH__ < 800
+  copy = 0;
+#endif
+  if (copy == 2 || copy == 1) {
+    const int bytes = copy == 2 ? 16 : 4, per_row = l.k * static_cast<int>(sizeof(T)) / bytes;
+    for (int c = threadIdx.x; c < l.n * per_row; c += blockDim.x) {
+      const int j = c / per_row, q = c - j * per_row;
+      char* dst = reinterpret_cast<char*>(wb + j * wstride) + q * bytes;
+      const char* src = reinterpret_cast<const char*>(w + j * l.s1) + q * bytes;
+      if (copy == 2) cp_async16(dst, src);
+      else cp_async4(dst, src);
+    }
+  } else {
+    const bool along_k = l.s0 == 1;  // consecutive threads on consecutive addresses
+    for (int e = threadIdx.x; e < l.n * l.k; e += blockDim.x) {
+      const int j = along_k ? e / l.k : e % l.n, kk = along_k ? e % l.k : e / l.n;
+      wb[j * wstride + kk] = w[kk * l.s0 + j * l.s1];
+    }
+  }
+  const int k4 = (l.k + 3) & ~3, tail = k4 - l.k;
+  for (int e = threadIdx.x; e < l.n * tail; e += blockDim.x)
+    wb[(e / tail) * wstride + l.k + e % tail] = from_f<T>(0.f);
+}
+
+__device__ __forceinline__ void load4(const float* p, float& a, float& b, float& c, float& d) {
+  const float4 v = *reinterpret_cast<const float4*>(p);
+  a = v.x, b = v.y, c = v.z, d = v.w;
+}
+__device__ __forceinline__ void load4(const __half* p, float& a, float& b, float& c, float& d) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v.x));
+  const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v.y));
+  a = lo.x, b = lo.y, c = hi.x, d = hi.y;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float& a, float& b, float& c, float& d) {
+  const uint2 v = *reinterpret_cast<const uint2*>(p);
+  a = __uint_as_float(v.x << 16), b = __uint_as_float(v.x & 0xffff0000u);
+  c = __uint_as_float(v.y << 16), d = __uint_as_float(v.y & 0xffff0000u);
+}
+
+template <class T, int RT>
+__device__ void linear_chain(const ChainParams& p) {
+  constexpr int R = 2 * RT;
+  extern __shared__ float4 chain_smem[];
+  T* wbuf = reinterpret_cast<T*>(chain_smem);
+  const int wsize = p.wrows * p.wstride;
+  float* act_in = reinterpret_cast<float*>(wbuf + p.buffers * wsize);
+  float* act_out = act_in + R * p.astride;
+  const int j = threadIdx.x & 127, g = threadIdx.x >> 7;
+  const i64 row0 = static_cast<i64>(blockIdx.x) * R;
+
+  chain_load_weights<T>(p.layer[0], wbuf, p.wstride);
+  cp_async_commit();
+  {
+    const T* x = static_cast<const T*>(p.x);
+    const int k0 = p.layer[0].k, k4 = (k0 + 3) & ~3;
+    for (int e = threadIdx.x; e < R * k4; e += blockDim.x) {
+      const int r = e / k4, kk = e - r * k4;
+      const i64 row = row0 + r;
+      act_in[r * p.astride + kk] = row < p.m && kk < k0 ? to_f(x[row * p.sx0 + kk * p.sx1]) : 0.f;
+    }
+  }
+  for (int l = 0; l < p.layers; ++l) {
+    const ChainLayer& cl = p.layer[l];
+    T* w = wbuf + (p.buffers == 2 ? (l & 1) * wsize : 0);
+    if (p.buffers == 2) {
+      if (l + 1 < p.layers) chain_load_weights<T>(p.layer[l + 1], wbuf + ((l + 1) & 1) * wsize, p.wstride);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      if (l > 0) {
+        chain_load_weights<T>(cl, w, p.wstride);
+        cp_async_commit();
+      }
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    const bool last = l + 1 == p.layers;
+    if (j < cl.n) {
+      float acc[RT];
+#pragma unroll
+      for (int i = 0; i < RT; ++i) acc[i] = 0.f;
+      const T* wr = w + j * p.wstride;
+      const float* a0 = act_in + g * RT * p.astride;
+#pragma unroll 2
+      for (int kk = 0; kk < cl.k; kk += 4) {
+        float w0, w1, w2, w3;
+        load4(wr + kk, w0, w1, w2, w3);
+#pragma unroll
+        for (int i = 0; i < RT; ++i) {
+          const float4 a = *reinterpret_cast<const float4*>(a0 + i * p.astride + kk);
+          acc[i] = fmaf(a.x, w0, acc[i]);
+          acc[i] = fmaf(a.y, w1, acc[i]);
+          acc[i] = fmaf(a.z, w2, acc[i]);
+          acc[i] = fmaf(a.w, w3, acc[i]);
+        }
+      }
+      const float b = cl.bias ? to_f(static_cast<const T*>(cl.bias)[j]) : 0.f;
+#pragma unroll
+      for (int i = 0; i < RT; ++i) {
+        float v = acc[i] + b;
+        if (cl.act == 1) v = v < 0.f ? 0.f : v;
+        else if (cl.act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        const T rounded = from_f<T>(v);
+        const int r = g * RT + i;
+        if (!last) act_out[r * p.astride + j] = to_f(rounded);
+        else if (row0 + r < p.m) static_cast<T*>(p.out)[(row0 + r) * cl.n + j] = rounded;
+      }
+    } else if (!last && j < ((cl.n + 3) & ~3)) {
+#pragma unroll
+      for (int i = 0; i < RT; ++i) act_out[(g * RT + i) * p.astride + j] = 0.f;
+    }
+    __syncthreads();
+    float* t = act_in;
+    act_in = act_out;
+    act_out = t;
+  }
+}
+
+#define EMBER_CHAIN_ENTRIES(suffix, T)                                                                               \
+  extern "C" __global__ void __launch_bounds__(256) ember_chain_r4_##suffix(ChainParams p) { linear_chain<T, 2>(p); } \
+  extern "C" __global__ void __launch_bounds__(256) ember_chain_r16_##suffix(ChainParams p) { linear_chain<T, 8>(p); }
+
+EMBER_CHAIN_ENTRIES(f32, float)
+EMBER_CHAIN_ENTRIES(f16, __half)
+EMBER_CHAIN_ENTRIES(bf16, __nv_bfloat16)
+
 // Entry points: ember_gemm_<config>_<dtype>; gemm.cpp's kKernelConfigs lists the configs and their
 // launch shapes.
 #define EMBER_GEMM_ENTRIES(suffix, T)                                                                     \

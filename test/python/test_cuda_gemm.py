@@ -115,8 +115,9 @@ def test_lm_head_of_odd_width_returns_padded_rows(dtype, mode):
 def test_bias_relu_and_tanh_gelu_epilogues(dtype):
     model = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 40), nn.GELU(approximate="tanh"),
                           nn.Linear(40, 8)).to("cuda", dtype)
-    with torch.no_grad():
-        check(model, torch.randn(9, 48, device="cuda", dtype=dtype), grad=False, **TOL[dtype])
+    with torch.no_grad():  # one GEMM step per layer: not as a linear chain (test_linear_chains_match_eager)
+        check(model, torch.randn(9, 48, device="cuda", dtype=dtype), grad=False, **TOL[dtype],
+              options={"disable_passes": "linear_chain"})
     listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
     assert listing.count("fast path: cublasLt") + listing.count("fast path: ember gemm kernel") >= 3, listing
     assert lt_calls() >= 3
@@ -165,7 +166,7 @@ def test_misaligned_and_strided_operands_take_atens_path():
 
 def test_reduce_overhead_replays_cublaslt_gemms():
     model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(4)]).cuda().eval()
-    compiled = torch.compile(model, backend="ember", mode="reduce-overhead")
+    compiled = torch.compile(model, backend="ember", options={"cudagraphs": True, "disable_passes": "linear_chain"})
     with torch.no_grad():
         for _ in range(6):
             x = torch.randn(32, 100, device="cuda")
@@ -240,6 +241,82 @@ def test_small_linears_choose_by_host_and_gpu_time():
     """Without forcing, the first call's timing decides; 20 x Linear(100, 100) at batch 32 is host-bound, and
     whichever route wins, values match eager."""
     model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(20)]).cuda().eval()
-    with torch.no_grad():
-        check(model, torch.randn(32, 100, device="cuda"), grad=False, **MATMUL_TOL)
+    with torch.no_grad():  # one GEMM step per layer: not as a linear chain
+        check(model, torch.randn(32, 100, device="cuda"), grad=False, **MATMUL_TOL,
+              options={"disable_passes": "linear_chain"})
     assert lt_calls() >= 20
+
+
+def chain_calls():
+    """Calls of the linear-chain kernel (kernels/cuda/linear_chain.cpp) over every graph compiled in this test."""
+    return lt_calls(prefix=("fast path: ember linear chain kernel",))
+
+
+def chain_model(widths, acts, bias=True):
+    layers = []
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        layers.append(nn.Linear(k, n, bias=bias))
+        if acts[i % len(acts)] == "relu":
+            layers.append(nn.ReLU())
+        elif acts[i % len(acts)] == "gelu":
+            layers.append(nn.GELU(approximate="tanh"))
+    return nn.Sequential(*layers)
+
+
+CHAINS = {
+    "linear20": ([100] * 21, ["none"]),  # 16-byte weight rows: cp.async in 16-byte pieces
+    "mlp": ([64, 128, 96, 10], ["relu", "gelu", "none"]),
+    "odd": ([37, 53, 7, 29], ["gelu", "relu", "none"]),  # rows off 16 (f32: 4-byte pieces) and off 4 bytes (16-bit)
+}
+
+
+@pytest.mark.parametrize("rows", [1, 33, 300])  # one block; blocks of 4 rows with a partial last; blocks of 16
+@pytest.mark.parametrize("chain", list(CHAINS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_chains_match_eager(dtype, chain, rows):
+    """Consecutive small linear layers (passes/linear_chain.cpp) as one kernel (gemm_kernels.cu's
+    ember_chain_*): no activation, ReLU and tanh-GELU; widths up to 128 and off every alignment the weight
+    copy cares about; 1 to 300 rows; each dtype rounded after every layer as eager's GEMMs are."""
+    widths, acts = CHAINS[chain]
+    torch.manual_seed(rows)
+    model = chain_model(widths, acts).to("cuda", dtype).eval()
+    with torch.no_grad():
+        check(model, torch.randn(rows, widths[0], device="cuda", dtype=dtype), grad=False, **TOL[dtype])
+    assert chain_calls() >= 1, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_chain_operands_of_any_layout(dtype):
+    """A transposed input; layers without bias; right operands that are not K-contiguous (copied by the
+    threads, not cp.async); an input at an odd element offset."""
+    w1 = torch.randn(48, 24, device="cuda", dtype=dtype) / 5
+    w2 = torch.randn(32, 48, device="cuda", dtype=dtype) / 5  # used as w2 @ ... : K-major rows
+    w3 = torch.randn(16, 32, device="cuda", dtype=dtype) / 5
+
+    def fn(x):
+        h = x.t() @ w1.t()
+        h = torch.relu(h @ w2.t().contiguous().t().t())
+        return h @ w3.t()
+
+    x = torch.randn(24, 40, device="cuda", dtype=dtype)
+    compiled = run_compare(fn, x, dtype=dtype, dynamic=False)
+    assert chain_calls() >= 2, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    base = torch.randn(24 * 40 + 1, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        skewed = base[1:].view(24, 40)
+        assert_same(compiled(skewed), fn(skewed), **TOL[dtype])
+    b_major = torch.randn(48, 32, device="cuda", dtype=dtype) / 5  # right operand [K, N] row-major
+    run_compare(lambda x: torch.relu(x @ w1.t()) @ b_major @ w3.t(), torch.randn(5, 24, device="cuda", dtype=dtype),
+                dtype=dtype, dynamic=False)
+    assert chain_calls() >= 4
+
+
+def test_linear_chain_in_reduce_overhead_mode():
+    """20 x Linear(100, 100) replayed from a CUDA graph as one chain kernel: fresh inputs each call."""
+    model = nn.Sequential(*[nn.Linear(100, 100) for _ in range(20)]).cuda().eval()
+    compiled = torch.compile(model, backend="ember", options={"cudagraphs": True, "fallback": "raise"})
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(32, 100, device="cuda")
+            assert_same(compiled(x).clone(), model(x), **MATMUL_TOL)
+    assert chain_calls() >= 1, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
