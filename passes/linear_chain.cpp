@@ -18,7 +18,11 @@
 //     the first layer any strides, results contiguous; a bias only as a contiguous row of the layer's
 //     width; beta = alpha = 1. Not in graphs that write any tensor in place (the chain reads every weight
 //     where its last layer stood).
-//  4. The op has an ATen implementation (kernels/linear_chain_op.cpp: the same addmm / _addmm_activation /
+//  4. A softmax or log_softmax over the last layer's columns (aten::_softmax(y, -1 or 1, false), the only
+//     reader of y) joins the chain as its epilogue, softmax=1 or 2, the kernel normalizing each row in
+//     shared memory: a single GEMM with one becomes a chain of one layer (softmax(a @ b, -1) on 100x100:
+//     one launch instead of ember's GEMM kernel and ATen's softmax).
+//  5. The op has an ATen implementation (kernels/linear_chain_op.cpp: the same addmm / _addmm_activation /
 //     mm calls in order), which runs wherever the kernel does not: a build without it, a GPU whose shared
 //     memory is too small, operands of other sizes at run time.
 #include "passes/passes.h"
@@ -138,18 +142,33 @@ void fuse_linear_chains(Graph& graph, PassContext&) {
     }
   }
 
+  // 4.: the softmax reading a chain's result, if it is the only reader.
+  std::unordered_map<const Value*, Node*> softmax_of;
+  for (const auto& n : graph.nodes()) {
+    if (dead.count(n.get()) || (n->op != "aten::_softmax" && n->op != "aten::_log_softmax") || n->args.size() != 3 ||
+        !n->args[0].is_value() || n->args[1].kind != Arg::Kind::Int || n->args[2].kind != Arg::Kind::Bool ||
+        n->args[2].b || n->outputs.size() != 1)
+      continue;
+    const Value* in = n->args[0].value;
+    if ((n->args[1].i == -1 || n->args[1].i == 1) && uses[in] == 1 && chain_ending_in.count(in))
+      softmax_of[in] = n.get();
+  }
+
   for (const std::vector<Layer>& chain : chains) {
-    if (chain.size() < 2) continue;
+    auto softmax = softmax_of.find(chain.back().node->outputs[0]);
+    if (chain.size() < 2 && softmax == softmax_of.end()) continue;
     std::vector<Arg> weights, biases, acts;
     for (const Layer& l : chain) {
       weights.push_back(Arg::of(l.b));
       biases.push_back(l.bias ? Arg::of(l.bias) : Arg::none());
       acts.push_back(Arg::of_int(l.act));
     }
-    Node& last = *chain.back().node;
+    Node& last = softmax != softmax_of.end() ? *softmax->second : *chain.back().node;
+    std::vector<Arg> args = {Arg::of(chain.front().a), Arg::of_list(std::move(weights)),
+                             Arg::of_list(std::move(biases)), Arg::of_list(std::move(acts))};
+    if (softmax != softmax_of.end()) args.push_back(Arg::of_int(last.op == "aten::_softmax" ? 1 : 2));
     last.op = "ember::linear_chain";
-    last.args = {Arg::of(chain.front().a), Arg::of_list(std::move(weights)), Arg::of_list(std::move(biases)),
-                 Arg::of_list(std::move(acts))};
+    last.args = std::move(args);
     last.kwargs.clear();
   }
 }

@@ -246,9 +246,13 @@ __device__ __forceinline__ void skinny(const GemmParams& p) {
 // Its 256 threads are 128 columns x 2 row groups (RT rows each), so a layer is at most 128 wide and reads
 // at most 128 inputs. Activations live in shared memory as f32 (rounded to T after each layer, as each
 // GEMM's result is in eager), rows padded with zeros to a multiple of 4 so products read 4 at a time. A
-// layer's weights are copied into shared memory as rows of B^T (one per output column, wstride apart),
-// with cp.async where B is K-contiguous, the next layer's copy in flight while this one multiplies
-// (buffers = 2; 1 where shared memory holds one layer only: the copy then follows the products).
+// layer's weights are copied into shared memory as they lie where one dimension is contiguous (cp.async,
+// sm_80 and aligned rows): rows of B^T (a linear layer's weight, one row per output column; read 4 at a
+// time, rows spaced so that 8 lanes' 16-byte reads meet no bank twice) or rows of B (one per input, read a
+// column per lane); otherwise the threads load them and store rows of B^T. The next layer's copy is in
+// flight while this one multiplies (buffers = 2; 1 where shared memory holds one layer only: the copy then
+// follows the products). A softmax or log_softmax over the last layer's rows (softmax = 1, 2) runs on them
+// in shared memory, a warp per row.
 #define EMBER_CHAIN_MAX_LAYERS 32
 
 struct ChainLayer {
@@ -256,8 +260,10 @@ struct ChainLayer {
   const void* bias;  // null: none
   i64 s0, s1;
   int k, n;
-  int act;   // 0 none, 1 ReLU, 2 tanh-GELU
-  int copy;  // its weights' way into shared memory: 2 cp.async of 16 bytes, 1 of 4 bytes, 0 loads and stores
+  int act;     // 0 none, 1 ReLU, 2 tanh-GELU
+  int copy;    // its weights' way into shared memory: 2 cp.async of 16 bytes, 1 of 4 bytes, 0 loads and stores
+  int b_rows;  // shared memory holds rows of B (k-major) rather than rows of B^T
+  int ws;      // elements between those rows in shared memory (a 16-byte multiple)
 };
 
 struct ChainParams {
@@ -265,10 +271,10 @@ struct ChainParams {
   void* out;      // [M, N_last], contiguous
   i64 m, sx0, sx1;
   int layers;
-  int wrows;    // rows of a weight buffer: the widest layer
-  int wstride;  // elements between weight rows in shared memory (16-byte multiple)
+  int wsize;    // elements of one weight buffer: the largest layer's rows x ws
   int astride;  // floats between activation rows (multiple of 4)
   int buffers;  // weight buffers, 1 or 2
+  int softmax;  // after the last layer: 0 nothing, 1 softmax, 2 log_softmax over each row
   ChainLayer layer[EMBER_CHAIN_MAX_LAYERS];
 };
 
@@ -296,34 +302,50 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// Starts copying layer `l`'s weights into `wb` (rows j of K elements, wstride apart) and zeroes each
-// row's tail up to a multiple of 4.
+// Starts copying layer `l`'s weights into `wb` and zeroes what the products read past K (a multiple of 4).
 template <class T>
-__device__ void chain_load_weights(const ChainLayer& l, T* wb, int wstride) {
+__device__ void chain_load_weights(const ChainLayer& l, T* wb) {
   const T* w = static_cast<const T*>(l.w);
   int copy = l.copy;
 #if __CUDA_ARCH__ < 800
   copy = 0;
 #endif
+  // rows of memory: rows of B (k) where b_rows, else rows of B^T (j); `len` contiguous elements each
+  const int rows = l.b_rows ? l.k : l.n, len = l.b_rows ? l.n : l.k;
+  const i64 step = l.b_rows ? l.s0 : l.s1;
   if (copy == 2 || copy == 1) {
-    const int bytes = copy == 2 ? 16 : 4, per_row = l.k * static_cast<int>(sizeof(T)) / bytes;
-    for (int c = threadIdx.x; c < l.n * per_row; c += blockDim.x) {
-      const int j = c / per_row, q = c - j * per_row;
-      char* dst = reinterpret_cast<char*>(wb + j * wstride) + q * bytes;
-      const char* src = reinterpret_cast<const char*>(w + j * l.s1) + q * bytes;
+    const int bytes = copy == 2 ? 16 : 4, per_row = len * static_cast<int>(sizeof(T)) / bytes;
+    for (int c = threadIdx.x; c < rows * per_row; c += blockDim.x) {
+      const int r = c / per_row, q = c - r * per_row;
+      char* dst = reinterpret_cast<char*>(wb + r * l.ws) + q * bytes;
+      const char* src = reinterpret_cast<const char*>(w + r * step) + q * bytes;
       if (copy == 2) cp_async16(dst, src);
       else cp_async4(dst, src);
     }
-  } else {
+  } else {  // 8 loads in flight per thread before their stores (one at a time, each waits out L2's latency)
     const bool along_k = l.s0 == 1;  // consecutive threads on consecutive addresses
-    for (int e = threadIdx.x; e < l.n * l.k; e += blockDim.x) {
-      const int j = along_k ? e / l.k : e % l.n, kk = along_k ? e % l.k : e / l.n;
-      wb[j * wstride + kk] = w[kk * l.s0 + j * l.s1];
+    const int total = l.n * l.k, stride = blockDim.x;
+    for (int base = threadIdx.x; base < total; base += 8 * stride) {
+      T v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = base + u * stride;
+        const int j = along_k ? e / l.k : e % l.n, kk = along_k ? e % l.k : e / l.n;
+        if (e < total) v[u] = w[kk * l.s0 + j * l.s1];
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = base + u * stride;
+        const int j = along_k ? e / l.k : e % l.n, kk = along_k ? e % l.k : e / l.n;
+        if (e < total) wb[l.b_rows ? kk * l.ws + j : j * l.ws + kk] = v[u];
+      }
     }
   }
-  const int k4 = (l.k + 3) & ~3, tail = k4 - l.k;
-  for (int e = threadIdx.x; e < l.n * tail; e += blockDim.x)
-    wb[(e / tail) * wstride + l.k + e % tail] = from_f<T>(0.f);
+  const int tail = ((l.k + 3) & ~3) - l.k;  // B's rows k..k4 (b_rows), or each B^T row's last elements
+  for (int e = threadIdx.x; e < l.n * tail; e += blockDim.x) {
+    const int j = e / tail, kk = l.k + e % tail;
+    wb[l.b_rows ? kk * l.ws + j : j * l.ws + kk] = from_f<T>(0.f);
+  }
 }
 
 __device__ __forceinline__ void load4(const float* p, float& a, float& b, float& c, float& d) {
@@ -347,33 +369,42 @@ __device__ void linear_chain(const ChainParams& p) {
   constexpr int R = 2 * RT;
   extern __shared__ float4 chain_smem[];
   T* wbuf = reinterpret_cast<T*>(chain_smem);
-  const int wsize = p.wrows * p.wstride;
+  const int wsize = p.wsize;
   float* act_in = reinterpret_cast<float*>(wbuf + p.buffers * wsize);
   float* act_out = act_in + R * p.astride;
   const int j = threadIdx.x & 127, g = threadIdx.x >> 7;
   const i64 row0 = static_cast<i64>(blockIdx.x) * R;
 
-  chain_load_weights<T>(p.layer[0], wbuf, p.wstride);
+  chain_load_weights<T>(p.layer[0], wbuf);
   cp_async_commit();
-  {
+  {  // the block's rows of x, 4 loads in flight per thread
     const T* x = static_cast<const T*>(p.x);
-    const int k0 = p.layer[0].k, k4 = (k0 + 3) & ~3;
-    for (int e = threadIdx.x; e < R * k4; e += blockDim.x) {
-      const int r = e / k4, kk = e - r * k4;
-      const i64 row = row0 + r;
-      act_in[r * p.astride + kk] = row < p.m && kk < k0 ? to_f(x[row * p.sx0 + kk * p.sx1]) : 0.f;
+    const int k0 = p.layer[0].k, k4 = (k0 + 3) & ~3, total = R * k4, stride = blockDim.x;
+    for (int base = threadIdx.x; base < total; base += 4 * stride) {
+      float v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = base + u * stride, r = e / k4, kk = e - r * k4;
+        const i64 row = row0 + r;
+        v[u] = e < total && row < p.m && kk < k0 ? to_f(x[row * p.sx0 + kk * p.sx1]) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int e = base + u * stride, r = e / k4, kk = e - r * k4;
+        if (e < total) act_in[r * p.astride + kk] = v[u];
+      }
     }
   }
   for (int l = 0; l < p.layers; ++l) {
     const ChainLayer& cl = p.layer[l];
     T* w = wbuf + (p.buffers == 2 ? (l & 1) * wsize : 0);
     if (p.buffers == 2) {
-      if (l + 1 < p.layers) chain_load_weights<T>(p.layer[l + 1], wbuf + ((l + 1) & 1) * wsize, p.wstride);
+      if (l + 1 < p.layers) chain_load_weights<T>(p.layer[l + 1], wbuf + ((l + 1) & 1) * wsize);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
       if (l > 0) {
-        chain_load_weights<T>(cl, w, p.wstride);
+        chain_load_weights<T>(cl, w);
         cp_async_commit();
       }
       cp_async_wait<0>();
@@ -384,12 +415,17 @@ __device__ void linear_chain(const ChainParams& p) {
       float acc[RT];
 #pragma unroll
       for (int i = 0; i < RT; ++i) acc[i] = 0.f;
-      const T* wr = w + j * p.wstride;
       const float* a0 = act_in + g * RT * p.astride;
+      const T* wr = cl.b_rows ? w + j : w + j * cl.ws;  // (k, j) at wr[k * ws] or at wr[k]
 #pragma unroll 2
       for (int kk = 0; kk < cl.k; kk += 4) {
         float w0, w1, w2, w3;
-        load4(wr + kk, w0, w1, w2, w3);
+        if (cl.b_rows) {
+          w0 = to_f(wr[kk * cl.ws]), w1 = to_f(wr[(kk + 1) * cl.ws]);
+          w2 = to_f(wr[(kk + 2) * cl.ws]), w3 = to_f(wr[(kk + 3) * cl.ws]);
+        } else {
+          load4(wr + kk, w0, w1, w2, w3);
+        }
 #pragma unroll
         for (int i = 0; i < RT; ++i) {
           const float4 a = *reinterpret_cast<const float4*>(a0 + i * p.astride + kk);
@@ -407,7 +443,7 @@ __device__ void linear_chain(const ChainParams& p) {
         else if (cl.act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
         const T rounded = from_f<T>(v);
         const int r = g * RT + i;
-        if (!last) act_out[r * p.astride + j] = to_f(rounded);
+        if (!last || p.softmax) act_out[r * p.astride + j] = to_f(rounded);
         else if (row0 + r < p.m) static_cast<T*>(p.out)[(row0 + r) * cl.n + j] = rounded;
       }
     } else if (!last && j < ((cl.n + 3) & ~3)) {
@@ -418,6 +454,26 @@ __device__ void linear_chain(const ChainParams& p) {
     float* t = act_in;
     act_in = act_out;
     act_out = t;
+  }
+  if (p.softmax) {  // the last layer's rows (now act_in), one warp per row: max, sum of exponentials, result
+    const int n = p.layer[p.layers - 1].n, lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < R; r += blockDim.x >> 5) {
+      if (row0 + r >= p.m) break;
+      const float* v = act_in + r * p.astride;
+      float mx = -INFINITY;
+      for (int c = lane; c < n; c += 32) mx = fmaxf(mx, v[c]);
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      float sum = 0.f;
+      for (int c = lane; c < n; c += 32) sum += expf(v[c] - mx);
+      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      T* out = static_cast<T*>(p.out) + (row0 + r) * n;
+      if (p.softmax == 1) {
+        for (int c = lane; c < n; c += 32) out[c] = from_f<T>(expf(v[c] - mx) / sum);
+      } else {
+        const float log_sum = logf(sum);
+        for (int c = lane; c < n; c += 32) out[c] = from_f<T>(v[c] - mx - log_sum);
+      }
+    }
   }
 }
 

@@ -3,9 +3,10 @@
 //  1. Why: each layer of such a chain costs a launch and an output allocation as its own GEMM step (6.6 us of
 //     host time per layer on the H100 host, 20 x Linear(100, 100) at batch 32, default mode), and a graph
 //     node when captured, for a few microseconds of GPU work. Here the chain is one kernel: its blocks take
-//     R rows each through every layer (R = 4 up to 64 rows, so that small batches still spread over
+//     R rows each through every layer (R = 4 up to 128 rows, so that small batches still spread over
 //     several multiprocessors; 16 beyond), the activations in shared memory, the next layer's weights
-//     copied in (cp.async) while the current one multiplies.
+//     copied in (cp.async) while the current one multiplies; a softmax or log_softmax over the result's rows
+//     as its epilogue.
 //  2. Made once per step: the layers' sizes, strides, activations and each layer's copy mode, the kernel's
 //     shared memory (two weight buffers of the widest layer, or one where two do not fit in what the
 //     device allows a block; the kernel then copies after each layer's products) and the entry point. Per
@@ -14,9 +15,10 @@
 //     sizes, strides, dtype or device than the IR's, and on a device without the kernel image or with too
 //     little shared memory for one layer. Its sums run in a fixed order, so it also runs where
 //     deterministic algorithms are asked for.
-//  4. cp.async needs sm_80 and aligned rows: a layer's weights are copied in 16-byte pieces where its rows
-//     start and end on 16-byte boundaries, in 4-byte pieces where on 4-byte ones, and otherwise (and before
-//     sm_80) loaded and stored by the threads, which also covers weights that are not K-contiguous.
+//  4. cp.async needs sm_80 and aligned rows: a layer's weights (K-contiguous, as a linear layer's transposed
+//     weight is, or N-contiguous, as a plain right operand is) are copied as they lie, in 16-byte pieces where
+//     their rows start and end on 16-byte boundaries, in 4-byte pieces where on 4-byte ones; otherwise (and
+//     before sm_80) the threads load and store them.
 #include "ember/runtime.h"
 #include "kernels/cuda/driver.h"
 
@@ -48,16 +50,18 @@ struct ChainLayer {
   int k, n;
   int act;
   int copy;
+  int b_rows;
+  int ws;
 };
 struct ChainParams {
   const void* x;
   void* out;
   int64_t m, sx0, sx1;
   int layers;
-  int wrows;
-  int wstride;
+  int wsize;
   int astride;
   int buffers;
+  int softmax;
   ChainLayer layer[kMaxLayers];
 };
 
@@ -70,8 +74,9 @@ class LinearChain final : public FastPath {
     int act;
   };
 
-  LinearChain(uint32_t x, std::vector<Layer> layers, int32_t out, int64_t m, c10::ScalarType dtype, int device)
-      : x_(x), layers_(std::move(layers)), out_(out), m_(m), dtype_(dtype), device_(device) {}
+  LinearChain(uint32_t x, std::vector<Layer> layers, int softmax, int32_t out, int64_t m, c10::ScalarType dtype,
+              int device)
+      : x_(x), layers_(std::move(layers)), softmax_(softmax), out_(out), m_(m), dtype_(dtype), device_(device) {}
 
   bool run(std::vector<c10::IValue>& buffers) const override {
     std::call_once(prepared_, [this] { prepare(); });
@@ -111,7 +116,7 @@ class LinearChain final : public FastPath {
     std::string widths = std::to_string(layers_.front().k);
     for (const Layer& l : layers_) widths += "-" + std::to_string(l.n);
     return "ember linear chain kernel, " + std::to_string(layers_.size()) + " layers " + widths + " x " +
-           std::to_string(m_) + " rows" + (function_ ? ", " + std::to_string(params_.buffers) + " weight buffers" : "") +
+           std::to_string(m_) + " rows" + (softmax_ == 1 ? ", softmax" : softmax_ == 2 ? ", log_softmax" : "") + (function_ ? ", " + std::to_string(params_.buffers) + " weight buffers" : "") +
            ", " + std::to_string(calls_.load(std::memory_order_relaxed)) + " calls";
   }
 
@@ -128,7 +133,7 @@ class LinearChain final : public FastPath {
   // The entry point, launch shape and shared memory; function_ stays null where the device cannot run it.
   void prepare() const {
     elem_ = static_cast<int>(c10::elementSize(dtype_));
-    const int rows = m_ <= 64 ? 4 : 16;
+    const int rows = m_ <= 128 ? 4 : 16;  // up to 32 blocks of 4 rows: small batches spread over more SMs
     const std::string name = std::string("ember_chain_r") + (rows == 4 ? "4_" : "16_") +
                              (dtype_ == c10::kFloat ? "f32" : dtype_ == c10::kHalf ? "f16" : "bf16");
     void* function = nullptr;
@@ -142,26 +147,39 @@ class LinearChain final : public FastPath {
     ChainParams p{};
     p.m = m_;
     p.layers = static_cast<int>(layers_.size());
-    int64_t widest = 0, deepest = 0;
-    for (const Layer& l : layers_) widest = std::max(widest, l.n), deepest = std::max(deepest, l.k);
+    p.softmax = softmax_;
+    int64_t widest = 0, deepest = 0, largest = 0;
     const int per16 = 16 / elem_;  // elements per 16 bytes
-    p.wrows = static_cast<int>(widest);
-    p.wstride = static_cast<int>((deepest + per16 - 1) / per16 * per16 + per16);
-    p.astride = static_cast<int>((std::max(widest, deepest) + 3) / 4 * 4 + 4);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       ChainLayer& cl = p.layer[i];
+      widest = std::max(widest, l.n), deepest = std::max(deepest, l.k);
       cl.s0 = l.s0, cl.s1 = l.s1;
       cl.k = static_cast<int>(l.k), cl.n = static_cast<int>(l.n);
       cl.act = l.act;
-      const int64_t row_bytes = l.k * elem_, step_bytes = l.s1 * elem_;
-      const bool rows_contiguous = l.s0 == 1 || l.k == 1;
+      const int64_t k4 = (l.k + 3) / 4 * 4;
+      const bool k_contiguous = l.s0 == 1 || l.k == 1;
+      cl.b_rows = !k_contiguous && (l.s1 == 1 || l.n == 1);
+      int64_t ws = 0;
+      if (cl.b_rows) {
+        ws = (l.n + per16 - 1) / per16 * per16;
+      } else {  // rows of B^T read 16 (8) bytes per lane: spaced 16 bytes past a multiple of 128
+        ws = (k4 + per16 - 1) / per16 * per16;
+        while (ws * elem_ % 128 != 16) ws += per16;
+      }
+      cl.ws = static_cast<int>(ws);
+      largest = std::max(largest, (cl.b_rows ? k4 : l.n) * ws);
+      const bool rows_contiguous = cl.b_rows || k_contiguous;
+      const int64_t memory_rows = cl.b_rows ? l.k : l.n;
+      const int64_t row_bytes = (cl.b_rows ? l.n : l.k) * elem_, step_bytes = (cl.b_rows ? l.s0 : l.s1) * elem_;
       cl.copy = major < 8 || !rows_contiguous ? 0
-                : row_bytes % 16 == 0 && (step_bytes % 16 == 0 || l.n == 1) ? 2
-                : row_bytes % 4 == 0 && (step_bytes % 4 == 0 || l.n == 1)   ? 1
-                                                                            : 0;
+                : row_bytes % 16 == 0 && (step_bytes % 16 == 0 || memory_rows == 1) ? 2
+                : row_bytes % 4 == 0 && (step_bytes % 4 == 0 || memory_rows == 1)   ? 1
+                                                                                    : 0;
     }
-    const int64_t weights = static_cast<int64_t>(p.wrows) * p.wstride * elem_;
+    p.wsize = static_cast<int>(largest);
+    p.astride = static_cast<int>((std::max(widest, deepest) + 3) / 4 * 4 + 4);
+    const int64_t weights = static_cast<int64_t>(p.wsize) * elem_;
     const int64_t activations = 2 * static_cast<int64_t>(rows) * p.astride * 4;
     int64_t limit = 0;
     try {
@@ -184,6 +202,7 @@ class LinearChain final : public FastPath {
 
   uint32_t x_;
   std::vector<Layer> layers_;
+  int softmax_;  // 0 none, 1 softmax, 2 log_softmax over each row of the result
   int32_t out_;
   int64_t m_;
   c10::ScalarType dtype_;
@@ -210,9 +229,14 @@ const ListSlot* list_at(const Step& step, uint32_t slot) {
 }
 
 std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& step) {
-  if (n.op != "ember::linear_chain" || n.args.size() != 4 || n.outputs.size() != 1 || step.outputs.size() != 1 ||
-      step.outputs[0] < 0 || !n.outputs[0]->type.is_tensor())
+  if (n.op != "ember::linear_chain" || n.args.size() < 4 || n.args.size() > 5 || !n.kwargs.empty() ||
+      n.outputs.size() != 1 || step.outputs.size() != 1 || step.outputs[0] < 0 || !n.outputs[0]->type.is_tensor())
     return nullptr;
+  int softmax = 0;
+  if (n.args.size() == 5) {
+    if (n.args[4].kind != Arg::Kind::Int || n.args[4].i < 0 || n.args[4].i > 2) return nullptr;
+    softmax = static_cast<int>(n.args[4].i);
+  }
   const Arg& xa = n.args[0];
   const Arg& wa = n.args[1];
   const Arg& ba = n.args[2];
@@ -258,7 +282,7 @@ std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& ste
     layers.push_back(l);
     k = l.n;
   }
-  return std::make_shared<LinearChain>(static_cast<uint32_t>(x), std::move(layers), step.outputs[0],
+  return std::make_shared<LinearChain>(static_cast<uint32_t>(x), std::move(layers), softmax, step.outputs[0],
                                        xt.sizes[0].value, dtype, out.device.has_index() ? out.device.index() : 0);
 }
 

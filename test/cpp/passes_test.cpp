@@ -848,5 +848,46 @@ TEST(LinearChain, LongChainsSplitAtThirtyTwoLayers) {
   EXPECT_EQ(g.nodes()[1]->args[0].value, g.nodes()[0]->outputs[0]);
 }
 
+TEST(LinearChain, SoftmaxOverTheLastLayerJoinsAsItsEpilogue) {
+  // A single GEMM with a row softmax: a chain of one layer, softmax=1.
+  EXPECT_EQ(run_pass(fuse_linear_chains,
+                     "graph(%a: f32[100, 100]{100, 1}@cuda:0, %b: f32[100, 100]{100, 1}@cuda:0):\n"
+                     "  %mm: f32[100, 100]{100, 1}@cuda:0 = aten::mm(%a, %b)\n"
+                     "  %s: f32[100, 100]{100, 1}@cuda:0 = aten::_softmax(%mm, -1, false)\n"
+                     "  return (%s)\n"),
+            "graph(%a: f32[100, 100]{100, 1}@cuda:0, %b: f32[100, 100]{100, 1}@cuda:0):\n"
+            "  %mm: f32[100, 100]{100, 1}@cuda:0 = aten::mm(%a, %b)\n"
+            "  %s: f32[100, 100]{100, 1}@cuda:0 = ember::linear_chain(%a, [%b], [None], [0], 1)\n"
+            "  return (%s)\n");
+  // Two layers and a log_softmax over dim 1 of the 2-D result.
+  EXPECT_EQ(run_pass(fuse_linear_chains,
+                     "graph(%x: bf16[8, 16]{16, 1}@cuda:0, %w: bf16[16, 16]{16, 1}@cuda:0, %b: bf16[16]{1}@cuda:0):\n"
+                     "  %a: bf16[8, 16]{16, 1}@cuda:0 = aten::_addmm_activation(%b, %x, %w, use_gelu=false)\n"
+                     "  %c: bf16[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+                     "  %s: bf16[8, 16]{16, 1}@cuda:0 = aten::_log_softmax(%c, 1, false)\n"
+                     "  return (%s)\n"),
+            "graph(%x: bf16[8, 16]{16, 1}@cuda:0, %w: bf16[16, 16]{16, 1}@cuda:0, %b: bf16[16]{1}@cuda:0):\n"
+            "  %a: bf16[8, 16]{16, 1}@cuda:0 = aten::_addmm_activation(%b, %x, %w, use_gelu=false)\n"
+            "  %c: bf16[8, 16]{16, 1}@cuda:0 = aten::addmm(%b, %a, %w)\n"
+            "  %s: bf16[8, 16]{16, 1}@cuda:0 = ember::linear_chain(%x, [%w, %w], [%b, %b], [1, 0], 2)\n"
+            "  return (%s)\n");
+  // Left alone: a softmax over dim 0, one whose input is read elsewhere too, one that changes dtype.
+  const std::string alone[] = {
+      "graph(%a: f32[100, 100]{100, 1}@cuda:0, %b: f32[100, 100]{100, 1}@cuda:0):\n"
+      "  %mm: f32[100, 100]{100, 1}@cuda:0 = aten::mm(%a, %b)\n"
+      "  %s: f32[100, 100]{100, 1}@cuda:0 = aten::_softmax(%mm, 0, false)\n"
+      "  return (%s)\n",
+      "graph(%a: f32[100, 100]{100, 1}@cuda:0, %b: f32[100, 100]{100, 1}@cuda:0):\n"
+      "  %mm: f32[100, 100]{100, 1}@cuda:0 = aten::mm(%a, %b)\n"
+      "  %s: f32[100, 100]{100, 1}@cuda:0 = aten::_softmax(%mm, -1, false)\n"
+      "  return (%s, %mm)\n",
+      "graph(%a: f16[100, 100]{100, 1}@cuda:0, %b: f16[100, 100]{100, 1}@cuda:0):\n"
+      "  %mm: f16[100, 100]{100, 1}@cuda:0 = aten::mm(%a, %b)\n"
+      "  %s: f32[100, 100]{100, 1}@cuda:0 = aten::_softmax(%mm, -1, true)\n"
+      "  return (%s)\n",
+  };
+  for (const std::string& text : alone) EXPECT_EQ(run_pass(fuse_linear_chains, text), text);
+}
+
 }  // namespace
 }  // namespace ember

@@ -320,3 +320,19 @@ def test_linear_chain_in_reduce_overhead_mode():
             x = torch.randn(32, 100, device="cuda")
             assert_same(compiled(x).clone(), model(x), **MATMUL_TOL)
     assert chain_calls() >= 1, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("rows", [1, 33, 100, 300])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_matmul_softmax_as_one_chain_kernel(dtype, rows):
+    """softmax(a @ b, -1) and log_softmax(linear(relu(linear(x))), -1): the GEMMs and the row normalization in
+    one kernel (passes/linear_chain.cpp's epilogue), widths off 16 bytes among them."""
+    a = torch.randn(rows, 100, device="cuda", dtype=dtype)
+    b = torch.randn(100, 100, device="cuda", dtype=dtype) / 10
+    run_compare(lambda a, b: torch.softmax(a @ b, -1), a, b, dtype=dtype, dynamic=False)
+    model = chain_model([37, 53, 29], ["relu", "none"]).to("cuda", dtype).eval()
+    x = torch.randn(rows, 37, device="cuda", dtype=dtype)
+    run_compare(lambda x: torch.log_softmax(model(x), -1), x, dtype=dtype, dynamic=False)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "softmax, " in listing and "log_softmax, " in listing, listing
+    assert chain_calls() >= 4, listing

@@ -137,7 +137,8 @@ def test_cuda_linear_on_transposed_3d_input_folds_to_one_addmm(dtype, tmp_path):
 def test_linear_chain_op_applies_its_layers_in_order(device):
     """ember::linear_chain (passes/linear_chain.cpp makes it of CUDA linears; kernels/linear_chain_op.cpp is its
     ATen implementation, which runs wherever the chain kernel does not): the same values as the layers one by
-    one, with and without biases, for each activation; a bad activation code is a clear error."""
+    one, with and without biases, for each activation, and with a softmax or log_softmax after the last; a bad
+    activation code is a clear error."""
     from ember import _C  # noqa: F401  loads libember, which registers the op
 
     x = torch.randn(7, 12, device=device)
@@ -146,6 +147,11 @@ def test_linear_chain_op_applies_its_layers_in_order(device):
     got = torch.ops.ember.linear_chain(x, w, b, [1, 0, 2])
     want = F.gelu(torch.relu(x @ w[0] + b[0]) @ w[1] @ w[2] + b[2], approximate="tanh")
     torch.testing.assert_close(got, want, **MATMUL_TOL)
+    got = torch.ops.ember.linear_chain(x, w[:1], b[:1], [0], 1)
+    torch.testing.assert_close(got, torch.softmax(x @ w[0] + b[0], -1), **MATMUL_TOL)
+    got = torch.ops.ember.linear_chain(x, w[:2], b[:2], [2, 0], 2)
+    torch.testing.assert_close(got, torch.log_softmax(F.gelu(x @ w[0] + b[0], approximate="tanh") @ w[1], -1),
+                               **MATMUL_TOL)
     with pytest.raises(RuntimeError, match="activation 3"):
         torch.ops.ember.linear_chain(x, w, b, [3, 0, 0])
     with pytest.raises(RuntimeError, match="needs a bias"):
