@@ -364,6 +364,30 @@ __device__ __forceinline__ void load4(const __nv_bfloat16* p, float& a, float& b
   c = __uint_as_float(v.y << 16), d = __uint_as_float(v.y & 0xffff0000u);
 }
 
+// One layer's products for a thread's RT rows and column: rows of B^T (wr = row j, 4 elements per read) or
+// rows of B (wr = column j of row 0, ws apart).
+template <class T, int RT, bool B_ROWS>
+__device__ __forceinline__ void chain_products(const T* wr, int ws, const float* a0, int astride, int k,
+                                               float (&acc)[RT][4]) {
+#pragma unroll 4
+  for (int kk = 0; kk < k; kk += 4) {
+    float w0, w1, w2, w3;
+    if (B_ROWS) {
+      w0 = to_f(wr[kk * ws]), w1 = to_f(wr[(kk + 1) * ws]), w2 = to_f(wr[(kk + 2) * ws]), w3 = to_f(wr[(kk + 3) * ws]);
+    } else {
+      load4(wr + kk, w0, w1, w2, w3);
+    }
+#pragma unroll
+    for (int i = 0; i < RT; ++i) {
+      const float4 a = *reinterpret_cast<const float4*>(a0 + i * astride + kk);
+      acc[i][0] = fmaf(a.x, w0, acc[i][0]);
+      acc[i][1] = fmaf(a.y, w1, acc[i][1]);
+      acc[i][2] = fmaf(a.z, w2, acc[i][2]);
+      acc[i][3] = fmaf(a.w, w3, acc[i][3]);
+    }
+  }
+}
+
 template <class T, int RT>
 __device__ void linear_chain(const ChainParams& p) {
   constexpr int R = 2 * RT;
@@ -412,33 +436,14 @@ __device__ void linear_chain(const ChainParams& p) {
     __syncthreads();
     const bool last = l + 1 == p.layers;
     if (j < cl.n) {
-      float acc[RT];
-#pragma unroll
-      for (int i = 0; i < RT; ++i) acc[i] = 0.f;
+      float acc[RT][4] = {};  // four partial sums per row: independent FMAs, not a chain of four per step
       const float* a0 = act_in + g * RT * p.astride;
-      const T* wr = cl.b_rows ? w + j : w + j * cl.ws;  // (k, j) at wr[k * ws] or at wr[k]
-#pragma unroll 2
-      for (int kk = 0; kk < cl.k; kk += 4) {
-        float w0, w1, w2, w3;
-        if (cl.b_rows) {
-          w0 = to_f(wr[kk * cl.ws]), w1 = to_f(wr[(kk + 1) * cl.ws]);
-          w2 = to_f(wr[(kk + 2) * cl.ws]), w3 = to_f(wr[(kk + 3) * cl.ws]);
-        } else {
-          load4(wr + kk, w0, w1, w2, w3);
-        }
-#pragma unroll
-        for (int i = 0; i < RT; ++i) {
-          const float4 a = *reinterpret_cast<const float4*>(a0 + i * p.astride + kk);
-          acc[i] = fmaf(a.x, w0, acc[i]);
-          acc[i] = fmaf(a.y, w1, acc[i]);
-          acc[i] = fmaf(a.z, w2, acc[i]);
-          acc[i] = fmaf(a.w, w3, acc[i]);
-        }
-      }
+      if (cl.b_rows) chain_products<T, RT, true>(w + j, cl.ws, a0, p.astride, cl.k, acc);
+      else chain_products<T, RT, false>(w + j * cl.ws, cl.ws, a0, p.astride, cl.k, acc);
       const float b = cl.bias ? to_f(static_cast<const T*>(cl.bias)[j]) : 0.f;
 #pragma unroll
       for (int i = 0; i < RT; ++i) {
-        float v = acc[i] + b;
+        float v = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]) + b;
         if (cl.act == 1) v = v < 0.f ? 0.f : v;
         else if (cl.act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
         const T rounded = from_f<T>(v);
