@@ -206,7 +206,7 @@ def _direct_call(gm, example_inputs, inference):
     """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay."""
     if inference is None or os.environ.get("EMBER_DIRECT_CALL", "1") == "0":
         return None
-    compiled, ok = inference
+    compiled, ok, pinned = inference
     if not ok or compiled.num_inputs != len(example_inputs):  # AOTAutograd deduplicated or rebased inputs
         return None
     if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
@@ -215,7 +215,7 @@ def _direct_call(gm, example_inputs, inference):
         return None  # AOTAutograd would prepend these; graphs from Dynamo take them as inputs
     from . import _C
 
-    return _C.direct_call(compiled, [])
+    return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [])
 
 
 def _hook_mark_step_begin():
@@ -279,7 +279,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         def compile_one(g, inputs):
             compiled = compile_fx_graph(g, config, kind)
             if kind == "inference":
-                inference.append((compiled, _wrapper_would_do_nothing(compiled)))
+                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind)))
             return compiled
 
         return compile_one

@@ -433,6 +433,31 @@ def test_graphs_that_need_the_aot_wrapper_keep_it(monkeypatch):
     assert made == [None, None]
 
 
+def test_direct_call_holds_inputs_that_come_back():
+    """DirectCall holds its own reference to inputs marked as coming back call after call (parameters), so
+    that handing them to the plan takes no GIL round trip: values follow in-place updates of such an input,
+    and a different tensor at its position is used (and held from then on)."""
+    import gc
+    import weakref
+
+    graph = ember._C.compile("graph(%x: f32[3]{1}@cpu, %w: f32[3]{1}@cpu):\n"
+                             "  %y: f32[3]{1}@cpu = aten::mul.Tensor(%x, %w)\n  return (%y)\n", {}, [], "", "t")
+    call = ember._C.direct_call(graph, [], [False, True])
+    x, w = torch.randn(3), torch.nn.Parameter(torch.randn(3))
+    with torch.no_grad():
+        torch.testing.assert_close(call(x, w)[0], x * w)
+        w.mul_(2)
+        torch.testing.assert_close(call(x, w)[0], x * w)
+        other = torch.randn(3)
+        torch.testing.assert_close(call(x, other)[0], x * other)
+        torch.testing.assert_close(call(x, w)[0], x * w)
+    # the held reference is the last one seen: `other` is free again, `w` is held
+    gone = weakref.ref(other)
+    del other
+    gc.collect()
+    assert gone() is None
+
+
 def test_direct_call_errors_are_clear():
     graph = ember._C.compile(
         "graph(%x: f32[2]{1}@cpu):\n  %y: f32[2]{1}@cpu = aten::sin(%x)\n  return (%y)\n", {}, [], "", "t")
