@@ -54,15 +54,8 @@ bool is_one(const Arg* a) {
   return !a || (a->kind == Arg::Kind::Int && a->i == 1) || (a->kind == Arg::Kind::Float && a->f == 1.0);
 }
 
-bool static_2d(const TensorType& t) {
-  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
-  for (int d = 0; d < 2; ++d)
-    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
-  return true;
-}
-
 bool contiguous_2d(const TensorType& t) {
-  return static_2d(t) && (t.sizes[1].value == 1 || t.strides[1].value == 1) &&
+  return static_matrix(t) && (t.sizes[1].value == 1 || t.strides[1].value == 1) &&
          (t.sizes[0].value == 1 || t.strides[0].value == t.sizes[1].value);
 }
 
@@ -99,7 +92,7 @@ std::optional<Layer> as_layer(Node& n) {
   if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) return std::nullopt;
   if (!out.device.is_cuda() || a.dtype != dtype || b.dtype != dtype || a.device != out.device || b.device != out.device)
     return std::nullopt;
-  if (!static_2d(a) || !static_2d(b) || !contiguous_2d(out)) return std::nullopt;
+  if (!static_matrix(a) || !static_matrix(b) || !contiguous_2d(out)) return std::nullopt;
   const int64_t m = a.sizes[0].value, k = a.sizes[1].value, width = b.sizes[1].value;
   if (b.sizes[0].value != k || out.sizes[0].value != m || out.sizes[1].value != width) return std::nullopt;
   if (m < 1 || m > kMaxRows || k < 1 || k > kMaxWidth || width < 1 || width > kMaxWidth) return std::nullopt;

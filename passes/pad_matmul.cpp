@@ -24,13 +24,6 @@
 namespace ember {
 namespace {
 
-bool static_matrix(const TensorType& t) {
-  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
-  for (int d = 0; d < 2; ++d)
-    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
-  return true;
-}
-
 bool is_reshape(const Node& n) {
   return (n.op == "aten::view" || n.op == "aten::_unsafe_view") && n.outputs.size() == 1 && n.args.size() >= 1 &&
          n.args[0].is_value() && n.group < 0;

@@ -416,6 +416,12 @@ class PlanBuilder {
 
 void register_fast_path(FastPathMaker maker) { fast_path_makers().push_back(maker); }
 
+std::optional<uint32_t> slot_buffer(const Step& step, uint32_t slot) {
+  for (auto [s, b] : step.from_buffer)
+    if (s == slot) return b;
+  return std::nullopt;
+}
+
 namespace {
 thread_local bool warming = false;
 }  // namespace

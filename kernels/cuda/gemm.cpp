@@ -335,9 +335,9 @@ class LtGemm final : public FastPath {
   }
 
   bool run(std::vector<c10::IValue>& buffers) const override {
-    const at::Tensor* a = tensor(buffers, a_);
-    const at::Tensor* b = tensor(buffers, b_);
-    const at::Tensor* bias = bias_ >= 0 ? tensor(buffers, static_cast<uint32_t>(bias_)) : nullptr;
+    const at::Tensor* a = buffer_tensor(buffers, a_);
+    const at::Tensor* b = buffer_tensor(buffers, b_);
+    const at::Tensor* bias = bias_ >= 0 ? buffer_tensor(buffers, static_cast<uint32_t>(bias_)) : nullptr;
     if (!a || !b || (bias_ >= 0 && !bias)) return false;
     if (!matches(*a, s_.m, s_.k, s_.a_strides) || !matches(*b, s_.k, s_.n, s_.b_strides)) return false;
     if (bias && (bias->dim() != 1 || bias->size(0) != s_.n || bias->stride(0) != 1 || !aligned(*bias) ||
@@ -467,10 +467,6 @@ class LtGemm final : public FastPath {
     return (s_.n + per - 1) / per * per;
   }
 
-  static const at::Tensor* tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
-    const c10::IValue& v = buffers[b];
-    return v.isTensor() && v.toTensor().defined() ? &v.toTensor() : nullptr;
-  }
   static bool aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % kAlignment == 0; }
   bool matches(const at::Tensor& t, int64_t rows, int64_t cols, const int64_t* strides) const {
     return t.dim() == 2 && t.layout() == at::kStrided && t.is_cuda() && t.get_device() == s_.device &&
@@ -682,20 +678,6 @@ class LtGemm final : public FastPath {
   mutable Prepared prepared_[2];  // [0]: full f32 (or 16-bit) compute, [1]: TF32
 };
 
-// The buffer bound to stack slot `slot`, if a buffer is.
-std::optional<uint32_t> buffer_at(const Step& step, uint32_t slot) {
-  for (auto [s, b] : step.from_buffer)
-    if (s == slot) return b;
-  return std::nullopt;
-}
-
-bool static_2d(const TensorType& t) {
-  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
-  for (int d = 0; d < 2; ++d)
-    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
-  return true;
-}
-
 std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
     const char* v = std::getenv("EMBER_CUBLASLT");
@@ -722,12 +704,12 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
       n.args.size() < tensors || n.outputs.size() != 1)
     return nullptr;
   for (size_t i = 0; i < tensors; ++i)
-    if (!n.args[i].is_value() || !n.args[i].value->type.is_tensor() || !buffer_at(step, static_cast<uint32_t>(i)))
+    if (!n.args[i].is_value() || !n.args[i].value->type.is_tensor() || !slot_buffer(step, static_cast<uint32_t>(i)))
       return nullptr;
   const TensorType& a = n.args[first_matrix].value->type.tensor;
   const TensorType& b = n.args[first_matrix + 1].value->type.tensor;
   const TensorType& out = n.outputs[0]->type.tensor;
-  if (!static_2d(a) || !static_2d(b) || !n.outputs[0]->type.is_tensor() || !static_2d(out)) return nullptr;
+  if (!static_matrix(a) || !static_matrix(b) || !n.outputs[0]->type.is_tensor() || !static_matrix(out)) return nullptr;
   const c10::ScalarType dtype = a.dtype;
   if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) return nullptr;
   if (b.dtype != dtype || out.dtype != dtype || !a.device.is_cuda() || b.device != a.device || out.device != a.device)
@@ -749,13 +731,13 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
     if (t.sizes.size() != 1 || !t.sizes[0].is_constant() || t.sizes[0].value != s.n || t.dtype != dtype ||
         t.device != a.device)
       return nullptr;
-    bias = static_cast<int32_t>(*buffer_at(step, 0));
+    bias = static_cast<int32_t>(*slot_buffer(step, 0));
   }
   std::optional<Operand> first = transposed_view(s.k, s.n, s.b_strides[0], s.b_strides[1]);   // B^T
   std::optional<Operand> second = transposed_view(s.m, s.k, s.a_strides[0], s.a_strides[1]);  // A^T
   if (!first || !second) return nullptr;
-  return std::make_shared<LtGemm>(s, *buffer_at(step, static_cast<uint32_t>(first_matrix)),
-                                  *buffer_at(step, static_cast<uint32_t>(first_matrix + 1)), bias, step.outputs[0],
+  return std::make_shared<LtGemm>(s, *slot_buffer(step, static_cast<uint32_t>(first_matrix)),
+                                  *slot_buffer(step, static_cast<uint32_t>(first_matrix + 1)), bias, step.outputs[0],
                                   *first, *second);
 }
 

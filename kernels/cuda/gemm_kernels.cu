@@ -42,13 +42,18 @@ template <> __device__ __forceinline__ float from_f<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// The epilogue: bias, then the activation (NaN stays NaN through ReLU, as ATen's relu).
+// act 0 none, 1 ReLU (NaN stays NaN, as ATen's relu), 2 tanh-GELU: cuBLASLt's epilogues.
+__device__ __forceinline__ float activate(float v, int act) {
+  if (act == 1) return v < 0.f ? 0.f : v;
+  if (act == 2) return 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+  return v;
+}
+
+// The epilogue: bias, then the activation.
 template <class T>
 __device__ __forceinline__ float finish(const GemmParams& p, float v, i64 col) {
   if (p.bias) v += to_f(static_cast<const T*>(p.bias)[col]);
-  if (p.act == 1) v = v < 0.f ? 0.f : v;
-  else if (p.act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
-  return v;
+  return activate(v, p.act);
 }
 
 // One operand's share of a K-chunk, loaded into registers: element e of the R x BK chunk (R rows of A or
@@ -443,9 +448,7 @@ __device__ void linear_chain(const ChainParams& p) {
       const float b = cl.bias ? to_f(static_cast<const T*>(cl.bias)[j]) : 0.f;
 #pragma unroll
       for (int i = 0; i < RT; ++i) {
-        float v = (acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]) + b;
-        if (cl.act == 1) v = v < 0.f ? 0.f : v;
-        else if (cl.act == 2) v = 0.5f * v * (1.f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+        const float v = activate((acc[i][0] + acc[i][1]) + (acc[i][2] + acc[i][3]) + b, cl.act);
         const T rounded = from_f<T>(v);
         const int r = g * RT + i;
         if (!last || p.softmax) act_out[r * p.astride + j] = to_f(rounded);

@@ -81,14 +81,14 @@ class LinearChain final : public FastPath {
   bool run(std::vector<c10::IValue>& buffers) const override {
     std::call_once(prepared_, [this] { prepare(); });
     if (!function_) return false;
-    const at::Tensor* x = tensor(buffers, x_);
+    const at::Tensor* x = buffer_tensor(buffers, x_);
     if (!x || !fits(*x, m_, layers_.front().k) || reinterpret_cast<uintptr_t>(x->data_ptr()) % elem_ != 0) return false;
     ChainParams p = params_;
     p.x = x->data_ptr();
     p.sx0 = x->stride(0), p.sx1 = x->stride(1);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
-      const at::Tensor* w = tensor(buffers, l.weights);
+      const at::Tensor* w = buffer_tensor(buffers, l.weights);
       if (!w || !fits(*w, l.k, l.n) || w->stride(0) != l.s0 || w->stride(1) != l.s1) return false;
       ChainLayer& cl = p.layer[i];
       cl.w = w->data_ptr();
@@ -97,7 +97,7 @@ class LinearChain final : public FastPath {
       if (cl.copy == 2 && address % 16 != 0) cl.copy = address % 4 == 0 ? 1 : 0;
       if (cl.copy == 1 && address % 4 != 0) cl.copy = 0;
       if (l.bias >= 0) {
-        const at::Tensor* b = tensor(buffers, static_cast<uint32_t>(l.bias));
+        const at::Tensor* b = buffer_tensor(buffers, static_cast<uint32_t>(l.bias));
         if (!b || b->dim() != 1 || b->size(0) != l.n || (l.n > 1 && b->stride(0) != 1) || b->scalar_type() != dtype_ ||
             !b->is_cuda() || b->get_device() != device_ || reinterpret_cast<uintptr_t>(b->data_ptr()) % elem_ != 0)
           return false;
@@ -121,10 +121,6 @@ class LinearChain final : public FastPath {
   }
 
  private:
-  static const at::Tensor* tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
-    const c10::IValue& v = buffers[b];
-    return v.isTensor() && v.toTensor().defined() ? &v.toTensor() : nullptr;
-  }
   bool fits(const at::Tensor& t, int64_t rows, int64_t cols) const {
     return t.dim() == 2 && t.layout() == at::kStrided && t.is_cuda() && t.get_device() == device_ &&
            t.scalar_type() == dtype_ && t.size(0) == rows && t.size(1) == cols;
@@ -215,13 +211,6 @@ class LinearChain final : public FastPath {
   mutable std::atomic<uint64_t> calls_{0};  // for describe(): tests check the kernel ran
 };
 
-// The buffer bound to stack slot `slot`, if a buffer is.
-int32_t buffer_at(const Step& step, uint32_t slot) {
-  for (auto [s, b] : step.from_buffer)
-    if (s == slot) return static_cast<int32_t>(b);
-  return -1;
-}
-
 const ListSlot* list_at(const Step& step, uint32_t slot) {
   for (const ListSlot& l : step.lists)
     if (l.slot == slot) return &l;
@@ -246,10 +235,10 @@ std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& ste
   const size_t count = wa.list.size();
   if (count < 1 || count > static_cast<size_t>(kMaxLayers) || ba.list.size() != count || aa.list.size() != count)
     return nullptr;
-  const int32_t x = buffer_at(step, 0);
+  const std::optional<uint32_t> x = slot_buffer(step, 0);
   const ListSlot* weights = list_at(step, 1);
   const ListSlot* biases = list_at(step, 2);  // null: every bias is None
-  if (x < 0 || !weights || weights->item_buffer.size() != count || (biases && biases->item_buffer.size() != count))
+  if (!x || !weights || weights->item_buffer.size() != count || (biases && biases->item_buffer.size() != count))
     return nullptr;
   const TensorType& xt = xa.value->type.tensor;
   const TensorType& out = n.outputs[0]->type.tensor;
@@ -282,7 +271,7 @@ std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& ste
     layers.push_back(l);
     k = l.n;
   }
-  return std::make_shared<LinearChain>(static_cast<uint32_t>(x), std::move(layers), softmax, step.outputs[0],
+  return std::make_shared<LinearChain>(*x, std::move(layers), softmax, step.outputs[0],
                                        xt.sizes[0].value, dtype, out.device.has_index() ? out.device.index() : 0);
 }
 

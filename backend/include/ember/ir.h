@@ -43,6 +43,14 @@ struct TensorType {
   }
 };
 
+// A 2-D type whose sizes and strides are all constants (what the GEMM rewrites and fast paths need).
+inline bool static_matrix(const TensorType& t) {
+  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
+  for (int d = 0; d < 2; ++d)
+    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
+  return true;
+}
+
 struct Type {
   enum class Kind { Tensor, Int, Float, Bool, None };
   Kind kind = Kind::None;

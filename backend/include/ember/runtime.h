@@ -9,6 +9,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -91,6 +92,14 @@ struct Step;
 // one nothing reads); the first non-null answer wins.
 using FastPathMaker = std::shared_ptr<const FastPath> (*)(const Node& n, const Step& step);
 void register_fast_path(FastPathMaker maker);
+
+// For fast paths: the buffer bound to `step`'s argument slot `slot`, if a buffer is (at plan time), and
+// the defined tensor buffer `b` holds, or null (per call).
+std::optional<uint32_t> slot_buffer(const Step& step, uint32_t slot);
+inline const at::Tensor* buffer_tensor(const std::vector<c10::IValue>& buffers, uint32_t b) {
+  const c10::IValue& v = buffers[b];
+  return v.isTensor() && v.toTensor().defined() ? &v.toTensor() : nullptr;
+}
 
 struct Step {
   const c10::OperatorHandle* op = nullptr;  // null for a prim or kernel step
