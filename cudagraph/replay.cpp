@@ -431,6 +431,21 @@ class Runner final : public PlanRunner {
     return eager(std::move(inputs));
   }
 
+  // run()'s replay_whole branch without taking the inputs: the common replayed call.
+  std::optional<std::vector<c10::IValue>> replay_borrowed(const std::vector<c10::IValue>& inputs) override {
+    if (!pool_) return std::nullopt;
+    std::lock_guard<std::recursive_mutex> lock(pool_->mutex);
+    for (auto& candidate : entries_) {
+      if (!key_matches(*candidate, inputs)) continue;
+      Entry& e = *candidate;
+      if (e.state != Entry::State::Captured || !e.whole || !addresses_match(e, inputs) || !graph_.cache_current(inputs))
+        return std::nullopt;
+      c10::cuda::CUDAGuard device_guard(device_);
+      return replay_whole(e, inputs);
+    }
+    return std::nullopt;
+  }
+
   std::string describe() const override {
     std::unique_lock<std::recursive_mutex> lock;
     if (pool_) lock = std::unique_lock<std::recursive_mutex>(pool_->mutex);

@@ -100,10 +100,24 @@ c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
 
 }  // namespace
 
+namespace {
+void check_input_count(size_t got, size_t expected) {
+  if (got != expected)
+    throw Error("compiled graph expects " + std::to_string(expected) + " inputs, got " + std::to_string(got));
+}
+}  // namespace
+
+std::vector<c10::IValue> CompiledGraph::run_borrowed(const std::vector<c10::IValue>& inputs) const {
+  check_input_count(inputs.size(), plan_.num_inputs);
+  if (runner_) {
+    c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    if (auto outputs = runner_->replay_borrowed(inputs)) return std::move(*outputs);
+  }
+  return run(inputs);
+}
+
 std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) const {
-  if (inputs.size() != plan_.num_inputs)
-    throw Error("compiled graph expects " + std::to_string(plan_.num_inputs) + " inputs, got " +
-                std::to_string(inputs.size()));
+  check_input_count(inputs.size(), plan_.num_inputs);
   c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
   if (runner_) return runner_->run(std::move(inputs));
   std::vector<c10::IValue> buffers = start(std::move(inputs));

@@ -144,6 +144,12 @@ class PlanRunner {
  public:
   virtual ~PlanRunner() = default;
   virtual std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) = 0;
+  // The call's outputs where it is a replay that needs no input of its own (taking neither a reference
+  // nor the inputs' memory); nullopt where run() must take the call.
+  virtual std::optional<std::vector<c10::IValue>> replay_borrowed(const std::vector<c10::IValue>& inputs) {
+    (void)inputs;
+    return std::nullopt;
+  }
   // What the runner does with the plan (segments, why steps are not captured) and what it has done.
   virtual std::string describe() const = 0;
 };
@@ -159,6 +165,9 @@ class CompiledGraph {
   // after their last use, so a caller that moves them in lets their memory go early (AOTAutograd's
   // boxed calling convention).
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) const;
+  // The same call on inputs the caller keeps: a replay reads them where they are, anything else runs on
+  // a copy (DirectCall: a replayed call then takes no reference to any input).
+  std::vector<c10::IValue> run_borrowed(const std::vector<c10::IValue>& inputs) const;
 
   // The plain plan, in three pieces a runner can interleave with its own work: the buffer table with
   // the inputs and constants in place; steps [first, last) over it; the graph outputs read from it.
