@@ -13,6 +13,8 @@ the next launch waits). Median over rounds of the mean over --calls calls:
     ember-ro        ember, CUDA graphs (after warm-up every call is a replay)
     inductor-ro     inductor, mode="reduce-overhead" (cudagraph trees)
     ember           ember's default mode, for reference
+    aot-guards      like dynamo-guards, through AOTAutograd (which ember and inductor both use): the guards
+                    it adds, with its runtime wrapper; for reference, not subtracted
 
 and reports each minus dynamo-guards: the overhead on top of Dynamo's guards. Two more rows split ember's part:
 
@@ -55,9 +57,22 @@ def guards_only_backend(gm, example_inputs):
     return lambda *args: outputs
 
 
+def aot_guards_only_backend(gm, example_inputs):
+    from torch._dynamo.backends.common import aot_autograd
+
+    def returns_first_outputs(g, inputs):
+        with torch.no_grad():
+            outputs = g(*inputs)
+        return lambda *args: outputs
+
+    return aot_autograd(fw_compiler=returns_first_outputs, inference_compiler=returns_first_outputs)(gm, example_inputs)
+
+
 def compiled(fn, variant):
     if variant == "dynamo-guards":
         return torch.compile(fn, backend=guards_only_backend)
+    if variant == "aot-guards":
+        return torch.compile(fn, backend=aot_guards_only_backend)
     if variant == "inductor-ro":
         return torch.compile(fn, backend="inductor", mode="reduce-overhead")
     return torch.compile(fn, backend="ember", options=EMBER_OPTIONS)
@@ -71,7 +86,7 @@ def main():
     args = parser.parse_args()
     torch._dynamo.config.suppress_errors = False
     disable_inductor_caches()
-    variants = ("dynamo-guards", "ember-ro", "inductor-ro", "ember")
+    variants = ("dynamo-guards", "ember-ro", "inductor-ro", "ember", "aot-guards")
     results = {}
     with torch.no_grad():
         for name, (fn, inputs) in graphs().items():
