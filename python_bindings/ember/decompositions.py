@@ -12,9 +12,14 @@ Kept whole, and why:
   and ATen's CPU where is not vectorized: 245 vs 27 us for the 64x1024 ReLU gradient of the MLP step.)
 - Activations (silu, hardswish, mish), logsumexp, var/std(_mean), upsampling and pooling: the same
   reason.
+
+Replaced: on CUDA, embedding_dense_backward becomes ember::embedding_grad (kernels/embedding_grad_op.cpp: a
+zero table and one atomic index_add_) outside deterministic mode and without scale_grad_by_freq;
+EMBER_EMBEDDING_GRAD=aten keeps ATen's kernel.
 """
 
 import functools
+import os
 
 KEEP_WHOLE = (
     "scaled_dot_product_attention.default",
@@ -69,4 +74,18 @@ def decomposition_table():
         op = getattr(torch.ops.aten, packet, None)
         if op is not None and hasattr(op, overload):
             keep.add(getattr(op, overload))
-    return {op: fn for op, fn in core_aten_decompositions().items() if op not in keep}
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in keep}
+    if os.environ.get("EMBER_EMBEDDING_GRAD", "") != "aten":
+        table[torch.ops.aten.embedding_dense_backward.default] = embedding_grad
+    return table
+
+
+def embedding_grad(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """aten.embedding_dense_backward on CUDA as ember::embedding_grad; NotImplemented keeps the op."""
+    import torch
+
+    if not grad_output.is_cuda or scale_grad_by_freq or torch.are_deterministic_algorithms_enabled():
+        return NotImplemented
+    from . import _C  # noqa: F401  (registers the ember:: ops)
+
+    return torch.ops.ember.embedding_grad(grad_output, indices, num_weights, padding_idx)

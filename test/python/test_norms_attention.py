@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from helpers import DEVICES, MATMUL_TOL, Wrap, check
+from helpers import DEVICES, EMBER_GRAPHS, MATMUL_TOL, Wrap, check
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -132,6 +132,48 @@ def test_embedding(device):
     idx[0, 0] = 0
     idx[1, 2] = idx[1, 3]  # repeated index: its gradient accumulates
     check(emb, idx, **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_embedding_grad_op_matches_atens(device, dtype):
+    """ember::embedding_grad (the CUDA weight gradient of an embedding, kernels/embedding_grad_op.cpp) against
+    aten::embedding_dense_backward: repeated indices accumulate, the padding row gets nothing, 2-D indices."""
+    from ember import _C  # noqa: F401  loads libember, which registers the op
+
+    grad = torch.randn(4, 33, 24, device=device, dtype=dtype)
+    idx = torch.randint(0, 50, (4, 33), device=device)
+    idx[0, :5] = 7  # a row many tokens add into
+    idx[1, :3] = 0
+    for padding_idx in (-1, 0, 7):
+        got = torch.ops.ember.embedding_grad(grad, idx, 50, padding_idx)
+        want = torch.ops.aten.embedding_dense_backward(grad.float(), idx, 50, padding_idx, False).to(dtype)
+        assert got.dtype == dtype and got.shape == (50, 24)
+        torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_embedding_gradient_runs_as_one_index_add(dtype):
+    """A CUDA embedding's weight gradient is ember::embedding_grad in the backward plan, with eager's values; under
+    torch.use_deterministic_algorithms(True) it stays ATen's embedding_dense_backward."""
+    emb = nn.Embedding(300, 16, padding_idx=1).to("cuda", dtype)
+    idx = torch.randint(0, 300, (6, 40), device="cuda")
+    idx[0, :4] = 1
+    idx[2, :9] = 5
+    tol = MATMUL_TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    check(Wrap(lambda m, i: m.emb(i) * 3, emb=emb), idx, **tol)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "ember::embedding_grad" in listing and "embedding_dense_backward" not in listing, listing
+    EMBER_GRAPHS.clear()
+    torch._dynamo.reset()
+    torch.use_deterministic_algorithms(True)
+    try:
+        check(Wrap(lambda m, i: m.emb(i) * 3, emb=emb), idx, **tol)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "embedding_dense_backward" in listing and "ember::embedding_grad" not in listing, listing
 
 
 @pytest.mark.parametrize("device", DEVICES)
