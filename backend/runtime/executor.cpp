@@ -98,13 +98,11 @@ c10::IValue run_prim(PrimOp op, const std::vector<c10::IValue>& s) {
   throw Error("internal: unknown prim op");
 }
 
-}  // namespace
-
-namespace {
 void check_input_count(size_t got, size_t expected) {
   if (got != expected)
     throw Error("compiled graph expects " + std::to_string(expected) + " inputs, got " + std::to_string(got));
 }
+
 }  // namespace
 
 std::vector<c10::IValue> CompiledGraph::run_borrowed(const std::vector<c10::IValue>& inputs) const {
