@@ -7,20 +7,26 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <initializer_list>
 #include <map>
 #include <set>
 
 namespace ember {
 namespace {
 
-std::string run_pass(void (*pass)(Graph&, PassContext&), const std::string& in) {
+using Pass = void (*)(Graph&, PassContext&);
+
+// `in` parsed, the passes run on it in order, the result verified and printed.
+std::string run_passes(std::initializer_list<Pass> passes, const std::string& in) {
   Graph g = parse(in);
   CompileOptions options;
   PassContext ctx{options};
-  pass(g, ctx);
+  for (Pass pass : passes) pass(g, ctx);
   g.verify();
   return print(g);
 }
+
+std::string run_pass(Pass pass, const std::string& in) { return run_passes({pass}, in); }
 
 std::vector<c10::IValue> run_text(const std::string& text, std::vector<c10::IValue> inputs,
                                   std::vector<std::string> disabled = {}) {
@@ -413,14 +419,7 @@ TEST(AddmmActivation, CudaLinearOnTransposedInputBecomesOneAddmmActivation) {
       "  %r_gemm: f32[16, 24]{24, 1}@cuda:0 = aten::_addmm_activation(%b, %p_fold_rows, %wt, use_gelu=false)\n"
       "  %r_view: f32[8, 2, 24]{48, 24, 1}@cuda:0 = aten::view(%r_gemm, [8, 2, 24])\n"
       "  return (%r_view)\n";
-  Graph g = parse(in);
-  CompileOptions options;
-  PassContext ctx{options};
-  fold_batched_matmul(g, ctx);
-  fuse_addmm_activation(g, ctx);
-  eliminate_dead_code(g, ctx);
-  EXPECT_EQ(print(g), expected);
-  g.verify();
+  EXPECT_EQ(run_passes({fold_batched_matmul, fuse_addmm_activation, eliminate_dead_code}, in), expected);
 }
 
 TEST(AddmmActivation, CudaMmPlusRowBiasBecomesAddmm) {
@@ -778,13 +777,7 @@ TEST(LinearChain, ConsecutiveSmallCudaLinearsBecomeOneChain) {
       "  %t1: f32[100, 64]{1, 100}@cuda:0 = aten::permute(%w1, [1, 0])\n"
       "  %a3: f32[32, 10]{10, 1}@cuda:0 = ember::linear_chain(%x, [%t0, %t1, %w2, %w3], [%b0, %b1, %b2, None], [0, 1, 2, 0])\n"
       "  return (%a3)\n";
-  Graph g = parse(in);
-  CompileOptions options;
-  PassContext ctx{options};
-  fuse_linear_chains(g, ctx);
-  eliminate_dead_code(g, ctx);
-  EXPECT_EQ(print(g), expected);
-  g.verify();
+  EXPECT_EQ(run_passes({fuse_linear_chains, eliminate_dead_code}, in), expected);
 }
 
 TEST(LinearChain, LeavesLayersWhoseResultsAreReadElsewhereOrTooWide) {
