@@ -84,17 +84,41 @@ struct DirectCall {
   vectorcallfunc vectorcall;
   std::shared_ptr<CompiledGraph> graph;
   std::vector<c10::IValue> prefix;  // parameters and buffers AOTAutograd would put before the inputs
-  // Inputs that come back call after call (parameters and buffers): the last tensor seen at each such
-  // position, held here. Taking another reference to a tensor Python holds costs a GIL-guarded incref of
-  // its PyObject when it is the second C++ reference (and a decref when it goes), not when it is the third:
-  // an input found here again is handed on as a copy of this reference. The tensors stay referenced while
-  // this callable lives (Dynamo's cache entry for the frame), as the module holds them anyway and the plan's
-  // parameter cache already holds those its cached steps read (CompiledGraph::cache_parameter_steps).
+  // keep[i]: input i comes back call after call (a parameter or buffer).
   std::vector<bool> keep;
-  std::vector<c10::IValue> kept;
+  // The argument vector a call hands the plan, kept between calls: a kept input found here again (the
+  // same tensor) is neither referenced nor released, so a replayed call touches no reference count of
+  // a parameter and allocates nothing; the other inputs are released once the call returns. Kept
+  // tensors stay referenced while this callable lives (Dynamo's cache entry for the frame), as the module
+  // holds them anyway and the plan's parameter cache already holds those its cached steps read
+  // (CompiledGraph::cache_parameter_steps). Taking a first C++ reference to a tensor Python holds also
+  // costs a GIL-guarded incref of its PyObject, and dropping it a decref: for a kept input that happens
+  // once, not per call. `busy` while a call runs (with the GIL released): a second thread's call, or one
+  // from inside the plan, builds a vector of its own.
+  std::vector<c10::IValue> args;
+  std::vector<uint32_t> released;  // the positions in `args` emptied after a call (those not kept)
+  bool busy = false;
+  // Dynamo's guards have checked every tensor input's sizes, strides, dtype and device before a call: the
+  // graph has no symbolic shapes (see PlanRunner::replay_borrowed).
+  bool guarded = false;
 };
 
 py::handle ember_error_type;
+
+// Fills `out` (positions prefix.size() onward) from Python's arguments; kept inputs already there stay.
+void read_arguments(const DirectCall& self, PyObject* const* args, Py_ssize_t n, std::vector<c10::IValue>& out) {
+  const size_t base = self.prefix.size();
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const size_t at = static_cast<size_t>(i);
+    c10::IValue& slot = out[base + at];
+    if (at < self.keep.size() && self.keep[at] && THPVariable_Check(args[i])) {
+      const at::Tensor& t = THPVariable_Unpack(args[i]);
+      if (!slot.isTensor() || slot.toTensor().unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) slot = t;
+    } else {
+      slot = to_ivalue(args[i], i);
+    }
+  }
+}
 
 PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, PyObject* kwnames) {
   auto* self = reinterpret_cast<DirectCall*>(self_obj);
@@ -102,31 +126,41 @@ PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, 
   HANDLE_TH_ERRORS
   try {
     if (kwnames && PyTuple_GET_SIZE(kwnames) > 0) throw Error("compiled graph takes positional inputs only");
-    std::vector<c10::IValue> inputs;
-    inputs.reserve(self->prefix.size() + n);
-    inputs.insert(inputs.end(), self->prefix.begin(), self->prefix.end());
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      const size_t at = static_cast<size_t>(i);
-      if (at < self->keep.size() && self->keep[at] && THPVariable_Check(args[i])) {
-        const at::Tensor& t = THPVariable_Unpack(args[i]);
-        c10::IValue& held = self->kept[at];
-        if (!held.isTensor() || held.toTensor().unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) held = t;
-        inputs.push_back(held);
-      } else {
-        inputs.push_back(to_ivalue(args[i], i));
+    const size_t total = self->prefix.size() + static_cast<size_t>(n);
+    std::vector<c10::IValue> own;  // a call made while another runs
+    const bool shared = !self->busy;
+    std::vector<c10::IValue>& inputs = shared ? self->args : own;
+    if (inputs.size() != total) {
+      inputs.assign(self->prefix.begin(), self->prefix.end());
+      inputs.resize(total);
+      if (shared) {
+        self->released.clear();
+        for (size_t i = 0; i < static_cast<size_t>(n); ++i)
+          if (i >= self->keep.size() || !self->keep[i]) self->released.push_back(static_cast<uint32_t>(self->prefix.size() + i));
       }
     }
+    // Whatever happens, the inputs that are not kept go when the call ends (with the GIL held: a tensor
+    // whose last C++ reference goes decrefs its PyObject).
+    struct Release {
+      DirectCall& self;
+      std::vector<c10::IValue>& inputs;
+      bool shared;
+      ~Release() {
+        if (!shared) return;
+        for (uint32_t i : self.released) inputs[i] = c10::IValue();
+        self.busy = false;
+      }
+    } release{*self, inputs, shared};
+    if (shared) self->busy = true;
+    read_arguments(*self, args, n, inputs);
     std::vector<c10::IValue> outputs;
     {
       // The plan runs on a copy (a CUDA graph replay on `inputs` themselves), and `inputs` is released
-      // after the GIL is back. A tensor that Python holds goes from one C++ reference to two when it
-      // enters `inputs`, and back when that reference goes: torch increfs and decrefs its PyObject at
-      // those two moments, taking the GIL for it. Inside the plan, without the GIL, its copies only go
-      // from three references to two, which needs neither. (Released in there, each input's last copy
-      // cost a GIL round trip: 20 x Linear's 41 inputs took 9.8 us per call on a 2-core CPU host through
-      // a one-op plan, 1 input 2.5 us.)
+      // after the GIL is back (see `args` above; releasing an input's last C++ reference in there
+      // would take the GIL again: 20 x Linear's 41 inputs took 9.8 us per call on a 2-core CPU host
+      // through a one-op plan, 1 input 2.5 us).
       pybind11::gil_scoped_release no_gil;
-      outputs = self->graph->run_borrowed(inputs);
+      outputs = self->graph->run_borrowed(inputs, self->guarded);
     }
     py::list result(outputs.size());
     for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
@@ -143,7 +177,8 @@ void direct_dealloc(PyObject* self_obj) {
   self->graph.~shared_ptr<CompiledGraph>();
   self->prefix.~vector<c10::IValue>();
   self->keep.~vector<bool>();
-  self->kept.~vector<c10::IValue>();
+  self->args.~vector<c10::IValue>();
+  self->released.~vector<uint32_t>();
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
 
@@ -160,14 +195,17 @@ PyTypeObject direct_call_type = [] {
 }();
 
 py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vector<at::Tensor>& prefix,
-                            std::vector<bool> keep) {
+                            std::vector<bool> keep, bool guarded) {
   auto* self = PyObject_New(DirectCall, &direct_call_type);
   if (!self) throw py::error_already_set();
   self->vectorcall = direct_call;
   new (&self->graph) std::shared_ptr<CompiledGraph>(std::move(graph));
   new (&self->prefix) std::vector<c10::IValue>(prefix.begin(), prefix.end());
-  new (&self->kept) std::vector<c10::IValue>(keep.size());
   new (&self->keep) std::vector<bool>(std::move(keep));
+  new (&self->args) std::vector<c10::IValue>();
+  new (&self->released) std::vector<uint32_t>();
+  self->busy = false;
+  self->guarded = guarded;
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(self));
 }
 
@@ -244,8 +282,10 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
+        py::arg("guarded") = false,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "
-        "call after call (a parameter), so its reference is held; see DirectCall.");
+        "call after call (a parameter), so its reference is held; `guarded`: the caller's guards fix every tensor "
+        "input's sizes, strides, dtype and device. See DirectCall.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

@@ -105,11 +105,11 @@ void check_input_count(size_t got, size_t expected) {
 
 }  // namespace
 
-std::vector<c10::IValue> CompiledGraph::run_borrowed(const std::vector<c10::IValue>& inputs) const {
+std::vector<c10::IValue> CompiledGraph::run_borrowed(const std::vector<c10::IValue>& inputs, bool guarded) const {
   check_input_count(inputs.size(), plan_.num_inputs);
   if (runner_) {
     c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-    if (auto outputs = runner_->replay_borrowed(inputs)) return std::move(*outputs);
+    if (auto outputs = runner_->replay_borrowed(inputs, guarded)) return std::move(*outputs);
   }
   return run(inputs);
 }

@@ -215,7 +215,27 @@ def _direct_call(gm, example_inputs, inference):
         return None  # AOTAutograd would prepend these; graphs from Dynamo take them as inputs
     from . import _C
 
-    return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [])
+    return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [],
+                          _shapes_guarded(gm, example_inputs))
+
+
+def _shapes_guarded(gm, example_inputs):
+    """Whether Dynamo's guards fix the sizes, strides, dtype and device of every tensor this graph takes:
+    neither its placeholders (Dynamo's fake values) nor its example inputs have symbolic sizes or strides
+    (under dynamic shapes Dynamo guards relations between sizes, not the sizes)."""
+    import torch
+
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(values) != len(example_inputs) or any(v is None for v in values):
+        return False
+    for x in (*values, *example_inputs):
+        if isinstance(x, torch.Tensor):
+            if any(isinstance(d, symbolic) for d in (*x.shape, *x.stride())):
+                return False
+        elif isinstance(x, symbolic):
+            return False
+    return True
 
 
 def _hook_mark_step_begin():

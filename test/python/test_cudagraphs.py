@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ember
+import ember.backend
 from helpers import EMBER_GRAPHS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -269,6 +270,36 @@ def test_parameter_moved_to_new_memory_is_followed():
     for _ in range(3):
         model.weight.data = torch.randn(16, 16, device="cuda")  # same Parameter, new storage
         torch.testing.assert_close(compiled(x), model(x), atol=1e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_guarded_call_still_checks_the_inputs_it_copies():
+    # Dynamo's guards fix a static graph's input shapes, so ember's call skips re-checking the inputs it
+    # reads in place; the ones it copies into the graph's buffers are checked still. Called past the
+    # guards with another batch size, the call must not copy out of bounds.
+    model = mlp().eval()
+    handed = []
+
+    def backend(gm, example_inputs):
+        fn = ember.backend.ember_backend(gm, example_inputs, options=GRAPH_OPTIONS)
+        handed.append((fn, list(example_inputs)))
+        return fn
+
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(8, 32, device="cuda")
+    for _ in range(4):
+        compiled(x)
+    (fn, example), = handed
+    assert type(fn).__name__ == "DirectCall"
+    params = {id(p) for p in model.parameters()}
+    position = [i for i, t in enumerate(example) if id(t) not in params]
+    assert len(position) == 1, [tuple(t.shape) for t in example]
+    for batch in (8, 3, 8, 13):
+        y = torch.randn(batch, 32, device="cuda")
+        args = list(example)
+        args[position[0]] = y
+        (out,) = fn(*args)
+        torch.testing.assert_close(out, model(y), atol=1e-5, rtol=1e-4)
 
 
 @torch.no_grad()

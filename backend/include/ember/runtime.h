@@ -145,9 +145,14 @@ class PlanRunner {
   virtual ~PlanRunner() = default;
   virtual std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) = 0;
   // The call's outputs where it is a replay that needs no input of its own (taking neither a reference
-  // nor the inputs' memory); nullopt where run() must take the call.
-  virtual std::optional<std::vector<c10::IValue>> replay_borrowed(const std::vector<c10::IValue>& inputs) {
+  // nor the inputs' memory); nullopt where run() must take the call. `guarded`: the caller has checked
+  // that every tensor input has the sizes, strides, dtype and device of the graph's example inputs
+  // (Dynamo's guards on a graph without symbolic shapes), so the runner need not check them again for
+  // the inputs it reads in place.
+  virtual std::optional<std::vector<c10::IValue>> replay_borrowed(const std::vector<c10::IValue>& inputs,
+                                                                  bool guarded) {
     (void)inputs;
+    (void)guarded;
     return std::nullopt;
   }
   // What the runner does with the plan (segments, why steps are not captured) and what it has done.
@@ -167,7 +172,8 @@ class CompiledGraph {
   std::vector<c10::IValue> run(std::vector<c10::IValue> inputs) const;
   // The same call on inputs the caller keeps: a replay reads them where they are, anything else runs on
   // a copy (DirectCall: a replayed call then takes no reference to any input).
-  std::vector<c10::IValue> run_borrowed(const std::vector<c10::IValue>& inputs) const;
+  // `guarded`: see PlanRunner::replay_borrowed.
+  std::vector<c10::IValue> run_borrowed(const std::vector<c10::IValue>& inputs, bool guarded = false) const;
 
   // The plain plan, in three pieces a runner can interleave with its own work: the buffer table with
   // the inputs and constants in place; steps [first, last) over it; the graph outputs read from it.
