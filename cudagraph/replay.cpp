@@ -41,6 +41,7 @@
 
 #include "ember/error.h"
 #include "ember/runtime.h"
+#include "kernels/cuda/driver.h"
 
 #include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
@@ -58,6 +59,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 
 namespace ember::cudagraph {
 namespace {
@@ -432,6 +434,10 @@ class Runner final : public PlanRunner {
     return eager(std::move(inputs));
   }
 
+  void launch_exec(cudaGraphExec_t exec, const c10::cuda::CUDAStream& stream) const {
+    cuda::launch_graph(exec, stream.stream(), device_);
+  }
+
   // run()'s replay_whole branch without taking the inputs: the common replayed call.
   std::optional<std::vector<c10::IValue>> replay_borrowed(const std::vector<c10::IValue>& inputs, bool guarded) override {
     if (!pool_) return std::nullopt;
@@ -442,7 +448,8 @@ class Runner final : public PlanRunner {
       Entry& e = *candidate;
       if (e.state != Entry::State::Captured || !e.whole || !addresses_match(e, inputs)) return std::nullopt;
       if (!graph_.cache_current(inputs)) return std::nullopt;
-      c10::cuda::CUDAGuard device_guard(device_);
+      std::optional<c10::cuda::CUDAGuard> device_guard;
+      if (!cuda::is_current(device_)) device_guard.emplace(device_);
       return replay_whole(e, inputs);
     }
     return std::nullopt;
@@ -800,7 +807,7 @@ class Runner final : public PlanRunner {
       Segment& sg = *e.segments[k++];
       copy_inputs(sg, buffers, stream, now);
       pool_->protect(sg.seq, stream);
-      if (sg.launch) check(cudaGraphLaunch(sg.launch, stream.stream()), "launching a CUDA graph");
+      if (sg.launch) launch_exec(sg.launch, stream);
       else sg.graph->replay();
       for (const Segment::Export& x : sg.exports)
         if (x.in_table) buffers[x.buffer] = alias(*x.master);
@@ -822,7 +829,7 @@ class Runner final : public PlanRunner {
     Segment& sg = *e.segments[0];
     copy_inputs(sg, inputs, stream, now);
     pool_->protect(sg.seq, stream);
-    if (sg.launch) check(cudaGraphLaunch(sg.launch, stream.stream()), "launching a CUDA graph");
+    if (sg.launch) launch_exec(sg.launch, stream);
     else sg.graph->replay();
     for (Slot& s : sg.kept) s.handed = now;
     std::vector<c10::IValue> out;

@@ -15,6 +15,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <future>
@@ -49,6 +50,7 @@ struct Api {
   CUresult (*cuLaunchKernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                              void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuGraphLaunch)(void*, void*);
   CUresult (*cuFuncGetAttribute)(int*, int, void*);
   CUresult (*cuFuncSetAttribute)(void*, int, int);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, void*, int, size_t);
@@ -116,6 +118,7 @@ const Api& api() {
       bind(driver, "cuModuleGetFunction", a.cuModuleGetFunction);
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
+      bind(driver, "cuGraphLaunch", a.cuGraphLaunch);
       bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
       bind(driver, "cuFuncSetAttribute", a.cuFuncSetAttribute);
       bind(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", a.cuOccupancyMaxActiveBlocksPerMultiprocessor);
@@ -387,6 +390,34 @@ void launch(void* function, unsigned blocks, unsigned threads, void* stream, voi
   void* args[] = {params};
   check(api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, shared_bytes, stream, args, nullptr),
         "cuLaunchKernel");
+}
+
+namespace {
+// Each device's primary context, retained once (the runtime holds it for the process anyway).
+void* primary_context(int device) {
+  static std::atomic<void*> primary[64] = {};
+  if (device < 0 || device >= 64) throw Error("CUDA device index " + std::to_string(device) + " out of range");
+  void* ctx = primary[device].load(std::memory_order_acquire);
+  if (ctx) return ctx;
+  const Api& a = api();
+  int dev = 0;
+  check(a.cuDeviceGet(&dev, device), "cuDeviceGet");
+  check(a.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  void* expected = nullptr;
+  if (!primary[device].compare_exchange_strong(expected, ctx)) return expected;  // another thread's: the same one
+  return ctx;
+}
+}  // namespace
+
+bool is_current(int device) {
+  void* ctx = primary_context(device);
+  void* current = nullptr;
+  return api().cuCtxGetCurrent(&current) == 0 && current == ctx;
+}
+
+void launch_graph(void* exec, void* stream, int device) {
+  make_current(device);  // a thread new to CUDA has no current context, where the runtime would make one
+  check(api().cuGraphLaunch(exec, stream), "cuGraphLaunch");
 }
 
 }  // namespace ember::cuda

@@ -273,6 +273,38 @@ def test_parameter_moved_to_new_memory_is_followed():
 
 
 @torch.no_grad()
+def test_replays_from_a_thread_new_to_cuda():
+    # A replay launches through the driver API, and a thread that has not used CUDA has no current
+    # context: the thread's first CUDA work here is the replay itself (its first input is the one the
+    # main thread's last call copied, so not even the copy node changes).
+    import threading
+
+    model = mlp().eval()
+    compiled = compile_graphs(model)
+    xs = [torch.randn(8, 32, device="cuda") for _ in range(3)]
+    for _ in range(4):
+        compiled(xs[0])
+    replayed = replayed_calls()
+    results = []
+
+    def work():
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                results.extend(compiled(x) for x in xs)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported below
+            results.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert len(results) == 3 and not any(isinstance(r, Exception) for r in results), results
+    for x, got in zip(xs, results):
+        torch.testing.assert_close(got, model(x), atol=1e-5, rtol=1e-4)
+    assert replayed_calls() >= replayed + 3, reports()
+
+
+@torch.no_grad()
 def test_guarded_call_still_checks_the_inputs_it_copies():
     # Dynamo's guards fix a static graph's input shapes, so ember's call skips re-checking the inputs it
     # reads in place; the ones it copies into the graph's buffers are checked still. Called past the
