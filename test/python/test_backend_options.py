@@ -458,6 +458,65 @@ def test_direct_call_holds_inputs_that_come_back():
     assert gone() is None
 
 
+def test_direct_call_releases_the_inputs_it_does_not_keep():
+    """The argument vector lives from call to call, but only kept inputs stay in it: a plain input is
+    released when the call returns, also when the call fails, and later calls still work."""
+    import gc
+    import weakref
+
+    graph = ember._C.compile("graph(%x: f32[3]{1}@cpu, %w: f32[3]{1}@cpu):\n"
+                             "  %y: f32[3]{1}@cpu = aten::mul.Tensor(%x, %w)\n  return (%y)\n", {}, [], "", "t")
+    call = ember._C.direct_call(graph, [], [False, True])
+    w = torch.nn.Parameter(torch.randn(3))
+    with torch.no_grad():
+        x = torch.randn(3)
+        torch.testing.assert_close(call(x, w)[0], x * w)
+        gone = weakref.ref(x)
+        del x
+        gc.collect()
+        assert gone() is None
+        y = torch.randn(3)
+        with pytest.raises(Exception, match="input"):
+            call(y)  # one input short
+        with pytest.raises(EmberError, match="unsupported type"):
+            call(y, "w")
+        gone = weakref.ref(y)
+        del y
+        gc.collect()
+        assert gone() is None
+        z = torch.randn(3)
+        torch.testing.assert_close(call(z, w)[0], z * w)
+
+
+def test_direct_call_from_several_threads():
+    """Calls of one compiled graph from several threads at once (each runs with the GIL released, so a
+    call can begin while another is inside the plan) give each thread its own results."""
+    import threading
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).eval()
+    compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+    with torch.no_grad():
+        compiled(torch.randn(32, 64))
+    failures = []
+
+    def work(seed):
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            with torch.no_grad():
+                for _ in range(50):
+                    x = torch.randn(32, 64, generator=gen)
+                    torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+        except Exception as e:  # noqa: BLE001 - reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]
+
+
 def test_direct_call_errors_are_clear():
     graph = ember._C.compile(
         "graph(%x: f32[2]{1}@cpu):\n  %y: f32[2]{1}@cpu = aten::sin(%x)\n  return (%y)\n", {}, [], "", "t")
