@@ -126,9 +126,13 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
   X(Ne, a.ne(b))                                                 \
   X(Where, Vec::blendv(c, b, a != Vec(0.f)))
 
-// The loop for one instruction: the op is a template argument, so it is inlined into the loop.
+// The loop for one instruction: the op is a template argument, so it is inlined into the loop. The
+// operands are copied first: a vector store may alias anything, so through references every iteration
+// reloaded the operands' pointers after its store (2-core AVX-512 host, one thread: a LayerNorm + mul
+// row group over 64 x 768 took 39 us this way, 29 us with the copies; ATen's layer_norm 17 us).
 template <class F>
-void map_n(const F& f, const Reg& a, const Reg& b, const Reg& c, float* out, int64_t n) {
+void map_n(const F& f, const Reg& ra, const Reg& rb, const Reg& rc, float* out, int64_t n) {
+  const Reg a = ra, b = rb, c = rc;
   constexpr int64_t w = Vec::size();
   int64_t i = 0;
   for (; i + w <= n; i += w) f(load(a, i), load(b, i), load(c, i)).store(out + i);
@@ -155,6 +159,25 @@ float apply_scalar(OpCode op, float a, float b, float c) {
   return out[0];
 }
 
+// `n` values folded with `f` (identity `identity`) in four independent vector accumulators: with one
+// (ATen's reduce_all) every step waits for the previous one (the LayerNorm group above: 29 -> 26 us; a
+// mul + row sum over 64 x 768, 6.7 -> 5.3 us).
+template <class F>
+float reduce_lanes(const float* p, int64_t n, float identity, const F& f) {
+  constexpr int64_t w = Vec::size();
+  Vec a0(identity), a1(identity), a2(identity), a3(identity);
+  int64_t i = 0;
+  for (; i + 4 * w <= n; i += 4 * w) {
+    a0 = f(a0, Vec::loadu(p + i));
+    a1 = f(a1, Vec::loadu(p + i + w));
+    a2 = f(a2, Vec::loadu(p + i + 2 * w));
+    a3 = f(a3, Vec::loadu(p + i + 3 * w));
+  }
+  for (; i + w <= n; i += w) a0 = f(a0, Vec::loadu(p + i));
+  if (i < n) a1 = f(a1, Vec::set(Vec(identity), Vec::loadu(p + i, n - i), n - i));
+  return at::vec::vec_reduce_all<float>(f, f(f(a0, a1), f(a2, a3)));
+}
+
 float reduce(OpCode op, const Reg& r, int64_t n) {
   if (!r.p) {
     if (op == OpCode::RowSum) return r.s * static_cast<float>(n);
@@ -162,13 +185,13 @@ float reduce(OpCode op, const Reg& r, int64_t n) {
     return n ? r.s : (op == OpCode::RowMax ? -INFINITY : INFINITY);
   }
   if (op == OpCode::RowSum || op == OpCode::RowMean) {
-    float s = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, r.p, n);
+    float s = reduce_lanes(r.p, n, 0.f, [](const Vec& x, const Vec& y) { return x + y; });
     return op == OpCode::RowSum ? s : s / static_cast<float>(n);
   }
   if (n == 0) return op == OpCode::RowMax ? -INFINITY : INFINITY;
   // maximum/minimum propagate NaN, as amax/amin do.
-  if (op == OpCode::RowMax) return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, r.p, n);
-  return at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::minimum(x, y); }, r.p, n);
+  if (op == OpCode::RowMax) return reduce_lanes(r.p, n, -INFINITY, [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); });
+  return reduce_lanes(r.p, n, INFINITY, [](const Vec& x, const Vec& y) { return at::vec::minimum(x, y); });
 }
 
 // One strided tensor operand seen through the iteration space: strides aligned to it (0 = broadcast).
