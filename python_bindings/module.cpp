@@ -8,14 +8,19 @@
 // DirectCall is the same call for Dynamo itself: when AOTAutograd's runtime wrapper would do nothing
 // for an inference graph (no input mutations, no aliased outputs, no subclasses; backend.py checks),
 // Dynamo calls it with the graph's inputs as positional arguments through CPython's vectorcall, so a
-// call goes from Dynamo's guards to the plan without a Python frame in between.
+// call goes from Dynamo's guards to the plan without a Python frame in between. A training graph's
+// DirectCall runs the forward plan with grad mode off and hands its results to attach_backward
+// (training_graph.h), which stands in for AOTAutograd's autograd.Function.
 #include "backend/package/export.h"
 #include "ember/compiler.h"
 #include "ember/cudagraph.h"
 #include "ember/error.h"
 #include "ember/model.h"
 #include "kernels/cuda/driver.h"
+#include "python_bindings/training_graph.h"
 
+#include <c10/core/GradMode.h>
+#include <optional>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/Exceptions.h>
@@ -101,6 +106,8 @@ struct DirectCall {
   // Dynamo's guards have checked every tensor input's sizes, strides, dtype and device before a call: the
   // graph has no symbolic shapes (see PlanRunner::replay_borrowed).
   bool guarded = false;
+  // Set for a training graph: `graph` is its forward, and the call wires the results into autograd.
+  std::shared_ptr<const TrainingGraph> training;
 };
 
 py::handle ember_error_type;
@@ -160,8 +167,11 @@ PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, 
       // would take the GIL again: 20 x Linear's 41 inputs took 9.8 us per call on a 2-core CPU host
       // through a one-op plan, 1 input 2.5 us).
       pybind11::gil_scoped_release no_gil;
+      std::optional<c10::AutoGradMode> no_grad;
+      if (self->training) no_grad.emplace(false);  // as in an autograd.Function's forward
       outputs = self->graph->run_borrowed(inputs, self->guarded);
     }
+    if (self->training) outputs = attach_backward(self->training, inputs, std::move(outputs));
     py::list result(outputs.size());
     for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
     return result.release().ptr();
@@ -179,6 +189,7 @@ void direct_dealloc(PyObject* self_obj) {
   self->keep.~vector<bool>();
   self->args.~vector<c10::IValue>();
   self->released.~vector<uint32_t>();
+  self->training.~shared_ptr<const TrainingGraph>();
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
 
@@ -195,7 +206,7 @@ PyTypeObject direct_call_type = [] {
 }();
 
 py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vector<at::Tensor>& prefix,
-                            std::vector<bool> keep, bool guarded) {
+                            std::vector<bool> keep, bool guarded, std::shared_ptr<TrainingGraph> training) {
   auto* self = PyObject_New(DirectCall, &direct_call_type);
   if (!self) throw py::error_already_set();
   self->vectorcall = direct_call;
@@ -206,6 +217,7 @@ py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vec
   new (&self->released) std::vector<uint32_t>();
   self->busy = false;
   self->guarded = guarded;
+  new (&self->training) std::shared_ptr<const TrainingGraph>(std::move(training));
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(self));
 }
 
@@ -282,10 +294,31 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
-        py::arg("guarded") = false,
+        py::arg("guarded") = false, py::arg("training") = nullptr,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "
         "call after call (a parameter), so its reference is held; `guarded`: the caller's guards fix every tensor "
-        "input's sizes, strides, dtype and device. See DirectCall.");
+        "input's sizes, strides, dtype and device; `training`: the graph is that TrainingGraph's forward. See DirectCall.");
+  py::class_<TrainingGraph, std::shared_ptr<TrainingGraph>>(m, "TrainingGraph");
+  m.def("training_graph",
+        [](std::shared_ptr<CompiledGraph> forward, std::shared_ptr<CompiledGraph> backward,
+           std::vector<bool> output_requires_grad, size_t saved_checked, size_t saved_unchecked,
+           const std::vector<std::tuple<int, std::vector<int64_t>, std::vector<int64_t>>>& tangents,
+           std::vector<bool> no_edge, int deterministic) {
+          auto g = std::make_shared<TrainingGraph>();
+          g->forward = std::move(forward);
+          g->backward = std::move(backward);
+          g->output_requires_grad = std::move(output_requires_grad);
+          g->saved_checked = saved_checked;
+          g->saved_unchecked = saved_unchecked;
+          for (const auto& [format, sizes, strides] : tangents) g->tangents.push_back({format, sizes, strides});
+          g->no_edge = std::move(no_edge);
+          g->deterministic = deterministic;
+          return g;
+        },
+        py::arg("forward"), py::arg("backward"), py::arg("output_requires_grad"), py::arg("saved_checked"),
+        py::arg("saved_unchecked"), py::arg("tangents"), py::arg("no_edge"), py::arg("deterministic"),
+        "A training graph's forward and backward for DirectCall's `training` (python_bindings/training_graph.h); "
+        "tangents: (memory format or -1, sizes, strides) per differentiable output.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

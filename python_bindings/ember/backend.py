@@ -18,8 +18,10 @@ Options (torch.compile's `options=` dict) and the environment variables that set
                           run without CUDA graphs, with one warning (default 8) EMBER_CUDAGRAPH_MAX_GRAPHS
 
 Inference graphs whose AOTAutograd runtime wrapper would only pass arguments through are handed to
-Dynamo as the C++ graph itself (EMBER_DIRECT_CALL=0 keeps the wrapper), so a call runs no Python frame
-between Dynamo's guards and the plan.
+Dynamo as the C++ graph itself, so a call runs no Python frame between Dynamo's guards and the plan. A
+training graph whose wrapper would add nothing but its autograd.Function becomes one C++ autograd function
+instead (python_bindings/training_graph.h): its backward then compiles with the forward, not at the first
+backward. EMBER_DIRECT_CALL=0 keeps AOTAutograd's wrappers for both.
 
 mode="reduce-overhead" captures the CUDA parts of each graph into CUDA graphs (cudagraph/ in C++): host
 syncs, CPU tensors and data-dependent shapes split a graph into captured parts with eager steps between
@@ -170,11 +172,30 @@ def _pinned_inputs(gm, kind):
     return pinned
 
 
+def _plain_metadata(meta):
+    """Whether AOTAutograd's runtime metadata asks its wrapper for nothing but calling the graph: no input
+    mutations or aliased outputs to replay, no intermediate bases, effect tokens, functionalized RNG, tensor
+    subclasses or grad mode to restore."""
+    from torch._functorch._aot_autograd.schemas import OutputType
+
+    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
+        return False
+    if any(o.output_type != OutputType.non_alias for o in meta.output_info):
+        return False
+    if meta.num_intermediate_bases or meta.tokens or meta.grad_enabled_mutation is not None:
+        return False
+    if getattr(meta, "is_rng_op_functionalized", False) or getattr(meta, "dynamic_outputs", False):
+        return False
+    subclass_meta = list(getattr(meta, "subclass_inp_meta", None) or []) + list(
+        getattr(meta, "subclass_fw_graph_out_meta", None) or []
+    )
+    return all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta" for m in subclass_meta)
+
+
 def _wrapper_would_do_nothing(compiled):
-    """Whether AOTAutograd's runtime wrapper around this inference graph would only pass arguments through:
-    no input mutations or aliased outputs to replay, no intermediate bases, effect tokens, functionalized
-    RNG, tensor subclasses, autocast to switch off or grad mode to restore. Then Dynamo may call the C++
-    graph directly (see DirectCall in python_bindings/module.cpp)."""
+    """Whether AOTAutograd's runtime wrapper around this inference graph would only pass arguments through
+    (`_plain_metadata`, and no autocast to switch off). Then Dynamo may call the C++ graph directly (see
+    DirectCall in python_bindings/module.cpp)."""
     import torch
     import torch._guards
 
@@ -184,35 +205,137 @@ def _wrapper_would_do_nothing(compiled):
     if meta is None:
         return False
     try:
-        from torch._functorch._aot_autograd.schemas import OutputType
-
-        if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-            return False
-        if any(o.output_type != OutputType.non_alias for o in meta.output_info):
-            return False
-        if meta.num_intermediate_bases or meta.tokens or meta.grad_enabled_mutation is not None:
-            return False
-        if getattr(meta, "is_rng_op_functionalized", False) or getattr(meta, "dynamic_outputs", False):
-            return False
-        subclass_meta = list(getattr(meta, "subclass_inp_meta", None) or []) + list(
-            getattr(meta, "subclass_fw_graph_out_meta", None) or []
-        )
-        return all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta" for m in subclass_meta)
+        return _plain_metadata(meta)
     except AttributeError:  # a torch whose metadata reads differently: keep the wrapper
         return False
 
 
+def _forward_facts(gm, compiled):
+    """What a training graph's C++ autograd function needs to know about its forward, read while
+    AOTAutograd compiles it (None where the forward cannot run without AOTAutograd's wrapper): the runtime
+    metadata, the inputs that are parameters, the number of results."""
+    import torch
+    import torch._guards
+
+    if not hasattr(compiled, "num_inputs") or torch._C._is_any_autocast_enabled():
+        return None
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import _should_disable_saved_tensors_hooks
+
+        if _should_disable_saved_tensors_hooks():  # hooks Dynamo inlined, switched off around each call
+            return None
+        if torch._dynamo.compiled_autograd.in_compiled_autograd_region or torch._dynamo.config.compiled_autograd:
+            return None  # compiled autograd retraces AOTAutograd's backward
+    except (ImportError, AttributeError):
+        return None
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    if meta is None:
+        return None
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return {"meta": meta, "pinned": _pinned_inputs(gm, "forward"), "results": len(output.args[0])}
+
+
+def _backward_facts(gm):
+    """The backward's number of inputs and which of its results (one per forward input) are always None."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return {"inputs": sum(1 for n in gm.graph.nodes if n.op == "placeholder"), "none": [a is None for a in output.args[0]]}
+
+
+_MEMORY_FORMATS = {"torch.contiguous_format": 0, "torch.channels_last": 2, "torch.channels_last_3d": 3}  # c10::MemoryFormat
+
+
+def _training_spec(forward, backward):
+    """The arguments of _C.training_graph for a forward and backward AOTAutograd partitioned, or None where
+    its wrapper does more than python_bindings/training_graph.cpp does."""
+    import torch
+
+    meta = forward["meta"]
+    try:
+        if not _plain_metadata(meta) or meta.num_mutated_inp_runtime_indices:
+            return None
+        if meta.num_symints_saved_for_bw != 0 or getattr(meta, "num_opaque_objects_saved_for_bw", 0):
+            return None
+        if getattr(meta, "num_backward_tokens", 0) or getattr(meta, "num_graphsafe_rng_states", 0):
+            return None
+        if getattr(meta, "num_unsafe_view_outputs", 0):
+            return None
+        unchecked = getattr(meta, "num_tensors_saved_with_no_vc_check", 0) or 0
+        saved = forward["results"] - meta.num_outputs
+        requires = [
+            bool(o.requires_grad) and isinstance(o.raw_type, type) and issubclass(o.raw_type, torch.Tensor)
+            for o in meta.output_info
+        ]
+        tangent_meta = list(meta.subclass_tangent_meta)
+        if saved < unchecked or backward["inputs"] != saved + sum(requires) or len(tangent_meta) != sum(requires):
+            return None
+        if len(backward["none"]) != len(meta.input_info):
+            return None
+        tangents = []
+        for m in tangent_meta:
+            layout = getattr(m, "memory_format", None)
+            if type(m).__name__ != "PlainTensorMeta" or layout is None:
+                return None
+            if layout.memory_format is not None:
+                if str(layout.memory_format) not in _MEMORY_FORMATS:
+                    return None
+                tangents.append((_MEMORY_FORMATS[str(layout.memory_format)], [], []))
+            else:
+                sizes, strides = list(layout.size), list(layout.stride)
+                if not all(type(v) is int for v in sizes + strides):
+                    return None
+                tangents.append((-1, sizes, strides))
+        no_edge = [none and info.requires_grad and not info.is_leaf for none, info in zip(backward["none"], meta.input_info)]
+        deterministic = -1 if meta.deterministic is None else int(bool(meta.deterministic))
+    except AttributeError:  # a torch whose metadata reads differently: keep the wrapper
+        return None
+    return {
+        "output_requires_grad": requires,
+        "saved_checked": saved - unchecked,
+        "saved_unchecked": unchecked,
+        "tangents": tangents,
+        "no_edge": no_edge,
+        "deterministic": deterministic,
+    }
+
+
+def _called_directly(gm, example_inputs, compiled):
+    """Whether Dynamo may call `compiled` (a C++ graph taking this Dynamo graph's inputs) itself."""
+    if os.environ.get("EMBER_DIRECT_CALL", "1") == "0" or compiled.num_inputs != len(example_inputs):
+        return False  # AOTAutograd deduplicated or rebased inputs
+    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+        return False
+    # AOTAutograd would prepend parameters and buffers the graph module holds; graphs from Dynamo take them
+    # as inputs
+    return next(gm.parameters(), None) is None and next(gm.buffers(), None) is None
+
+
+def _training_call(gm, example_inputs, compiled):
+    """The C++ DirectCall of a training graph, its forward and backward one C++ autograd function
+    (python_bindings/training_graph.h), or None where AOTAutograd's wrapper must stay."""
+    if [kind for kind, _, _ in compiled] != ["forward", "backward"]:
+        return None
+    (_, forward, forward_facts), (_, backward, backward_facts) = compiled
+    from . import _C
+
+    if forward_facts is None or not isinstance(backward, _C.CompiledGraph):
+        return None
+    if not _called_directly(gm, example_inputs, forward):
+        return None
+    spec = _training_spec(forward_facts, backward_facts)
+    if spec is None:
+        return None
+    pinned = forward_facts["pinned"]
+    return _C.direct_call(forward, [], pinned if len(pinned) == len(example_inputs) else [],
+                          _shapes_guarded(gm, example_inputs), training=_C.training_graph(forward, backward, **spec))
+
+
 def _direct_call(gm, example_inputs, inference):
     """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay."""
-    if inference is None or os.environ.get("EMBER_DIRECT_CALL", "1") == "0":
+    if inference is None:
         return None
     compiled, ok, pinned = inference
-    if not ok or compiled.num_inputs != len(example_inputs):  # AOTAutograd deduplicated or rebased inputs
+    if not ok or not _called_directly(gm, example_inputs, compiled):
         return None
-    if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
-        return None
-    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
-        return None  # AOTAutograd would prepend these; graphs from Dynamo take them as inputs
     from . import _C
 
     return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [],
@@ -284,6 +407,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
         config.check_passes(_C.pass_names())
 
+    import torch._functorch.config
     from torch._dynamo.backends.common import aot_autograd
 
     from .decompositions import decomposition_table
@@ -294,12 +418,17 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
 
     inference = []
+    training = []  # (kind, compiled, facts) for the forward and the backward
 
     def compiler(kind):
         def compile_one(g, inputs):
             compiled = compile_fx_graph(g, config, kind)
             if kind == "inference":
                 inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind)))
+            elif kind == "forward":
+                training.append((kind, compiled, _forward_facts(g, compiled)))
+            else:
+                training.append((kind, compiled, _backward_facts(g)))
             return compiled
 
         return compile_one
@@ -319,6 +448,14 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from .layout import channels_last_convolutions
 
         channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
-    compiled_fn = backend(gm, example_inputs)
+    if os.environ.get("EMBER_DIRECT_CALL", "1") != "0" and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
+        # training graph's forward and backward can become one C++ autograd function (_training_call).
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            compiled_fn = backend(gm, example_inputs)
+    else:
+        compiled_fn = backend(gm, example_inputs)
     direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None)
+    if direct is None:
+        direct = _training_call(gm, example_inputs, training)
     return direct if direct is not None else compiled_fn
