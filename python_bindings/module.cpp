@@ -108,6 +108,9 @@ struct DirectCall {
   bool guarded = false;
   // Set for a training graph: `graph` is its forward, and the call wires the results into autograd.
   std::shared_ptr<const TrainingGraph> training;
+  // Inputs the graph writes in place: their version counters are bumped per call, as AOTAutograd's
+  // wrapper does (a fused kernel writing into an input does not), so autograd sees the change.
+  std::vector<uint32_t> bump;
 };
 
 py::handle ember_error_type;
@@ -160,6 +163,11 @@ PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, 
     } release{*self, inputs, shared};
     if (shared) self->busy = true;
     read_arguments(*self, args, n, inputs);
+    for (uint32_t i : self->bump) {
+      if (self->prefix.size() + i >= inputs.size()) continue;  // too few arguments: the plan says so
+      const c10::IValue& v = inputs[self->prefix.size() + i];
+      if (v.isTensor() && !v.toTensor().is_inference()) v.toTensor().unsafeGetTensorImpl()->bump_version();
+    }
     std::vector<c10::IValue> outputs;
     {
       // The plan runs on a copy (a CUDA graph replay on `inputs` themselves), and `inputs` is released
@@ -190,6 +198,7 @@ void direct_dealloc(PyObject* self_obj) {
   self->args.~vector<c10::IValue>();
   self->released.~vector<uint32_t>();
   self->training.~shared_ptr<const TrainingGraph>();
+  self->bump.~vector<uint32_t>();
   Py_TYPE(self_obj)->tp_free(self_obj);
 }
 
@@ -206,7 +215,8 @@ PyTypeObject direct_call_type = [] {
 }();
 
 py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vector<at::Tensor>& prefix,
-                            std::vector<bool> keep, bool guarded, std::shared_ptr<TrainingGraph> training) {
+                            std::vector<bool> keep, bool guarded, std::vector<uint32_t> bump,
+                            std::shared_ptr<TrainingGraph> training) {
   auto* self = PyObject_New(DirectCall, &direct_call_type);
   if (!self) throw py::error_already_set();
   self->vectorcall = direct_call;
@@ -218,6 +228,7 @@ py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vec
   self->busy = false;
   self->guarded = guarded;
   new (&self->training) std::shared_ptr<const TrainingGraph>(std::move(training));
+  new (&self->bump) std::vector<uint32_t>(std::move(bump));
   return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(self));
 }
 
@@ -294,10 +305,11 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
-        py::arg("guarded") = false, py::arg("training") = nullptr,
+        py::arg("guarded") = false, py::arg("bump") = std::vector<uint32_t>{}, py::arg("training") = nullptr,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "
         "call after call (a parameter), so its reference is held; `guarded`: the caller's guards fix every tensor "
-        "input's sizes, strides, dtype and device; `training`: the graph is that TrainingGraph's forward. See DirectCall.");
+        "input's sizes, strides, dtype and device; `bump`: inputs the graph writes in place; `training`: the graph is "
+        "that TrainingGraph's forward. See DirectCall.");
   py::class_<TrainingGraph, std::shared_ptr<TrainingGraph>>(m, "TrainingGraph");
   m.def("training_graph",
         [](std::shared_ptr<CompiledGraph> forward, std::shared_ptr<CompiledGraph> backward,

@@ -5,8 +5,9 @@
 // host time 15.03 -> 14.48 ms); on a 2-core CPU host, a 16-wide MLP step 278 -> 256 us (eager 208, Dynamo
 // with no backend 248).
 //
-// backend.py builds a TrainingGraph only where AOTAutograd's wrapper would add nothing but that function:
-// no input mutations, no aliased outputs, intermediate bases, effect tokens, symbolic values saved for the
+// backend.py builds a TrainingGraph only where AOTAutograd's wrapper would add nothing but that function
+// (and the version bumps of inputs the graph writes in place, which DirectCall does): no input mutations
+// left for the wrapper to replay, no aliased outputs, intermediate bases, effect tokens, symbolic values saved for the
 // backward, functionalized RNG, tensor subclasses, autocast or inlined saved-tensor hooks. The forward's
 // results are then the user outputs followed by the tensors saved for the backward (those with version
 // checks, then those without), and the backward takes the saved tensors followed by one gradient per

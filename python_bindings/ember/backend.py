@@ -173,13 +173,21 @@ def _pinned_inputs(gm, kind):
 
 
 def _plain_metadata(meta):
-    """Whether AOTAutograd's runtime metadata asks its wrapper for nothing but calling the graph: no input
-    mutations or aliased outputs to replay, no intermediate bases, effect tokens, functionalized RNG, tensor
-    subclasses or grad mode to restore."""
-    from torch._functorch._aot_autograd.schemas import OutputType
+    """Whether AOTAutograd's runtime metadata asks its wrapper for nothing but calling the graph (and bumping
+    the version counters of inputs the graph writes itself, `_bumped_inputs`): no input mutations to replay
+    after the call, no aliased outputs, intermediate bases, effect tokens, functionalized RNG, tensor subclasses
+    or grad mode to restore."""
+    from torch._functorch._aot_autograd.schemas import MutationType, OutputType
 
-    if any(i.mutates_data or i.mutates_metadata for i in meta.input_info):
-        return False
+    for i in meta.input_info:
+        if not (i.mutates_data or i.mutates_metadata):
+            continue
+        # Data written in place by the graph itself (a batch norm's running statistics, a cache) is fine;
+        # a change of sizes, strides or storage is the wrapper's to replay.
+        if i.mutation_type != MutationType.MUTATED_IN_GRAPH or i.mutates_metadata:
+            return False
+        if getattr(i, "mutation_inductor_storage_resize", False):
+            return False
     if any(o.output_type != OutputType.non_alias for o in meta.output_info):
         return False
     if meta.num_intermediate_bases or meta.tokens or meta.grad_enabled_mutation is not None:
@@ -190,6 +198,12 @@ def _plain_metadata(meta):
         getattr(meta, "subclass_fw_graph_out_meta", None) or []
     )
     return all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta" for m in subclass_meta)
+
+
+def _bumped_inputs(meta):
+    """The inputs whose version counter AOTAutograd's wrapper bumps per call: those the graph writes in place
+    where autograd can see it (so that a tensor saved for a backward and changed since is caught)."""
+    return list(getattr(meta, "mutated_graph_handled_indices_seen_by_autograd", None) or [])
 
 
 def _wrapper_would_do_nothing(compiled):
@@ -208,6 +222,13 @@ def _wrapper_would_do_nothing(compiled):
         return _plain_metadata(meta)
     except AttributeError:  # a torch whose metadata reads differently: keep the wrapper
         return False
+
+
+def _inference_bumps():
+    import torch._guards
+
+    meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
+    return _bumped_inputs(meta) if meta is not None else []
 
 
 def _forward_facts(gm, compiled):
@@ -326,20 +347,21 @@ def _training_call(gm, example_inputs, compiled):
         return None
     pinned = forward_facts["pinned"]
     return _C.direct_call(forward, [], pinned if len(pinned) == len(example_inputs) else [],
-                          _shapes_guarded(gm, example_inputs), training=_C.training_graph(forward, backward, **spec))
+                          _shapes_guarded(gm, example_inputs), bump=_bumped_inputs(forward_facts["meta"]),
+                          training=_C.training_graph(forward, backward, **spec))
 
 
 def _direct_call(gm, example_inputs, inference):
     """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay."""
     if inference is None:
         return None
-    compiled, ok, pinned = inference
+    compiled, ok, pinned, bump = inference
     if not ok or not _called_directly(gm, example_inputs, compiled):
         return None
     from . import _C
 
     return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [],
-                          _shapes_guarded(gm, example_inputs))
+                          _shapes_guarded(gm, example_inputs), bump=bump)
 
 
 def _shapes_guarded(gm, example_inputs):
@@ -424,7 +446,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         def compile_one(g, inputs):
             compiled = compile_fx_graph(g, config, kind)
             if kind == "inference":
-                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind)))
+                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind), _inference_bumps()))
             elif kind == "forward":
                 training.append((kind, compiled, _forward_facts(g, compiled)))
             else:

@@ -203,6 +203,32 @@ def test_output_the_backward_saves():
     assert_grads_match(fn, [x], loss=lambda o: (o[0] ** 2).sum() + o[1].sum())
 
 
+def test_batch_norm_statistics_written_in_place(training_calls):
+    """A training batch norm writes its running statistics into its buffers inside the graph: the C++
+    function runs it, the buffers match eager's after each step and their version counters move."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    reference = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    reference.load_state_dict(model.state_dict())
+    step = compiled(lambda x: model(x).square().mean())
+    for _ in range(3):
+        x = torch.randn(2, 3, 11, 13)
+        version = model[1].running_mean._version
+        loss = step(x)
+        assert loss.grad_fn.name() == "EmberBackward"
+        assert model[1].running_mean._version > version
+        loss.backward()
+        expected = reference(x).square().mean()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        for a, b in zip(list(model.parameters()) + list(model.buffers()), list(reference.parameters()) + list(reference.buffers())):
+            torch.testing.assert_close(a.grad if a.grad is not None else a, b.grad if b.grad is not None else b,
+                                       rtol=1e-4, atol=1e-5)
+        model.zero_grad()
+        reference.zero_grad()
+    assert len(training_calls) == 1 and isinstance(training_calls[0], ember._C.DirectCall)
+
+
 def test_outputs_that_are_views_keep_aot_wrapper(training_calls):
     """A view of an intermediate as output needs AOTAutograd's view replay: its wrapper stays."""
 
