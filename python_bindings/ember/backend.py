@@ -421,6 +421,30 @@ def _enable_cuda_graphs(compiled, gm, config, kind):
     return why_not
 
 
+# Tensor methods and functions that compute nothing: a view or a detached alias of their input.
+_VIEW_METHODS = frozenset({"detach", "view", "t", "permute", "transpose", "unsqueeze", "squeeze", "expand"})
+
+
+def _nothing_to_compile(gm):
+    """What the graph does, where all it does is take views or detached aliases of its inputs (the rest of a
+    training step after `loss.backward()`: `loss.detach()`), else None. Run as it is, such a graph costs a
+    few Python calls; through AOTAutograd its aliased outputs keep the Python wrapper around a plan with
+    nothing in it."""
+    import torch
+
+    done = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        if n.op == "call_method" and n.target in _VIEW_METHODS:
+            done.append(n.target)
+        elif n.op == "call_function" and n.target in (torch.detach, torch.Tensor.detach):
+            done.append("detach")
+        else:
+            return None
+    return ", ".join(sorted(set(done))) or "nothing"
+
+
 def ember_backend(gm, example_inputs, mode=None, options=None):
     """The backend torch.compile calls (registered as "ember" through the package's entry point)."""
     config = CompileConfig(mode, options)
@@ -428,6 +452,12 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from . import _C
 
         config.check_passes(_C.pass_names())
+    what = _nothing_to_compile(gm)
+    if what is not None:
+        from . import report
+
+        report.record_as_is(what)
+        return gm.forward
 
     import torch._functorch.config
     from torch._dynamo.backends.common import aot_autograd

@@ -61,6 +61,7 @@ class ExplainReport:
     def __init__(self):
         self.graphs = []
         self.fallbacks = []  # (kind, reason)
+        self.as_is = []  # what graphs with nothing to compile did (views, detach): they run as Dynamo traced them
         self.total_s = 0.0
         self.backend_s = 0.0  # inside ember's compilers
 
@@ -85,6 +86,8 @@ class ExplainReport:
                 lines.append(f"    no CUDA graphs: {g.graphs_note}")
         for kind, reason in self.fallbacks:
             lines.append(f"- {kind} graph ran eagerly: {reason}")
+        for what in self.as_is:
+            lines.append(f"- a graph with nothing to compile ({what}) runs as Dynamo traced it")
         passes = collections.defaultdict(float)
         lower = 0.0
         for g in self.graphs:
@@ -106,6 +109,11 @@ def record_graph(name, kind, gm, compiled, lower_ms, ir, graphs_note=""):
         _active[-1].graphs.append(
             GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir, compiled, graphs_note)
         )
+
+
+def record_as_is(what):
+    if _active:
+        _active[-1].as_is.append(what)
 
 
 def record_fallback(kind, reason):

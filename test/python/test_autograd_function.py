@@ -277,3 +277,30 @@ def test_half_precision_training_step(dtype):
     expected = torch.autograd.grad(model(x).float().square().mean(), params)
     for a, b in zip(got, expected):
         torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_step_with_backward_inside_the_compiled_function():
+    """A whole training step compiled (Dynamo breaks the graph at `loss.backward()`): the forward runs as
+    the C++ function, and the rest of the step (`loss.detach()`, nothing to compile) runs as traced."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    params = list(model.parameters())
+
+    def train_step(x, target):
+        for p in params:
+            p.grad = None
+        loss = F.cross_entropy(model(x), target)
+        loss.backward()
+        return [loss.detach()] + [p.grad for p in params]
+
+    report = ember.explain(train_step)(torch.randn(5, 12), torch.randint(0, 3, (5,)))
+    assert "nothing to compile (detach)" in str(report)
+    assert sorted(g.kind for g in report.graphs) == ["backward", "forward"]
+    step = compiled(train_step)
+    for _ in range(3):
+        x, t = torch.randn(5, 12), torch.randint(0, 3, (5,))
+        got = [v.clone() for v in step(x, t)]
+        expected = train_step(x, t)
+        assert not got[0].requires_grad
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
