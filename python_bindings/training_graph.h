@@ -1,9 +1,9 @@
 // A training graph's forward and backward as one C++ autograd function, in place of AOTAutograd's Python
 // `CompiledFunction` (an autograd.Function whose forward and backward are Python frames around ember's
 // plans). Per training step, measured in one process with the two alternating (H100 host, torch 2.11):
-// the harness's MLP step 1085 -> 995 us, resnet18 b8 9253 -> 8960 us, BERT-base b8 19.20 -> 19.02 ms (its
-// host time 15.03 -> 14.48 ms); on a 2-core CPU host, a 16-wide MLP step 278 -> 256 us (eager 208, Dynamo
-// with no backend 248).
+// the harness's MLP step 1085 -> 995 us and, in another run, 876 -> 794 us; BERT-base b8 19.20 -> 19.02 ms
+// (its host time 15.03 -> 14.48 ms); resnet18 b8 8053 -> 7982 us (within that host's noise); on a 2-core
+// CPU host, a 16-wide MLP step 278 -> 256 us (eager 208, Dynamo with no backend 248).
 //
 // backend.py builds a TrainingGraph only where AOTAutograd's wrapper would add nothing but that function
 // (and the version bumps of inputs the graph writes in place, which DirectCall does): no input mutations

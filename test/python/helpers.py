@@ -47,6 +47,19 @@ TOLERANCES = {
 MATMUL_TOL = dict(atol=1e-4, rtol=1e-3)  # for fp32 graphs with matmuls / convs / reductions over many terms
 
 
+def record_returns(monkeypatch, module, name):
+    """The list of what `module.name` returns, call by call, for the rest of the test."""
+    made = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        made.append(original(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return made
+
+
 def ember_options(options=None):
     opts = {"fallback": "raise"}
     opts.update(options or {})

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import ember
 import ember._C
 import ember.backend
+from helpers import record_returns
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -18,15 +19,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture
 def training_calls(monkeypatch):
     """What ember.backend._training_call returned for each training graph compiled in the test."""
-    made = []
-    original = ember.backend._training_call
-
-    def spy(gm, example_inputs, compiled):
-        made.append(original(gm, example_inputs, compiled))
-        return made[-1]
-
-    monkeypatch.setattr(ember.backend, "_training_call", spy)
-    return made
+    return record_returns(monkeypatch, ember.backend, "_training_call")
 
 
 def compiled(fn):
@@ -284,14 +277,12 @@ def test_step_with_backward_inside_the_compiled_function():
     the C++ function, and the rest of the step (`loss.detach()`, nothing to compile) runs as traced."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
-    params = list(model.parameters())
 
     def train_step(x, target):
-        for p in params:
-            p.grad = None
+        model.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(x), target)
         loss.backward()
-        return [loss.detach()] + [p.grad for p in params]
+        return [loss.detach()] + [p.grad for p in model.parameters()]
 
     report = ember.explain(train_step)(torch.randn(5, 12), torch.randint(0, 3, (5,)))
     assert "nothing to compile (detach)" in str(report)

@@ -16,7 +16,7 @@ import ember._C
 import ember.backend
 import ember.lower
 from ember import EmberError
-from helpers import EMBER_GRAPHS, check, compile_ember
+from helpers import EMBER_GRAPHS, check, compile_ember, record_returns
 
 
 def ember_error_in(exc):
@@ -377,15 +377,7 @@ def test_check_compares_int_outputs():
 
 def _direct_calls(monkeypatch):
     """Records what ember.backend._direct_call returned for each graph compiled after the call."""
-    made = []
-    original = ember.backend._direct_call
-
-    def spy(gm, example_inputs, inference):
-        made.append(original(gm, example_inputs, inference))
-        return made[-1]
-
-    monkeypatch.setattr(ember.backend, "_direct_call", spy)
-    return made
+    return record_returns(monkeypatch, ember.backend, "_direct_call")
 
 
 def test_plain_inference_graph_is_called_directly(monkeypatch):
