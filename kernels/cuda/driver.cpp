@@ -273,63 +273,87 @@ void warm_up_async() {
   }).share();
 }
 
+namespace {
+
+// One compiled and loaded module. The process cache keeps each image next to its module, so a store
+// handed in later (an export after the same kernel was compiled by torch.compile) still receives it.
+struct Loaded {
+  void* module = nullptr;
+  KernelImage image;
+};
+
+// The image for `source`: from `images`, the disk cache, or NVRTC (then stored in the disk cache).
+KernelImage find_or_compile(const std::string& source, const std::string& name, const std::string& target,
+                            ImageStore* images) {
+  if (const KernelImage* stored = images ? images->find(target, source) : nullptr) return *stored;
+  const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
+  const std::string dir = disk_cache_dir();
+  if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    ++stats.from_cache;
+    return std::move(*cached);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  KernelImage image{target, source, nvrtc_compile(source, name, target), version};
+  {
+    std::lock_guard<std::mutex> lock(stats_mu);
+    stats.nvrtc_ms += ms_since(t0);
+    ++stats.compiled;
+  }
+  disk_cache_store(dir, image);
+  return image;
+}
+
+}  // namespace
+
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images) {
-  // The process cache keeps each image next to its module, so a store handed in later (an export
-  // after the same kernel was compiled by torch.compile) still receives it.
-  struct Loaded {
-    void* module;
-    KernelImage image;
-  };
+  // Keyed by architecture and source. The first caller of a key compiles it, outside the lock, so distinct
+  // groups compile at once (generate.cpp starts them in parallel); a caller of the same key meanwhile waits
+  // for that result instead of compiling it again (BERT's 39 groups are 4 distinct sources).
   static std::mutex mu;
-  static std::unordered_map<std::string, Loaded> cache;
+  static std::unordered_map<std::string, std::shared_future<std::shared_ptr<const Loaded>>> cache;
   if (names.empty()) throw Error("CUDA: a module needs at least one entry point");
   wait_for_warm_up();
   const Api& a = api();
   make_current(device);
   const std::string target = arch(device);
   std::string key = target + "\n" + source;
-  auto functions = [&](void* module) { return entry_points(module, names); };
+  std::promise<std::shared_ptr<const Loaded>> promise;
+  std::shared_future<std::shared_ptr<const Loaded>> pending;
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (auto it = cache.find(key); it != cache.end()) {
-      if (images && !images->find(target, source)) images->add(it->second.image);
-      return functions(it->second.module);
-    }
+    auto [it, first] = cache.try_emplace(key);
+    if (first) it->second = promise.get_future().share();
+    else pending = it->second;
   }
-  // NVRTC runs outside the lock, so several groups compile at once (generate.cpp starts them in parallel).
-  KernelImage image;
-  if (const KernelImage* stored = images ? images->find(target, source) : nullptr) {
-    image = *stored;
-  } else {
-    const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
-    const std::string dir = disk_cache_dir();
-    if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
-      image = std::move(*cached);
+  if (pending.valid()) {  // compiled, or being compiled, by another caller; rethrows its failure
+    std::shared_ptr<const Loaded> loaded = pending.get();
+    if (images && !images->find(target, source)) images->add(loaded->image);
+    return entry_points(loaded->module, names);
+  }
+  try {
+    auto loaded = std::make_shared<Loaded>();
+    loaded->image = find_or_compile(source, names.front(), target, images);
+    if (images) images->add(loaded->image);
+    auto t_load = std::chrono::steady_clock::now();
+    check(a.cuModuleLoadData(&loaded->module, loaded->image.image.data()), "cuModuleLoadData");
+    {
       std::lock_guard<std::mutex> lock(stats_mu);
-      ++stats.from_cache;
-    } else {
-      auto t0 = std::chrono::steady_clock::now();
-      image = KernelImage{target, source, nvrtc_compile(source, names.front(), target), version};
-      {
-        std::lock_guard<std::mutex> lock(stats_mu);
-        stats.nvrtc_ms += ms_since(t0);
-        ++stats.compiled;
-      }
-      disk_cache_store(dir, image);
+      stats.load_ms += ms_since(t_load);
     }
-    if (images) images->add(image);
+    std::vector<void*> functions = entry_points(loaded->module, names);
+    promise.set_value(std::move(loaded));
+    return functions;
+  } catch (...) {
+    // The callers waiting now get this failure; later ones try again.
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cache.erase(key);
+    }
+    promise.set_exception(std::current_exception());
+    throw;
   }
-  void* module = nullptr;
-  auto t_load = std::chrono::steady_clock::now();
-  check(a.cuModuleLoadData(&module, image.image.data()), "cuModuleLoadData");
-  {
-    std::lock_guard<std::mutex> lock(stats_mu);
-    stats.load_ms += ms_since(t_load);
-  }
-  std::lock_guard<std::mutex> lock(mu);
-  // A racing compile of the same source keeps the first.
-  return functions(cache.emplace(key, Loaded{module, std::move(image)}).first->second.module);
 }
 
 void* compile(const std::string& source, const std::string& name, int device, ImageStore* images) {

@@ -441,3 +441,38 @@ def test_max_pool_with_indices_read_stays_aten():
     expected = torch.autograd.grad(F.max_pool2d(x, 3, 2, 1).sum(), x)[0]
     torch.testing.assert_close(x.grad, expected)
     assert max_pool_fast_paths() == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# compiling
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_identical_groups_compile_once(monkeypatch):
+    """Six layers' identical pointwise groups, generated in parallel, make one NVRTC compile of each module
+    (a general and a vector entry), not one per group racing the others. The chain of ops is drawn at random
+    so that no earlier test, nor the disk cache (off here), holds its source."""
+    import random
+
+    import ember
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
+    ops = [torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.abs, torch.neg, torch.exp, torch.erf]
+    chain = [random.choice(ops) for _ in range(8)]
+    weights = [torch.randn(96, 96, device="cuda") / 10 for _ in range(6)]
+
+    def fn(x):
+        for w in weights:
+            for op in chain:
+                x = op(x)
+            x = x @ w
+        return x
+
+    x = torch.randn(64, 96, device="cuda")
+    with torch.no_grad():
+        report = ember.explain(fn, options={"fallback": "raise"})(x)
+        assert_same(torch.compile(fn, backend="ember")(x), fn(x), atol=1e-4, rtol=1e-4)
+    (graph,) = report.graphs
+    assert len(graph.kernels) == 6, str(report)
+    assert graph.timings["codegen: modules compiled"] <= 2, str(report)
+    assert "codegen: modules compiled" in str(report)
