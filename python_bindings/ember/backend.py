@@ -112,8 +112,9 @@ def _hint_nvrtc():
         os.environ["EMBER_NVRTC_PATH"] = os.path.realpath(found[-1])
 
 
-def compile_fx_graph(gm, config, kind):
-    """Lowers and compiles one AOTAutograd graph; returns a boxed callable."""
+def compile_fx_graph(gm, config, kind, pinned=None):
+    """Lowers and compiles one ATen graph (from AOTAutograd or trace.py); returns a boxed callable. `pinned`:
+    which inputs keep their address from call to call, where AOTAutograd did not say (_pinned_inputs)."""
     from functorch.compile import make_boxed_func
 
     graph_name = f"g{next(_graph_ids)}_{kind}"
@@ -134,14 +135,16 @@ def compile_fx_graph(gm, config, kind):
         lower_ms = (time.perf_counter() - start) * 1e3
         # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
         # norm's scale and shift) run once, and again only when a parameter changes.
+        if pinned is None:
+            pinned = _pinned_inputs(gm, kind)
         cached = []
         if kind == "inference" and os.environ.get("EMBER_PARAMETER_CACHE", "1") != "0":
-            cached = _pinned_inputs(gm, kind)
+            cached = pinned
         compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached)
         compiled._boxed_call = True
         if cached:
             compiled.cache_parameter_steps(cached)
-        graphs_note = _enable_cuda_graphs(compiled, gm, config, kind) if config.cudagraphs else ""
+        graphs_note = _enable_cuda_graphs(compiled, gm, config, pinned) if config.cudagraphs else ""
         report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir, graphs_note)
         return compiled
     except Exception as e:
@@ -364,6 +367,27 @@ def _direct_call(gm, example_inputs, inference):
                           _shapes_guarded(gm, example_inputs), bump=bump)
 
 
+def _traced_call(gm, example_inputs, config):
+    """The C++ DirectCall of an inference graph traced in one pass without AOTAutograd (trace.py), the
+    Dynamo graph itself where ember could not compile it (and warned), or None: then AOTAutograd traces it."""
+    if os.environ.get("EMBER_DIRECT_CALL", "1") == "0":
+        return None
+    from .decompositions import decomposition_table
+    from .trace import trace_inference
+
+    traced, pinned = trace_inference(gm, example_inputs, decomposition_table())
+    if traced is None:
+        return None
+    compiled = compile_fx_graph(traced, config, "inference", pinned)
+    if not hasattr(compiled, "num_inputs"):  # fell back (with a warning): Dynamo's graph runs as it is
+        return gm.forward
+    if not _called_directly(gm, example_inputs, compiled):
+        return None
+    from . import _C
+
+    return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=[])
+
+
 def _shapes_guarded(gm, example_inputs):
     """Whether Dynamo's guards fix the sizes, strides, dtype and device of every tensor this graph takes:
     neither its placeholders (Dynamo's fake values) nor its example inputs have symbolic sizes or strides
@@ -403,7 +427,7 @@ def _hook_mark_step_begin():
     cudagraph_trees.mark_step_begin = mark_step_begin
 
 
-def _enable_cuda_graphs(compiled, gm, config, kind):
+def _enable_cuda_graphs(compiled, gm, config, pinned):
     """Installs CUDA graph capture on `compiled`; returns '' or why the graph runs without it."""
     global _warned_no_cuda_graphs
     from . import _C
@@ -415,7 +439,7 @@ def _enable_cuda_graphs(compiled, gm, config, kind):
             _warned_no_cuda_graphs = True
             warnings.warn("ember: this build has no CUDA graph support (built against a torch without CUDA)")
         return "this ember build has no CUDA graph support"
-    why_not = compiled.enable_cuda_graphs(_pinned_inputs(gm, kind), config.cudagraph_warmup, config.cudagraph_max_graphs)
+    why_not = compiled.enable_cuda_graphs(pinned, config.cudagraph_warmup, config.cudagraph_max_graphs)
     if not why_not:
         _hook_mark_step_begin()
     return why_not
@@ -500,6 +524,9 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from .layout import channels_last_convolutions
 
         channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
+    direct = _traced_call(gm, example_inputs, config)
+    if direct is not None:
+        return direct
     if os.environ.get("EMBER_DIRECT_CALL", "1") != "0" and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
         # training graph's forward and backward can become one C++ autograd function (_training_call).

@@ -1,6 +1,7 @@
 """torch.compile(..., backend="ember", mode=..., options=...): modes, options, environment variables,
 fallback behaviour, debug dumps, the entry point, and the test helper itself."""
 
+import copy
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ember
 import ember._C
@@ -380,15 +382,136 @@ def _direct_calls(monkeypatch):
     return record_returns(monkeypatch, ember.backend, "_direct_call")
 
 
-def test_plain_inference_graph_is_called_directly(monkeypatch):
-    made = _direct_calls(monkeypatch)
+def _traced_calls(monkeypatch):
+    """Records what ember.backend._traced_call (an inference graph traced without AOTAutograd) returned."""
+    return record_returns(monkeypatch, ember.backend, "_traced_call")
+
+
+def test_plain_inference_graph_is_traced_once_and_called_directly(monkeypatch):
+    traced, made = _traced_calls(monkeypatch), _direct_calls(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
     compiled = torch.compile(model, backend="ember")
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(5, 13)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert len(traced) == 1 and isinstance(traced[0], ember._C.DirectCall)
+    assert made == []  # AOTAutograd never ran
+
+
+def test_plain_inference_graph_through_aot_autograd_is_called_directly(monkeypatch):
+    monkeypatch.setenv("EMBER_DIRECT_TRACE", "0")
+    traced, made = _traced_calls(monkeypatch), _direct_calls(monkeypatch)
+    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
+    compiled = torch.compile(model, backend="ember")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(5, 13)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert traced == [None]
     assert len(made) == 1 and isinstance(made[0], ember._C.DirectCall)
+
+
+def test_one_pass_trace_functionalizes_in_place_intermediates(monkeypatch):
+    """In-place ops on intermediates (an inplace ReLU, a masked fill through a view) trace in one pass:
+    functionalization makes them out of place."""
+    traced = _traced_calls(monkeypatch)
+
+    def fn(x, w):
+        y = x @ w
+        torch.relu_(y)
+        y[:, :2].mul_(3)
+        y.add_(1)
+        return y.t().contiguous(), y.sum(0)
+
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        for _ in range(2):
+            x, w = torch.randn(6, 5), torch.randn(5, 4)
+            for a, b in zip(compiled(x, w), fn(x, w)):
+                torch.testing.assert_close(a, b)
+    assert len(traced) == 1 and isinstance(traced[0], ember._C.DirectCall)
+
+
+@pytest.mark.parametrize("case", ["input_mutated", "input_view_mutated", "output_aliases_input", "inputs_share_memory",
+                                  "needs_grad"])
+def test_one_pass_trace_leaves_what_needs_aot_autograd(monkeypatch, case):
+    """Graphs whose AOTAutograd wrapper has work to do go through AOTAutograd, and match eager: an input
+    written in place (seen in the Dynamo graph, or through a view only in the traced one), an output that is
+    a view of an input, two inputs over the same memory, gradients."""
+    import ember.trace
+
+    traced, reasons = _traced_calls(monkeypatch), record_returns(monkeypatch, ember.trace, "trace_inference")
+    grad = case == "needs_grad"
+
+    def fn(x, y):
+        if case == "input_mutated":
+            x.mul_(2)
+        if case == "input_view_mutated":
+            x[1:].mul_(2)
+        out = x * y + 1
+        return (x.t(), out) if case == "output_aliases_input" else out
+
+    compiled = compile_ember(fn)
+    with torch.set_grad_enabled(grad):
+        base = torch.randn(5, 5, requires_grad=grad)
+        x, y = (base[1:], base[:-1]) if case == "inputs_share_memory" else (base, torch.randn(5, 5))
+        x_eager = x.detach().clone()
+        got = compiled(x, y)
+        expected = fn(x_eager, y.detach() if grad else y)
+        got, expected = (got, expected) if isinstance(got, tuple) else ((got,), (expected,))
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b)
+        if case in ("input_mutated", "input_view_mutated"):
+            torch.testing.assert_close(x, x_eager)
+        if case == "output_aliases_input":
+            assert got[0].data_ptr() == x.data_ptr()
+    assert traced == [None]
+    why = {"input_mutated": "writes an input", "input_view_mutated": "writes memory", "output_aliases_input": "aliases an input",
+           "inputs_share_memory": "share memory", "needs_grad": "requires grad"}[case]
+    assert [r[0] for r in reasons] == [None] and why in reasons[0][1]
+
+
+def test_one_pass_trace_pools_channels_last_and_leaves_training_batch_norm(monkeypatch):
+    """ATen's 1x1 adaptive average pool of a channels_last tensor restrides its mean in place (as_strided_),
+    which the one-pass trace makes out of place; a training batch norm under no_grad writes its running
+    statistics, so AOTAutograd traces it (buffers and results as eager)."""
+    import ember.trace
+
+    reasons = record_returns(monkeypatch, ember.trace, "trace_inference")
+
+    def pool(x):
+        return F.adaptive_avg_pool2d(torch.relu(x), 1).flatten(1) * 2
+
+    x = torch.randn(2, 8, 5, 5).contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(compile_ember(pool)(x), pool(x))
+    assert reasons[0][0] is not None
+    bn = torch.nn.BatchNorm2d(8).train()
+    reference = copy.deepcopy(bn)
+    with torch.no_grad():
+        torch.testing.assert_close(compile_ember(bn)(x), reference(x))
+    torch.testing.assert_close(bn.running_mean, reference.running_mean)
+    torch.testing.assert_close(bn.running_var, reference.running_var)
+    assert reasons[1][0] is None and "writes an input" in reasons[1][1]
+
+
+def test_one_pass_trace_outputs_view_of_intermediate_and_repeated():
+    """An output that is a view of an intermediate comes out of the traced graph as it is; results match
+    eager, and the views see the same values when the call is repeated (no buffer shared across calls)."""
+
+    def fn(x):
+        y = x.exp() + 1
+        return y.view(-1), y[1:].t(), x.sin()
+
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        x1, x2 = torch.randn(4, 3), torch.randn(4, 3)
+        first = compiled(x1)
+        second = compiled(x2)
+        for got, x in ((first, x1), (second, x2)):
+            for a, b in zip(got, fn(x)):
+                torch.testing.assert_close(a, b)
 
 
 def test_direct_call_can_be_switched_off(monkeypatch):
