@@ -2,7 +2,9 @@
 
 Dynamo hands ember a torch-level FX graph; AOTAutograd (with ember's decomposition table) turns it into
 forward / backward / inference graphs of ATen ops; each of those is lowered to IR text, compiled in
-C++ and handed back as a C++ callable (boxed calling convention, no Python per call).
+C++ and handed back as a C++ callable (boxed calling convention, no Python per call). An inference graph
+whose AOTAutograd wrapper would have nothing to do is traced to ATen ops in one pass instead (trace.py:
+the same graph at about half AOTAutograd's cost); EMBER_DIRECT_TRACE=0 sends it through AOTAutograd too.
 
 Options (torch.compile's `options=` dict) and the environment variables that set the same thing:
 
