@@ -387,7 +387,12 @@ def _traced_calls(monkeypatch):
     return record_returns(monkeypatch, ember.backend, "_traced_call")
 
 
-def test_plain_inference_graph_is_traced_once_and_called_directly(monkeypatch):
+@pytest.mark.parametrize("trace", ["one_pass", "aot_autograd"])
+def test_plain_inference_graph_is_called_directly(monkeypatch, trace):
+    """Traced in one pass (trace.py), or by AOTAutograd with EMBER_DIRECT_TRACE=0: either way Dynamo gets the
+    C++ DirectCall."""
+    if trace == "aot_autograd":
+        monkeypatch.setenv("EMBER_DIRECT_TRACE", "0")
     traced, made = _traced_calls(monkeypatch), _direct_calls(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
     compiled = torch.compile(model, backend="ember")
@@ -395,21 +400,9 @@ def test_plain_inference_graph_is_traced_once_and_called_directly(monkeypatch):
         for _ in range(3):
             x = torch.randn(5, 13)
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert len(traced) == 1 and isinstance(traced[0], ember._C.DirectCall)
-    assert made == []  # AOTAutograd never ran
-
-
-def test_plain_inference_graph_through_aot_autograd_is_called_directly(monkeypatch):
-    monkeypatch.setenv("EMBER_DIRECT_TRACE", "0")
-    traced, made = _traced_calls(monkeypatch), _direct_calls(monkeypatch)
-    model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
-    compiled = torch.compile(model, backend="ember")
-    with torch.no_grad():
-        for _ in range(3):
-            x = torch.randn(5, 13)
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
-    assert traced == [None]
-    assert len(made) == 1 and isinstance(made[0], ember._C.DirectCall)
+    direct = traced if trace == "one_pass" else made
+    assert len(direct) == 1 and isinstance(direct[0], ember._C.DirectCall)
+    assert made == [] if trace == "one_pass" else traced == [None]  # AOTAutograd never ran / was not skipped
 
 
 def test_one_pass_trace_functionalizes_in_place_intermediates(monkeypatch):
