@@ -62,9 +62,36 @@ KEEP_WHOLE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def decomposition_table():
-    """The table handed to AOTAutograd; built once, on first compile."""
+# Nearest-neighbour upsamplings that torch's core table decomposes beyond its post-autograd part.
+_UPSAMPLE_NEAREST = ("upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+                     "upsample_nearest3d", "_upsample_nearest_exact3d")
+
+
+def _core_table():
+    """torch's core ATen decompositions as tracing below autograd uses them. `core_aten_decompositions()` also
+    lists every CompositeImplicitAutograd op (~500 entries that only call the op's own decomposition, which
+    the dispatcher runs anyway when tracing below autograd) and took 170-190 ms to build on the 2-core host,
+    once per process at the first compile; its post-autograd part takes 4 ms. The traced graphs are the same
+    (compared node for node for the bench workloads, inference and training, forward and backward)."""
+    import torch
+    import torch._decomp as decomp
+
+    post_autograd = getattr(decomp, "_core_aten_decompositions_post_autograd", None)
+    if post_autograd is None:  # a torch without the split
+        return dict(decomp.core_aten_decompositions())
+    table = dict(post_autograd())
+    for name in _UPSAMPLE_NEAREST:
+        op = getattr(getattr(torch.ops.aten, name, None), "default", None)
+        if op is not None and op in decomp.decomposition_table:
+            table[op] = decomp.decomposition_table[op]
+    return table
+
+
+@functools.lru_cache(maxsize=2)
+def decomposition_table(for_export=False):
+    """The table handed to AOTAutograd and to trace.py; built once, on first compile. `for_export`: the table for
+    ember.export's `run_decompositions`, which may keep CompositeImplicitAutograd ops its table does not name, so
+    it gets torch's whole core table."""
     import torch
     from torch._decomp import core_aten_decompositions
 
@@ -74,7 +101,8 @@ def decomposition_table():
         op = getattr(torch.ops.aten, packet, None)
         if op is not None and hasattr(op, overload):
             keep.add(getattr(op, overload))
-    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in keep}
+    core = dict(core_aten_decompositions()) if for_export else _core_table()
+    table = {op: fn for op, fn in core.items() if op not in keep}
     if os.environ.get("EMBER_EMBEDDING_GRAD", "") != "aten":
         table[torch.ops.aten.embedding_dense_backward.default] = embedding_grad
     return table

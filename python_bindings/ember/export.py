@@ -152,7 +152,7 @@ def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict
     seconds["torch.export"] = time.perf_counter() - start
 
     start = time.perf_counter()
-    ep = ep.run_decompositions(decomposition_table())
+    ep = ep.run_decompositions(decomposition_table(for_export=True))
     seconds["decompose"] = time.perf_counter() - start
 
     start = time.perf_counter()

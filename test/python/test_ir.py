@@ -2,6 +2,8 @@
 that parses, prints back canonically (roundtrip is idempotent), and compiles to a plan that computes
 what the FX graph computes on the real inputs it was called with."""
 
+import contextlib
+import copy
 import re
 
 import pytest
@@ -15,7 +17,7 @@ import ember
 import ember._C as C
 from ember.decompositions import decomposition_table
 from ember.lower import lower
-from helpers import assert_same, clone_input
+from helpers import DEVICES, assert_same, clone_input
 
 
 def capture(fn, *inputs, dynamic=False, backward=True):
@@ -185,3 +187,56 @@ def test_handwritten_ir_roundtrip():
 def test_bad_ir_raises_ember_error(bad):
     with pytest.raises(ember.EmberError):
         C.compile(bad, {}, [], "", "bad")
+
+
+class _ManyOps(nn.Module):
+    """Ops whose decompositions differ in kind: CompositeImplicitAutograd ones (linear, layer_norm, upsampling
+    by scale, pooling, dropout), core decompositions (softplus, hardsigmoid, addcmul, roll, lerp, tril), and
+    ops ember keeps whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.conv, self.bn = nn.Embedding(50, 8), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.ln, self.fc, self.gn = nn.LayerNorm(8), nn.Linear(8, 5), nn.GroupNorm(2, 8)
+
+    def forward(self, ids, target):
+        x = self.emb(ids).permute(0, 3, 1, 2)
+        x = F.relu(self.bn(self.conv(x)), inplace=True)
+        x = F.interpolate(x, scale_factor=2, mode="nearest") + F.interpolate(x, scale_factor=2, mode="bilinear")
+        x = F.dropout(self.gn(F.max_pool2d(x, 2)), 0.1, self.training)
+        x = F.adaptive_avg_pool2d(x, 1).flatten(1)
+        x = F.silu(self.ln(x)) + F.hardswish(x) + torch.logsumexp(x, -1, keepdim=True) + x.var(-1, keepdim=True)
+        # core decompositions proper
+        x = torch.addcmul(F.softplus(x), F.hardsigmoid(x), x.roll(1, -1), value=0.5) + torch.lerp(x, x.tril(), 0.25)
+        return F.cross_entropy(self.fc(F.gelu(x)), target) + F.mse_loss(x, x.detach() * 0.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_compile_table_traces_as_the_whole_core_table(training, device):
+    """decomposition_table() leaves out torch's CompositeImplicitAutograd entries (they only call the op's own
+    decomposition, which tracing below autograd runs anyway; building them took ~180 ms per process): the
+    graphs AOTAutograd traces with it are the ones the whole core table gives, forward and backward."""
+    eager_backward = hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")  # a torch that has it
+    model = _ManyOps().train(training).to(device)
+    ids, target = torch.randint(0, 50, (2, 6, 6), device=device), torch.randint(0, 5, (2,), device=device)
+    traced = {}
+
+    def backend(gm, example_inputs):
+        for label, table in (("compile", decomposition_table()), ("whole", decomposition_table(for_export=True))):
+            codes = traced.setdefault(label, [])
+
+            def keep(g, _):
+                codes.append(re.sub(r"_tensor_constant\d+", "c", g.code))
+                return make_boxed_func(g.forward)
+
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True) if eager_backward else contextlib.nullcontext():
+                aot_autograd(fw_compiler=keep, bw_compiler=keep, inference_compiler=keep, decompositions=table,
+                             keep_inference_input_mutations=True)(copy.deepcopy(gm), example_inputs)
+        return gm.forward
+
+    with torch.set_grad_enabled(training):
+        torch.compile(model, backend=backend)(ids, target)
+    assert len(decomposition_table()) < len(decomposition_table(for_export=True))
+    assert len(traced["compile"]) == (2 if training and eager_backward else 1)
+    assert traced["compile"] == traced["whole"]
