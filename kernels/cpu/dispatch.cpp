@@ -1,7 +1,8 @@
 // Picks the interpreter built for the widest instruction set this CPU runs: AVX-512 where present
 // (ATen's own kernels use it there, and transcendental-heavy groups run nearly twice as fast), else AVX2.
-// ATEN_CPU_CAPABILITY=avx2 (or default) caps it, as it caps ATen.
+// ATEN_CPU_CAPABILITY=avx2 (or default) caps it, as it caps ATen. The same for the few-rows matmul.
 #include "kernels/cpu/cpu_kernel.h"
+#include "kernels/cpu/gemv.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -28,11 +29,24 @@ Isa best_isa() {
   if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::Avx2;
   return Isa::None;
 }
+Isa isa() {
+  static const Isa chosen = best_isa();
+  return chosen;
+}
 }  // namespace
 
+bool gemv_takes(const MatmulCall& c) {
+  return isa() != Isa::None && c.M > 0 && c.N > 0 && c.K > 0 && c.src_stride[1] == 1 && c.weights_stride[0] == 1 &&
+         c.src_stride[0] >= c.K && c.weights_stride[1] >= c.K;
+}
+
+void gemv(const MatmulConfig& config, const MatmulCall& call) {
+  if (isa() == Isa::Avx512) return avx512::gemv(config, call);
+  return avx2::gemv(config, call);
+}
+
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not) {
-  static const Isa isa = best_isa();
-  switch (isa) {
+  switch (isa()) {
     case Isa::Avx512: return avx512::make_fused_kernel(std::move(program));
     case Isa::Avx2: return avx2::make_fused_kernel(std::move(program));
     case Isa::None: break;

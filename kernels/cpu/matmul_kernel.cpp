@@ -3,11 +3,15 @@
 //     primitive for that shape was made on first sight.
 //  2. Weights that are a graph input (a parameter, or a transposing view of one) and come back unmodified
 //     are packed once into oneDNN's layout on their second sight and reused (WeightsPacking).
-//  3. Operands oneDNN does not take as they are (neither rows nor columns contiguous, an empty dimension,
-//     an addend that is not contiguous) run the same computation through ATen, so every input is correct;
-//     so do a few rows, where MKL's matrix-vector product is faster.
+//  3. Fewer than 8 float32 rows against weights as they lie, with contiguous columns (nn.Linear's), run
+//     ember's own loop (kernels/cpu/gemv.cpp): reading the weights is the work, and it spreads that over
+//     the threads, where oneDNN's plain-layout kernels and MKL do not.
+//  4. Operands neither takes as they are (neither rows nor columns contiguous, an empty dimension, an
+//     addend that is not contiguous) run the same computation through ATen, so every input is correct; so
+//     do a few bfloat16 rows, or rows against row-major weights, unless the weights are packed.
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/epilogue_support.h"
+#include "kernels/cpu/gemv.h"
 
 namespace ember::cpu {
 namespace {
@@ -25,8 +29,8 @@ bool plain_strides(const at::Tensor& t, int64_t out[2]) {
 
 class MatmulKernel final : public Kernel {
  public:
-  MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl)
-      : dnnl_(std::move(dnnl)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
+  MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config)
+      : dnnl_(std::move(dnnl)), config_(std::move(config)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op) {
     for (const auto& [constant, value] : m.out_shape) out_shape_.emplace_back(constant, value != nullptr);
@@ -78,16 +82,26 @@ class MatmulKernel final : public Kernel {
       call.addends.push_back(a.data_ptr());
       if (!addend_is_row_[i]) call.addend_row_stride.push_back(call.N);
     }
-    // A few rows: MKL's matrix-vector product through ATen beats oneDNN, against weights as they lie
-    // (one thread, 1x1024 @ 1024x1024: 180 vs 300 us) and, narrowly, against packed weights too (the
-    // 512-1024-1024-10 MLP called as a plan, min of 400 interleaved calls on 2 threads: 153 vs 159 us at 1
-    // row, 154 vs 160 at 2, 164 vs 175 at 4); no primitive is made for them either.
-    if (call.M < kFewRows) return false;
     bool first = weights_input && packing_.first_sight();
     uint64_t packing = weights_input ? packing_.generation(*weights_input, weights) : 0;
-    if (first) return false;
     call.src = src.data_ptr();
     call.weights = weights.data_ptr();
+    // A few rows against weights as they lie (not packed: not a parameter, changed, or seen once) run
+    // ember's loop where it applies, else ATen: oneDNN reads plain weights slowly there. 2-core Zen 4 host,
+    // [M, 1024] @ [1024, 1024] + bias, relu, min of 7 x 300 calls (this host's timings vary up to 2x):
+    //   M = 1 / 2 / 4 / 7, us   oneDNN plain 105 / 110 / 118 / 138, ATen (MKL) 77 / 147 / 305 / 302,
+    //                           ember's loop 33 / 38 / 56 / 105, oneDNN packed 33 / 37 / 44 / 72.
+    // Packed weights go to oneDNN at any M, as their first sight goes to the loop: no primitive until the
+    // second call, when the weights can be packed.
+    if (call.M < kFewRows && packing == 0) {
+      if (dtype_ != c10::kFloat || !gemv_takes(call)) return false;
+      *out = at::empty({call.M, call.N}, src.options());
+      call.dst = out->data_ptr();
+      call.dst_stride = call.N;
+      gemv(config_, call);
+      return true;
+    }
+    if (first) return false;
     *out = at::empty({call.M, call.N}, src.options());
     call.dst = out->data_ptr();
     call.dst_stride = call.N;
@@ -107,6 +121,7 @@ class MatmulKernel final : public Kernel {
 
   static constexpr int64_t kFewRows = 8;
   std::unique_ptr<onednn::Matmul> dnnl_;
+  onednn::MatmulConfig config_;  // the post-ops, for gemv()
   c10::ScalarType dtype_;
   bool bias_;
   std::vector<EpilogueOp> ops_;
@@ -136,7 +151,7 @@ std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::st
   config.post_ops = post_ops_of(m);
   auto dnnl = onednn::Matmul::create(config, why_not);
   if (!dnnl) return nullptr;
-  return std::make_shared<MatmulKernel>(m, std::move(dnnl));
+  return std::make_shared<MatmulKernel>(m, std::move(dnnl), std::move(config));
 }
 
 }  // namespace ember::cpu

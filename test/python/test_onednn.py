@@ -4,7 +4,9 @@ inputs, forward and backward, odd sizes, dynamic batch sizes, weights changed in
 
 A kernel whose weights are a parameter runs its first call through ATen and packs the weights on the second
 (kernels/cpu/epilogue_support.h), and fewer than 8 rows against unpacked weights run through ATen too: the
-tests call each compiled function several times (check_calls) and use 8 rows or more."""
+tests call each compiled function several times (check_calls) and use 8 rows or more. Fewer float32 rows against
+weights as they lie (first sight, changed, or not a parameter) run ember's own loop (kernels/cpu/gemv.cpp):
+the few-rows tests below."""
 
 import copy
 import functools
@@ -98,6 +100,69 @@ def test_residual_scale_and_row_epilogues(case):
     with torch.no_grad():
         check_calls(fns[case], torch.randn(3, 4, 10), torch.randn(3, 4, 6), grad=False, **MATMUL_TOL)
     assert len(onednn_kernels()) == 1
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7])
+@pytest.mark.parametrize("k,n", [(1, 5), (15, 3), (16, 4), (17, 9), (300, 129), (1030, 70)])
+def test_few_rows_against_weights_that_change_every_call(rows, k, n):
+    """Fresh weights each call are never packed: 1-7 rows run ember's loop, blocks of rows and of columns with
+    their tails, vector bodies and scalar tails over K, one thread or several (the (1030, 70) weights)."""
+    fn = lambda x, w, b: torch.relu(F.linear(x, w, b))  # noqa: E731
+    with torch.no_grad():
+        check_calls(fn, torch.randn(rows, k), torch.randn(n, k), torch.randn(n), grad=False, **MATMUL_TOL)
+    assert len(onednn_kernels()) == 1
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_few_rows_epilogues(act):
+    """Bias, each activation, a scale and a residual add, applied by ember's loop on its results."""
+    fn = lambda x, w, b, r: ACTIVATIONS[act](F.linear(x, w, b)) * 0.5 + r  # noqa: E731
+    with torch.no_grad():
+        check_calls(fn, torch.randn(3, 40), torch.randn(33, 40), torch.randn(33), torch.randn(3, 33), grad=False,
+                    **MATMUL_TOL)
+
+
+@needs_onednn
+def test_few_rows_non_contiguous_source_and_weights():
+    """Source rows apart by more than K (a slice) take the loop; weights with rows contiguous (not transposed)
+    and a transposed source go through ATen."""
+    with torch.no_grad():
+        check_calls(lambda x, w: torch.mm(x[:, 3:], w.t()), torch.randn(4, 43), torch.randn(9, 40), grad=False,
+                    **MATMUL_TOL)
+        check_calls(lambda x, w: torch.mm(x, w), torch.randn(4, 40), torch.randn(40, 9), grad=False, **MATMUL_TOL)
+        check_calls(lambda x, w: torch.mm(x.t(), w.t()), torch.randn(40, 4), torch.randn(9, 40), grad=False,
+                    **MATMUL_TOL)
+
+
+@needs_onednn
+def test_few_rows_propagate_nan_and_inf():
+    lin = nn.Linear(40, 20)
+    compiled = compile_ember(lambda x, w: torch.relu(F.linear(x, w, lin.bias)))
+    x, w = torch.randn(3, 40), lin.weight.detach().clone()
+    x[0, 5] = float("nan")
+    x[1, 7] = float("inf")
+    with torch.no_grad():
+        expected = torch.relu(F.linear(x, w, lin.bias))
+        torch.testing.assert_close(compiled(x, w), expected, equal_nan=True, **MATMUL_TOL)
+    assert expected[0].isnan().all() and expected[1].isinf().any()
+
+
+@needs_onednn
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_one_mlp_first_call_then_packed(threads):
+    """An inference MLP at batch 1: the loop on the first call, oneDNN on packed weights after; also on one
+    thread."""
+    model = nn.Sequential(nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).eval()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            check_calls(model, torch.randn(1, 512), grad=False, **MATMUL_TOL)
+    finally:
+        torch.set_num_threads(saved)
+    assert len(onednn_kernels()) == 3
 
 
 @needs_onednn
