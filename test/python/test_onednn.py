@@ -413,3 +413,25 @@ def test_basic_block_becomes_two_convolutions_with_residual_post_op():
     assert report.graphs[0].onednn == ["conv2d f32 +bias relu", "conv2d f32 +bias add relu"]
     assert report.graphs[0].folded_batchnorms == 2 and not report.graphs[0].aten_ops
     assert "folded  2 batch norm(s)" in str(report)
+
+
+def _has_avx512():
+    with open("/proc/cpuinfo") as f:
+        return "avx512f" in f.read()
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the AVX2 build is the one this CPU runs anyway")
+def test_avx2_build_of_the_cpu_kernels():
+    """ember's CPU kernels are built for AVX2 and for AVX-512 and the widest one the CPU runs is taken: on an
+    AVX-512 machine the AVX2 build runs only where ATEN_CPU_CAPABILITY=avx2 caps it. This runs the few-rows
+    loop's tests and the CPU fused-kernel tests in a process so capped."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "(cpu or few_rows) and not avx2_build",
+                        "test_onednn.py", "test_pointwise.py", "test_reductions.py"],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=here)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
