@@ -156,3 +156,63 @@ def test_linear_chain_op_applies_its_layers_in_order(device):
         torch.ops.ember.linear_chain(x, w, b, [3, 0, 0])
     with pytest.raises(RuntimeError, match="needs a bias"):
         torch.ops.ember.linear_chain(x, w, b, [0, 1, 0])
+
+
+# ---------------------------------------------------------------------------------------------------
+# max pooling without indices on the CPU (kernels/cpu/pool.cpp)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _cpu_max_pools():
+    """How many of the CPU max-pool fast paths in this test's graphs ran (an input they were not made for,
+    channels_last, goes to ATen's op and leaves their call count at 0)."""
+    import re
+
+    from helpers import EMBER_GRAPHS
+
+    return sum(int(calls) > 0 for _, g in EMBER_GRAPHS
+               for calls in re.findall(r"cpu max pool \S+ without indices \((\d+) calls\)", g.describe()))
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("window", [(3, 2, 1), (2, 2, 0), (3, 1, 1), ((3, 2), (2, 1), (1, 0)), (5, 3, 2)],
+                         ids=["k3s2p1", "k2s2", "k3s1p1", "k32s21p10", "k5s3p2"])
+@pytest.mark.parametrize("size", [(2, 5, 13, 11), (1, 3, 1, 7), (3, 2, 112, 112)], ids=["odd", "one_row", "resnet"])
+def test_cpu_max_pool_without_indices(channels_last, window, size):
+    """NCHW float32 pooling runs ember's loop, nhwc ATen's kernel; both exact against eager, with a NaN
+    winning its windows and a plane of -inf pooling to -inf."""
+    from helpers import compile_ember
+
+    k, s, p = window
+    kh = k if isinstance(k, int) else k[0]
+    if size[2] + 2 * (p if isinstance(p, int) else p[0]) < kh:
+        pytest.skip("the window does not fit")
+    x = torch.randn(*size)
+    x[0, 1, 0, 3] = float("nan")
+    x[-1, 0] = float("-inf")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+
+    def fn(x):
+        return F.max_pool2d(x, k, s, p), F.max_pool2d(torch.relu(x * 2), k, s, p)
+
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        expected = fn(x)
+        actual = compiled(x)
+    for a, e in zip(actual, expected):
+        assert a.stride() == e.stride(), (a.stride(), e.stride())
+        torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)  # a max is exact
+    assert _cpu_max_pools() == (0 if channels_last else 2)
+
+
+def test_cpu_max_pool_with_indices_read_stays_aten():
+    """Training reads the indices for the backward: the pooling stays ATen's, and gradients match."""
+    from helpers import compile_ember
+
+    x = torch.randn(2, 4, 9, 9, requires_grad=True)
+    compiled = compile_ember(lambda x: F.max_pool2d(x, 3, 2, 1).sum())
+    compiled(x).backward()
+    expected = torch.autograd.grad(F.max_pool2d(x, 3, 2, 1).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected)
+    assert _cpu_max_pools() == 0

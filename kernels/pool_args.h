@@ -1,0 +1,21 @@
+// The arguments of an aten::max_pool2d_with_indices step whose indices nothing reads, as the max-pool fast
+// paths take them (kernels/cpu/pool.cpp; kernels/cuda/pool.cpp reads the same).
+#pragma once
+
+#include "ember/runtime.h"
+
+#include <optional>
+
+namespace ember {
+
+struct MaxPoolArgs {
+  uint32_t input = 0, output = 0;  // buffers
+  int kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;
+};
+
+// The step's pooling when it is one a fast path can run: a 4-D input on CUDA (cuda) or not, the indices
+// dropped or freed by this step, no dilation or ceil_mode, windows of at most 64, padding at most half the
+// window. Otherwise nothing.
+std::optional<MaxPoolArgs> max_pool_without_indices(const Node& n, const Step& step, bool cuda);
+
+}  // namespace ember
