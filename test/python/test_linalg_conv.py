@@ -171,7 +171,7 @@ def _cpu_max_pools():
     from helpers import EMBER_GRAPHS
 
     return sum(int(calls) > 0 for _, g in EMBER_GRAPHS
-               for calls in re.findall(r"cpu max pool \S+ without indices \((\d+) calls\)", g.describe()))
+               for calls in re.findall(r"cpu max pool \S+ with(?:out)? indices \((\d+) calls\)", g.describe()))
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -206,13 +206,52 @@ def test_cpu_max_pool_without_indices(channels_last, window, size):
     assert _cpu_max_pools() == (0 if channels_last else 2)
 
 
-def test_cpu_max_pool_with_indices_read_stays_aten():
-    """Training reads the indices for the backward: the pooling stays ATen's, and gradients match."""
+@pytest.mark.parametrize("window", [(3, 2, 1), (2, 2, 0), ((3, 2), (2, 1), (1, 0)), (5, 3, 2)],
+                         ids=["k3s2p1", "k2s2", "k32s21p10", "k5s3p2"])
+@pytest.mark.parametrize("size", [(2, 5, 13, 11), (1, 3, 2, 1), (2, 2, 56, 56)], ids=["odd", "narrow", "large"])
+def test_cpu_max_pool_indices_match_aten(window, size):
+    """Where the indices are read (returned here; a training graph's backward reads them) both outputs are
+    ember's: each index the first maximum of its window in row-major order, or its last NaN, as ATen gives
+    it. Ties are common after a ReLU (all-zero windows); a plane of -inf takes each window's first element."""
     from helpers import compile_ember
 
-    x = torch.randn(2, 4, 9, 9, requires_grad=True)
-    compiled = compile_ember(lambda x: F.max_pool2d(x, 3, 2, 1).sum())
+    k, s, p = window
+    kh, kw = (k, k) if isinstance(k, int) else k
+    ph, pw = (p, p) if isinstance(p, int) else p
+    if size[2] + 2 * ph < kh or size[3] + 2 * pw < kw:
+        pytest.skip("the window does not fit")
+    x = torch.randn(*size)
+    x.view(-1)[::7] = float("nan")
+    x[-1, 0] = float("-inf")
+
+    def fn(x):
+        return F.max_pool2d(torch.relu(x - 0.5), k, s, p, return_indices=True) + F.max_pool2d(x, k, s, p, return_indices=True)
+
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        expected, actual = fn(x), compiled(x)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, atol=0, rtol=0, equal_nan=True)
+    assert _cpu_max_pools() == 2
+
+
+def test_cpu_max_pool_training_gradients_match_eager():
+    """The backward scatters the gradient through the forward's indices: ties after a ReLU must go where
+    eager sends them."""
+    from helpers import compile_ember
+
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 17, 15, requires_grad=True)
+
+    def fn(x):
+        return (F.max_pool2d(torch.relu(conv(x)), 3, 2, 1) * torch.arange(1.0, 73.0).view(9, 8)).sum()
+
+    compiled = compile_ember(fn)
     compiled(x).backward()
-    expected = torch.autograd.grad(F.max_pool2d(x, 3, 2, 1).sum(), x)[0]
-    torch.testing.assert_close(x.grad, expected)
-    assert _cpu_max_pools() == 0
+    got = (x.grad.clone(), conv.weight.grad.clone())
+    x.grad = None
+    conv.weight.grad = None
+    fn(x).backward()
+    torch.testing.assert_close(got[0], x.grad, atol=0, rtol=0)
+    torch.testing.assert_close(got[1], conv.weight.grad)
+    assert _cpu_max_pools() == 1
