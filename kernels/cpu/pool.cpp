@@ -23,7 +23,9 @@
 #include <vector>
 
 namespace ember {
+namespace {
 
+// An int or int[] argument as `want` values; empty where absent, {-1} where not ints.
 std::vector<int64_t> pool_ints(const Arg* a, size_t want) {
   std::vector<int64_t> out;
   if (!a || a->kind == Arg::Kind::None) return out;
@@ -36,6 +38,8 @@ std::vector<int64_t> pool_ints(const Arg* a, size_t want) {
   if (out.size() == 1) out.assign(want, out[0]);
   return out;
 }
+
+}  // namespace
 
 std::optional<MaxPoolArgs> max_pool_args(const Node& n, const Step& step, bool cuda) {
   if (n.op != "aten::max_pool2d_with_indices" || step.outputs.size() != 2 || step.outputs[0] < 0) return std::nullopt;
