@@ -47,7 +47,7 @@ float vsum(VecF a) {
 constexpr int kCols = 4;  // weight columns streamed together
 
 float epilogue(float y, const MatmulConfig& config, const MatmulCall& call, int64_t m, int64_t n) {
-  size_t a = 0;
+  size_t a = 0, full = 0;  // Add steps so far; those with a [M, N] addend (addend_row_stride has one each)
   for (const PostOp& op : config.post_ops) {
     switch (op.kind) {
       case PostOp::Kind::Relu: y = y < 0.f ? 0.f : y; break;  // NaN stays NaN, as in ATen
@@ -61,7 +61,7 @@ float epilogue(float y, const MatmulConfig& config, const MatmulCall& call, int6
       case PostOp::Kind::Linear: y = op.alpha * y + op.beta; break;
       case PostOp::Kind::Add: {
         const float* addend = static_cast<const float*>(call.addends[a]);
-        y += op.row ? addend[n] : addend[m * call.addend_row_stride[a] + n];
+        y += op.row ? addend[n] : addend[m * call.addend_row_stride[full++] + n];
         ++a;
         break;
       }

@@ -190,12 +190,11 @@ class MatmulImpl final : public Matmul {
     e->weights = memory(pd.weights_desc(), eng, kNoHandle);
     e->dst = memory(pd.dst_desc(), eng, kNoHandle);
     if (config_.bias) e->bias = memory(matrix(1, call.N, call.N, 1), eng, kNoHandle);
-    size_t a = 0;
+    size_t full = 0;  // the [M, N] addends' row strides, in order (as in descriptor())
     for (const PostOp& p : config_.post_ops) {
       if (p.kind != PostOp::Kind::Add) continue;
-      memory::desc md = p.row ? matrix(1, call.N, call.N, 1) : matrix(call.M, call.N, call.addend_row_stride.at(a), 1);
+      memory::desc md = p.row ? matrix(1, call.N, call.N, 1) : matrix(call.M, call.N, call.addend_row_stride.at(full++), 1);
       e->addends.emplace_back(md, eng, kNoHandle);
-      ++a;
     }
     entries_.push_back(std::move(e));
     return *entries_.back();

@@ -1,12 +1,15 @@
 // Matmul epilogues: the epilogue pass (IR text in, IR text out), canonicalize, and the oneDNN kernel
-// against ATen on random inputs (odd sizes, strided operands, residuals, weights changed between calls).
+// against ATen on random inputs (odd sizes, strided operands, residuals, weights changed between calls);
+// the few-rows loop (kernels/cpu/gemv.cpp) in each instruction set this CPU runs, against ATen.
 #include "ember/compiler.h"
+#include "kernels/cpu/gemv.h"
 #include "kernels/cpu/onednn.h"
 #include "passes/passes.h"
 
 #include <ATen/ATen.h>
 #include <cstdlib>
 #include <gtest/gtest.h>
+#include <limits>
 
 namespace ember {
 namespace {
@@ -190,6 +193,33 @@ TEST(OneDnnMatmul, ResidualRowAddGeluViewsAndOddSizes) {
   }
 }
 
+// The oneDNN wrapper called directly with a row addend before a [M, N] one: each [M, N] addend's row stride
+// is its own (MatmulCall::addend_row_stride holds one per [M, N] addend), not the Add step's position. Taken
+// by position, the primitive's setup threw and every call fell back to ATen unseen.
+TEST(OneDnnMatmul, RowThenFullAddendsRunInOneDnn) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  onednn::MatmulConfig config;
+  onednn::PostOp row, full;
+  row.kind = full.kind = onednn::PostOp::Kind::Add;
+  row.row = true;
+  config.post_ops = {row, full};
+  std::string why;
+  auto mm = onednn::Matmul::create(config, &why);
+  ASSERT_TRUE(mm) << why;
+  at::Tensor x = at::randn({9, 13}), w = at::randn({13, 5}), r = at::randn({5}), f = at::randn({9, 5});
+  at::Tensor out = at::empty({9, 5});
+  onednn::MatmulCall call;
+  call.M = 9, call.N = 5, call.K = 13;
+  call.src = x.data_ptr(), call.src_stride[0] = 13, call.src_stride[1] = 1;
+  call.weights = w.data_ptr(), call.weights_stride[0] = 5, call.weights_stride[1] = 1;
+  call.dst = out.data_ptr(), call.dst_stride = 5;
+  call.addends = {r.data_ptr(), f.data_ptr()};
+  call.addend_row_stride = {5};
+  ASSERT_NO_THROW(mm->run(call, 0));
+  EXPECT_TRUE(at::allclose(out, at::mm(x, w) + r + f, 1e-4, 1e-5));
+  EXPECT_EQ(mm->primitives(), 1u);
+}
+
 TEST(OneDnnMatmul, StridedAndEmptyOperandsAndNoOneDnnAgree) {
   const std::string text =
       "graph(%x: f32[s0, 6]{1, s0}@cpu, %w: f32[6, 4]{4, 1}@cpu):\n"
@@ -277,6 +307,77 @@ TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
       EXPECT_EQ(out.strides(), expected.strides());
     }
   }
+}
+
+// Each build of the few-rows loop this CPU can run, called directly: 1-7 rows (blocks of 4 or 2 and their
+// tails), K around the vector widths, N around the 4-column blocks, source rows apart by more than K, weights
+// as nn.Linear's transposed, bias, every post-op kind, and NaN/inf carried through.
+TEST(Gemv, EveryBuildMatchesAtenOnOddShapesAndEpilogues) {
+  using Kind = onednn::PostOp::Kind;
+  std::vector<std::pair<const char*, void (*)(const cpu::MatmulConfig&, const cpu::MatmulCall&)>> builds;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) builds.push_back({"avx2", &cpu::avx2::gemv});
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    builds.push_back({"avx512", &cpu::avx512::gemv});
+  if (builds.empty()) GTEST_SKIP() << "no AVX2 on this CPU";
+  auto post = [](Kind k, bool row = false) {
+    onednn::PostOp p;
+    p.kind = k;
+    p.row = row;
+    if (k == Kind::Linear) p.alpha = 0.5f, p.beta = -1.f;
+    return p;
+  };
+  const std::vector<std::vector<onednn::PostOp>> epilogues = {
+      {}, {post(Kind::Relu)}, {post(Kind::GeluErf)}, {post(Kind::GeluTanh)}, {post(Kind::Silu)}, {post(Kind::Sigmoid)},
+      {post(Kind::Tanh)}, {post(Kind::Linear), post(Kind::Add, true), post(Kind::Add, false)}};
+  int checked = 0;
+  for (auto [name, gemv_of] : builds) {
+    for (int64_t M : {1, 2, 3, 4, 5, 7}) {
+      for (int64_t K : {1, 7, 16, 17, 33, 300}) {
+        for (int64_t N : {1, 3, 4, 5, 70}) {
+          const auto& ops = epilogues[(M * 7 + K + N) % epilogues.size()];
+          at::Tensor src = at::randn({M, K + 3}).narrow(1, 1, K);  // rows K + 3 apart
+          at::Tensor w = at::randn({N, K}), bias = at::randn({N});
+          at::Tensor row = at::randn({N}), full = at::randn({M, N});
+          if (M > 1 && K > 2) src[1][2] = std::numeric_limits<float>::quiet_NaN();
+          at::Tensor expected = at::addmm(bias, src, w.t());
+          cpu::MatmulConfig config;
+          config.bias = true;
+          cpu::MatmulCall call;
+          call.M = M, call.N = N, call.K = K;
+          call.src = src.data_ptr(), call.src_stride[0] = K + 3, call.src_stride[1] = 1;
+          call.weights = w.data_ptr(), call.weights_stride[0] = 1, call.weights_stride[1] = K;
+          call.bias = bias.data_ptr();
+          for (const onednn::PostOp& p : ops) {
+            config.post_ops.push_back(p);
+            switch (p.kind) {
+              case Kind::Relu: expected = at::relu(expected); break;
+              case Kind::GeluErf: expected = at::gelu(expected); break;
+              case Kind::GeluTanh: expected = at::gelu(expected, "tanh"); break;
+              case Kind::Silu: expected = at::silu(expected); break;
+              case Kind::Sigmoid: expected = at::sigmoid(expected); break;
+              case Kind::Tanh: expected = at::tanh(expected); break;
+              case Kind::Linear: expected = expected * p.alpha + p.beta; break;
+              case Kind::Add:
+                expected = expected + (p.row ? row : full);
+                call.addends.push_back(p.row ? row.data_ptr() : full.data_ptr());
+                if (!p.row) call.addend_row_stride.push_back(N);
+                break;
+            }
+          }
+          ASSERT_TRUE(cpu::gemv_takes(call));
+          at::Tensor out = at::full({M, N}, 12345.f);
+          call.dst = out.data_ptr(), call.dst_stride = N;
+          gemv_of(config, call);
+          EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-4, /*equal_nan=*/true))
+              << name << " M" << M << " K" << K << " N" << N << " with " << ops.size() << " post-ops\n"
+              << out << "\n" << expected;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GE(checked, 180);
 }
 
 }  // namespace

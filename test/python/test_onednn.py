@@ -125,6 +125,19 @@ def test_few_rows_epilogues(act):
 
 
 @needs_onednn
+@pytest.mark.parametrize("rows", [3, 12], ids=["loop", "onednn"])
+def test_row_addend_then_residual(rows):
+    """A broadcast row and then a [M, N] residual added to the matmul: the residual's row stride is the first
+    of the [M, N] addends', not the second Add's (both kernels once read it by the Add's position)."""
+    fn = lambda x, w, row, r: torch.relu(torch.mm(x, w.t()) + row) + r  # noqa: E731
+    with torch.no_grad():
+        check_calls(fn, torch.randn(rows, 40), torch.randn(33, 40), torch.randn(33), torch.randn(rows, 33), grad=False,
+                    **MATMUL_TOL)
+    kernels = onednn_kernels()
+    assert len(kernels) == 1 and kernels[0].count("add") == 2, kernels
+
+
+@needs_onednn
 def test_few_rows_non_contiguous_source_and_weights():
     """Source rows apart by more than K (a slice) take the loop; weights with rows contiguous (not transposed)
     and a transposed source go through ATen."""
