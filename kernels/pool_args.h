@@ -1,6 +1,5 @@
 // The arguments of an aten::max_pool2d_with_indices step as the max-pool fast paths take them
-// (kernels/cpu/pool.cpp). kernels/cuda/pool.cpp still parses its step itself: moving it onto this waits for
-// a GPU run to test it.
+// (kernels/cpu/pool.cpp, and kernels/cuda/pool.cpp where nothing reads the indices).
 #pragma once
 
 #include "ember/runtime.h"

@@ -13,6 +13,7 @@
 #include "ember/error.h"
 #include "ember/runtime.h"
 #include "kernels/cuda/driver.h"
+#include "kernels/pool_args.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -108,19 +109,6 @@ struct Params {
   int32_t kh, kw, sh, sw, ph, pw, cl;
 };
 
-std::vector<int64_t> ints(const Arg* a, size_t want) {
-  std::vector<int64_t> out;
-  if (!a || a->kind == Arg::Kind::None) return out;
-  if (a->kind == Arg::Kind::Int) return std::vector<int64_t>(want, a->i);
-  if (a->kind != Arg::Kind::List) return {-1};
-  for (const Arg& e : a->list) {
-    if (e.kind != Arg::Kind::Int) return {-1};
-    out.push_back(e.i);
-  }
-  if (out.size() == 1) out.assign(want, out[0]);
-  return out;
-}
-
 class MaxPool final : public FastPath {
  public:
   MaxPool(uint32_t input, uint32_t output, int kh, int kw, int sh, int sw, int ph, int pw)
@@ -199,31 +187,9 @@ class MaxPool final : public FastPath {
 };
 
 std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step) {
-  if (n.op != "aten::max_pool2d_with_indices" || step.outputs.size() != 2 || step.outputs[0] < 0) return nullptr;
-  // The indices must be unread: dropped, or freed by this very step (runtime.h, FastPathMaker).
-  const int32_t indices = step.outputs[1];
-  if (indices >= 0 && std::find(step.frees.begin(), step.frees.end(), static_cast<uint32_t>(indices)) == step.frees.end())
-    return nullptr;
-  if (!step.lists.empty() || !step.scalar_from_buffer.empty() || n.args.empty() || !n.args[0].is_value()) return nullptr;
-  const Value* in = n.args[0].value;
-  if (!in->type.is_tensor() || !in->type.tensor.device.is_cuda() || in->type.tensor.sizes.size() != 4) return nullptr;
-  std::optional<uint32_t> input;
-  for (auto [slot, buf] : step.from_buffer)
-    if (slot == 0) input = buf;
-  if (!input) return nullptr;
-  std::vector<int64_t> k = ints(n.arg(1, "kernel_size"), 2), s = ints(n.arg(2, "stride"), 2), p = ints(n.arg(3, "padding"), 2),
-                       d = ints(n.arg(4, "dilation"), 2);
-  if (s.empty()) s = k;
-  if (p.empty()) p = {0, 0};
-  const Arg* ceil = n.arg(5, "ceil_mode");
-  if (k.size() != 2 || s.size() != 2 || p.size() != 2 || !(d.empty() || d == std::vector<int64_t>{1, 1})) return nullptr;
-  if (ceil && ceil->kind == Arg::Kind::Bool && ceil->b) return nullptr;
-  if (ceil && ceil->kind != Arg::Kind::Bool && ceil->kind != Arg::Kind::None) return nullptr;
-  for (int64_t v : {k[0], k[1], s[0], s[1]})
-    if (v <= 0 || v > 64) return nullptr;
-  if (p[0] < 0 || p[1] < 0 || p[0] * 2 > k[0] || p[1] * 2 > k[1]) return nullptr;
-  return std::make_shared<MaxPool>(*input, static_cast<uint32_t>(step.outputs[0]), static_cast<int>(k[0]), static_cast<int>(k[1]),
-                                   static_cast<int>(s[0]), static_cast<int>(s[1]), static_cast<int>(p[0]), static_cast<int>(p[1]));
+  std::optional<MaxPoolArgs> a = max_pool_args(n, step, /*cuda=*/true);
+  if (!a || a->indices >= 0) return nullptr;  // read indices (training): ATen's op writes them
+  return std::make_shared<MaxPool>(a->input, a->output, a->kh, a->kw, a->sh, a->sw, a->ph, a->pw);
 }
 
 const bool registered = (register_fast_path(&make_max_pool), true);
