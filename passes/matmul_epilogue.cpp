@@ -15,13 +15,19 @@
 //     ATen's mm, 33.1 eager).
 //  4. Runs before fuse, which leaves claimed nodes alone. The marks are advice, as fuse's are: a generator
 //     that declines a group (no oneDNN, a GPU) leaves its nodes to ATen, unchanged.
-//  5. Convolutions are claimed only with EMBER_ONEDNN_CONV=1. ATen's own convolution (torch's bundled,
-//     newer oneDNN) beat Debian's oneDNN 2.6 with fused post-ops: torchvision resnet18 b8 on the GPU
-//     machine's 16 cores ran 30.1 ms through ember's oneDNN convolutions against eager's 19.2 ms, and on
-//     a 2-core machine seven conv-bn-relu blocks ran 42.1 ms through ATen against 46.9 ms (best of 60).
+//  5. Convolutions go to torch's own oneDNN convolution with post-ops (mkldnn::_convolution_pointwise, the
+//     call inductor's CPU backend makes; kernels/cpu/conv_kernel.cpp) where this torch has it: their chain
+//     stops at what that call applies (torch_conv_takes). EMBER_CPU_CONV=aten leaves them to ATen (for
+//     measuring). With EMBER_ONEDNN_CONV=1 they go to ember's oneDNN instead, with any epilogue; not the
+//     default, as ATen's convolution (torch's bundled, newer oneDNN) beat Debian's oneDNN 2.6 with fused
+//     post-ops: torchvision resnet18 b8 on the GPU machine's 16 cores ran 30.1 ms through ember's oneDNN
+//     convolutions against eager's 19.2 ms, and on a 2-core machine seven conv-bn-relu blocks ran 42.1 ms
+//     through ATen against 46.9 ms (best of 60).
 #include "passes/passes.h"
 
 #include "ember/epilogue.h"
+
+#include <ATen/Context.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -39,6 +45,12 @@ bool onednn_convolutions() {
   return v && std::strcmp(v, "1") == 0;
 }
 
+// Read at each compile, as EMBER_ONEDNN_CONV.
+bool torch_convolutions() {
+  const char* v = std::getenv("EMBER_CPU_CONV");
+  return !(v && std::strcmp(v, "aten") == 0) && at::hasMKLDNN();
+}
+
 bool supported_dtype(c10::ScalarType t) { return t == c10::kFloat || t == c10::kBFloat16; }
 
 // [N], or [1, ..., 1, N]: one row broadcast over the result.
@@ -52,7 +64,8 @@ bool is_row_of(const TensorType& t, const Dim& n) {
 class Claimer {
  public:
   Claimer(Graph& g, const std::vector<bool>& cached) : graph_(g) {
-    if (cached.size() != g.inputs().size()) return;  // not an inference graph with its parameters known
+    inference_ = cached.size() == g.inputs().size();
+    if (!inference_) return;  // not an inference graph with its parameters known
     for (size_t i = 0; i < cached.size(); ++i)
       if (!cached[i]) passed_.insert(g.inputs()[i]);
   }
@@ -79,6 +92,10 @@ class Claimer {
       if (members.size() == 1) {
         const Value* input = input_behind(weights);
         if (!input || passed_.count(input)) continue;
+        // A lone convolution gains from torch's call only by packed weights, which need parameters that
+        // stay (inference). resnet18's b2 training step, 2-core host: 1.12-1.13x over eager with its
+        // convolutions through ATen, 1.06-1.07x through torch's call unpacked.
+        if (n.op == "aten::convolution" && !onednn_convolutions() && !inference_) continue;
       }
       for (Node* m : members) m->group = next;
       ++next;
@@ -89,7 +106,7 @@ class Claimer {
   bool claimable_matmul(const Node& n) const {
     const Value *src, *weights, *bias;
     bool conv = as_conv2d(n, &src, &weights, &bias);
-    if (conv && !onednn_convolutions()) return false;
+    if (conv && !onednn_convolutions() && !torch_convolutions()) return false;
     if (!conv && !as_matmul(n, &src, &weights, &bias)) return false;
     const TensorType& out = n.outputs[0]->type.tensor;
     if (!n.outputs[0]->type.is_tensor() || !out.device.is_cpu() || !supported_dtype(out.dtype) ||
@@ -109,6 +126,8 @@ class Claimer {
     const TensorType& mm = v->type.tensor;
     const Dim n_dim = mm.sizes[1];
     const bool conv = matmul.op == "aten::convolution";  // its epilogue keeps the NCHW shape: no views, no rows
+    const bool torch_conv = conv && !onednn_convolutions();  // its chain stops at what torch's call applies
+    std::vector<EpilogueOp> ops;
     while (uses_[v] == 1) {
       Node* next = user_[v];
       if (next->group >= 0 || next->outputs.size() != 1 || !next->outputs[0]->type.is_tensor()) break;
@@ -131,6 +150,10 @@ class Claimer {
         auto pos = position_.find(op->addend);
         if (pos != position_.end() && pos->second >= index) break;
       }
+      if (torch_conv) {
+        ops.push_back(*op);
+        if (!torch_conv_takes(ops)) break;
+      }
       members.push_back(next);
       v = next->outputs[0];
     }
@@ -149,6 +172,7 @@ class Claimer {
   }
 
   Graph& graph_;
+  bool inference_ = false;                   // an inference graph whose parameters are known (item 3)
   std::unordered_set<const Value*> passed_;  // inputs the caller passes (not parameters), where those are known (item 3)
   std::unordered_map<const Value*, size_t> position_;
   std::unordered_map<const Value*, int> uses_;

@@ -115,6 +115,16 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
   return *src && *weights;
 }
 
+bool torch_conv_takes(const std::vector<EpilogueOp>& ops) {
+  using K = EpilogueOp::Kind;
+  auto activation = [](K k) {
+    return k == K::Relu || k == K::GeluErf || k == K::GeluTanh || k == K::Silu || k == K::Sigmoid || k == K::Tanh;
+  };
+  if (ops.empty()) return true;
+  if (ops.size() == 1) return activation(ops[0].kind) || ops[0].kind == K::Add;
+  return ops.size() == 2 && ops[0].kind == K::Add && ops[1].kind == K::Relu;
+}
+
 const Value* input_behind(const Value* v) {
   // Batch-norm-folded weights are handed back as the same tensor while the parameters are unchanged
   // (kernels/cpu/fold_batchnorm_kernel.cpp): as good as a parameter for packing.

@@ -303,14 +303,92 @@ def onednn_conv(monkeypatch):
     monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
 
 
-@needs_onednn
-def test_convolutions_stay_aten_by_default_with_batchnorm_folded():
+needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("route", ["torch", "aten"])
+def test_convolutions_by_default_run_torchs_onednn_with_batchnorm_folded(route, monkeypatch):
+    if route == "aten":
+        monkeypatch.setenv("EMBER_CPU_CONV", "aten")
     model = conv_bn_blocks((3, 8, 16), True, False)
     with torch.no_grad():
-        check_calls(model, torch.randn(2, 3, 11, 9), grad=False, calls=2, **MATMUL_TOL)
+        check_calls(model, torch.randn(2, 3, 11, 9), grad=False, calls=3, **MATMUL_TOL)
     steps = [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()]
-    assert steps.count("fold_batchnorm") == 2 and steps.count("aten::convolution") == 2
-    assert not any("onednn conv2d" in what for what in steps)
+    assert steps.count("fold_batchnorm") == 2
+    torch_convs = [what for what in steps if what.startswith("onednn conv2d") and what.endswith("via torch")]
+    if route == "torch":
+        assert torch_convs == ["onednn conv2d f32 +bias relu via torch", "onednn conv2d f32 +bias via torch"], steps
+    else:
+        assert steps.count("aten::convolution") == 2 and not torch_convs
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "none"])
+def test_torch_conv_epilogues(channels_last, groups, stride, padding, dilation, act):
+    conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups).eval()
+    x = torch.randn(2, 8, 13, 11)
+    if channels_last:
+        conv = conv.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    fn = lambda x: ACTIVATIONS[act](conv(x))  # noqa: E731
+    with torch.no_grad():
+        eager, compiled = check_calls(fn, x, grad=False, calls=3, **MATMUL_TOL)  # calls 2+ on packed weights
+    assert compiled.stride() == eager.stride()
+    kernels = onednn_kernels()
+    assert len(kernels) == 1 and kernels[0].endswith("via torch"), kernels
+    assert kernels[0].startswith("onednn conv2d f32 +bias" + ("" if act == "none" else " "))
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_torch_conv_residual_relu_repacks_when_weights_change(channels_last):
+    conv = nn.Conv2d(6, 6, 3, padding=1, bias=False).eval()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    conv = conv.to(memory_format=fmt)
+    compiled = compile_ember(lambda x, r: torch.relu(conv(x) + r))
+    with torch.no_grad():
+        for step in range(5):
+            x = torch.randn(2, 6, 9, 9).contiguous(memory_format=fmt)
+            r = torch.randn(2, 6, 9, 9).contiguous(memory_format=fmt)
+            expected = torch.relu(conv(x) + r)
+            out = compiled(x, r)
+            torch.testing.assert_close(out, expected, **MATMUL_TOL)
+            assert out.stride() == expected.stride()
+            if step in (1, 3):
+                conv.weight.mul_(-0.5)  # in place: the packed copy is stale from here
+    assert onednn_kernels() == ["onednn conv2d f32 add relu via torch"]
+
+
+@needs_mkldnn
+def test_torch_conv_layouts_that_disagree_and_strided_inputs_match_eager():
+    conv = nn.Conv2d(5, 7, 3, padding=1).eval().to(memory_format=torch.channels_last)  # NCHW source below
+    with torch.no_grad():
+        eager, compiled = check_calls(lambda x: torch.relu(conv(x)), torch.randn(2, 5, 8, 9), grad=False, calls=3,
+                                      **MATMUL_TOL)
+        assert compiled.stride() == eager.stride()
+        wide = torch.randn(2, 5, 8, 18)[..., ::2]  # a strided source
+        check_calls(lambda x: torch.relu(conv(x)), wide, grad=False, calls=2, **MATMUL_TOL)
+
+
+@needs_mkldnn
+def test_torch_conv_stops_at_an_epilogue_it_does_not_apply():
+    conv = nn.Conv2d(4, 6, 3).eval()
+    fn = lambda x: torch.relu(conv(x) * 2.0 + 1.0) + torch.relu(conv(x)).sum()  # noqa: E731
+    with torch.no_grad():
+        check_calls(fn, torch.randn(3, 4, 7, 7), grad=False, calls=2, **MATMUL_TOL)
+    assert all(k.endswith("via torch") for k in onednn_kernels())
+
+
+@needs_mkldnn
+@pytest.mark.parametrize("act", ["relu", "none"])
+def test_torch_conv_bf16(act):
+    conv = nn.Conv2d(8, 16, 3, padding=1).eval().to(torch.bfloat16).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 10, 10, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        check_calls(lambda x: ACTIVATIONS[act](conv(x)), x, grad=False, calls=3, atol=5e-2, rtol=2e-2)
 
 
 def conv_bn_blocks(channels, bias, channels_last):

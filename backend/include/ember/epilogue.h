@@ -7,6 +7,7 @@
 #include "ember/ir.h"
 
 #include <optional>
+#include <vector>
 
 namespace ember {
 
@@ -29,6 +30,10 @@ bool as_matmul(const Node& n, const Value** src, const Value** weights, const Va
 // aten::convolution in 2-D (4-D tensors), not transposed: the other op an epilogue can follow.
 bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Value** bias);
 
+// Whether a convolution followed by `ops` is one call of torch's own oneDNN convolution with post-ops
+// (mkldnn::_convolution_pointwise, kernels/cpu/conv_kernel.cpp): no op, one activation (relu, gelu, silu,
+// sigmoid, tanh), or an added tensor of the result's shape, then relu or nothing.
+bool torch_conv_takes(const std::vector<EpilogueOp>& ops);
 // The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
 // starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
 // call in inference; or weights with a batch norm folded in (ember::fold_batchnorm's first output), which its
