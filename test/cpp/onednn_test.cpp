@@ -309,6 +309,43 @@ TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
   }
 }
 
+// The default route for convolutions (no EMBER_ONEDNN_CONV): torch's own mkldnn::_convolution_pointwise
+// (kernels/cpu/conv_kernel.cpp), residual add and relu applied by the call, the weights packed from the
+// second call on for channels-last sources; and a chain cut where the call applies no more (the scale).
+TEST(TorchConv2d, ResidualReluBothLayoutsAndTheChainStopsAtAScale) {
+  if (!at::hasMKLDNN()) GTEST_SKIP() << "torch built without mkldnn";
+  const std::string text =
+      "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
+      "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
+      "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
+      "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
+      "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
+      "  %s: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::mul.Tensor(%o, 0.5)\n"
+      "  return (%s)\n";
+  auto g = compile_text(text);
+  std::vector<std::string> kernels;
+  for (const Step& s : g->plan().steps)
+    if (s.kernel) kernels.push_back(s.kernel->describe());
+  ASSERT_GE(kernels.size(), 1u) << g->describe();
+  EXPECT_EQ(kernels[0], "onednn conv2d f32 +bias add relu via torch") << g->describe();
+  at::Tensor w = at::randn({6, 2, 3, 3}), b = at::randn({6});
+  for (bool channels_last : {false, true}) {
+    at::Tensor wl = channels_last ? w.contiguous(at::MemoryFormat::ChannelsLast) : w;
+    for (int call = 0; call < 4; ++call) {
+      at::Tensor x = at::randn({2, 4, 9, 7}), r = at::randn({2, 6, 5, 4});
+      if (channels_last) {
+        x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        r = r.contiguous(at::MemoryFormat::ChannelsLast);
+      }
+      if (call == 2) wl.mul_(-1.5);  // in place: packed weights from before are stale
+      at::Tensor expected = at::relu(at::conv2d(x, wl, b, {2, 2}, {1, 1}, {1, 1}, 2) + r) * 0.5;
+      at::Tensor out = t(g->run({x, wl, b, r})[0]);
+      EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << channels_last << " call " << call;
+      EXPECT_EQ(out.strides(), expected.strides()) << channels_last << " call " << call;
+    }
+  }
+}
+
 // Each build of the few-rows loop this CPU can run, called directly: 1-7 rows (blocks of 4 or 2 and their
 // tails), K around the vector widths, N around the 4-column blocks, source rows apart by more than K, weights
 // as nn.Linear's transposed, bias, every post-op kind, and NaN/inf carried through.
