@@ -1,5 +1,6 @@
-// The CPU kernels for a claimed 2-D convolution group (passes/matmul_epilogue.cpp, item 5).
-// TorchConv2dKernel, the default: torch's own oneDNN convolution with the epilogue as post-ops, the op
+// The CPU kernel for a claimed 2-D convolution group (passes/matmul_epilogue.cpp, item 5), through one of
+// two libraries, with ATen for what neither takes.
+// By default: torch's own oneDNN convolution with the epilogue as post-ops, the op
 // inductor's CPU backend calls (mkldnn::_convolution_pointwise, and its .binary form for a residual add),
 // through the dispatcher, so no second oneDNN is involved.
 //  1. Weights that are a parameter coming back unmodified (WeightsPacking) are reordered once into the
@@ -13,7 +14,7 @@
 //  2. The result takes the source's layout, which is eager's where source and weights agree (both
 //     channels-last or both contiguous); where they do not, and for anything the call rejects (the first
 //     failure sticks), the same computation runs through ATen.
-// Conv2dKernel, with EMBER_ONEDNN_CONV=1: ember's oneDNN (Debian's) with any epilogue.
+// With EMBER_ONEDNN_CONV=1: ember's oneDNN (Debian's) with any epilogue.
 //  1. Source and result keep the layout eager gives them: channels-last when the source or the weights are
 //     channels-last (as ATen's oneDNN path decides), else contiguous NCHW; oneDNN reads and writes them in
 //     place, one primitive per shape and layout.
@@ -29,14 +30,23 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <optional>
 
 namespace ember::cpu {
 namespace {
 
+// torch's call (the file's first part): the operator handles and the arguments that never change.
+struct TorchConv {
+  c10::OperatorHandle conv, binary, reorder;
+  bool add = false;  // the .binary form: a residual added, then the unary post-op
+  c10::IValue padding, stride, dilation, groups, unary, algorithm, scalars;
+};
+
 class Conv2dKernel final : public Kernel {
  public:
-  Conv2dKernel(const EpilogueGroup& g, std::unique_ptr<onednn::Conv2d> dnnl)
-      : dnnl_(std::move(dnnl)), dtype_(g.dtype), bias_(g.bias != nullptr), ops_(g.ops),
+  Conv2dKernel(const EpilogueGroup& g, std::unique_ptr<onednn::Conv2d> dnnl, std::optional<TorchConv> torch)
+      : dnnl_(std::move(dnnl)), torch_(std::move(torch)), dtype_(g.dtype), bias_(g.bias != nullptr), ops_(g.ops),
         addend_is_row_(g.addend_is_row), pack_(g.weights_input != nullptr), text_(g.text()),
         where_("%" + g.members.front()->outputs[0]->name + " = " + g.members.front()->op), groups_(g.groups) {
     for (int i = 0; i < 2; ++i) stride_[i] = g.stride[i], padding_[i] = g.padding[i], dilation_[i] = g.dilation[i];
@@ -45,29 +55,27 @@ class Conv2dKernel final : public Kernel {
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
     size_t r = 0;
-    const at::Tensor& src = buffers[reads[r++]].toTensor();
-    const at::Tensor& weights = buffers[reads[r++]].toTensor();
-    at::Tensor bias = bias_ ? buffers[reads[r++]].toTensor() : at::Tensor();
-    std::vector<at::Tensor> addends;
-    for (size_t i = 0; i < addend_is_row_.size(); ++i) addends.push_back(buffers[reads[r++]].toTensor());
+    GroupOperands g = read_operands(buffers, reads, bias_, addend_is_row_.size(), &r);
     const at::Tensor* weights_input = pack_ ? &buffers[reads[r++]].toTensor() : nullptr;
     at::Tensor out;
-    if (!run_onednn(src, weights, weights_input, bias, addends, &out)) {
+    const bool done = torch_ ? run_torch(g, weights_input, &out) : run_onednn(g, weights_input, &out);
+    if (!done) {
       try {
-        at::Tensor y = at::convolution(src, weights, bias, stride_, padding_, dilation_, false, {0, 0}, groups_);
-        out = apply_epilogue_with_aten(std::move(y), ops_, addends, addend_is_row_);
+        at::Tensor y = at::convolution(*g.src, *g.weights, g.bias, stride_, padding_, dilation_, false, {0, 0}, groups_);
+        out = apply_epilogue_with_aten(std::move(y), ops_, g.addends, addend_is_row_);
       } catch (const c10::Error& e) {
-        throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where_ + ")");
+        rethrow_naming(e, where_);
       }
     }
     buffers[writes[0]] = std::move(out);
   }
 
-  std::string describe() const override { return "onednn " + text_; }
+  // "onednn ..." either way (ember.explain lists both as oneDNN calls), torch's marked.
+  std::string describe() const override { return "onednn " + text_ + (torch_ ? " via torch" : ""); }
 
  private:
-  bool run_onednn(const at::Tensor& src, const at::Tensor& weights, const at::Tensor* weights_input,
-                  const at::Tensor& bias, const std::vector<at::Tensor>& addends, at::Tensor* out) const {
+  bool run_onednn(const GroupOperands& g, const at::Tensor* weights_input, at::Tensor* out) const {
+    const at::Tensor &src = *g.src, &weights = *g.weights, &bias = g.bias;
     if (src.dim() != 4 || weights.dim() != 4 || src.scalar_type() != dtype_ || weights.scalar_type() != dtype_) return false;
     if (src.numel() == 0 || weights.numel() == 0 || src.size(1) != weights.size(1) * groups_) return false;
     if (bias.defined() && (bias.scalar_type() != dtype_ || !bias.is_contiguous())) return false;
@@ -90,7 +98,7 @@ class Conv2dKernel final : public Kernel {
       call.weights_sizes[d] = weights.size(d), call.weights_strides[d] = weights.stride(d);
       call.dst_sizes[d] = out->size(d), call.dst_strides[d] = out->stride(d);
     }
-    for (const at::Tensor& a : addends) {
+    for (const at::Tensor& a : g.addends) {
       if (a.scalar_type() != dtype_ || !a.sizes().equals(out->sizes()) || !a.strides().equals(out->strides())) return false;
       call.addends.push_back(a.data_ptr());
     }
@@ -106,83 +114,15 @@ class Conv2dKernel final : public Kernel {
     return true;
   }
 
-  std::unique_ptr<onednn::Conv2d> dnnl_;
-  c10::ScalarType dtype_;
-  bool bias_;
-  std::vector<EpilogueOp> ops_;
-  std::vector<bool> addend_is_row_;
-  bool pack_;
-  std::string text_, where_;
-  int64_t stride_[2], padding_[2], dilation_[2], groups_;
-  WeightsPacking packing_;
-};
-
-// See the file's comment.
-class TorchConv2dKernel final : public Kernel {
- public:
-  TorchConv2dKernel(const EpilogueGroup& g, c10::OperatorHandle conv, c10::OperatorHandle reorder)
-      : conv_(std::move(conv)), reorder_(std::move(reorder)), bias_(g.bias != nullptr), ops_(g.ops),
-        addend_is_row_(g.addend_is_row), pack_(g.weights_input != nullptr), text_(g.text()),
-        where_("%" + g.members.front()->outputs[0]->name + " = " + g.members.front()->op) {
-    std::vector<int64_t> stride(g.stride, g.stride + 2), padding(g.padding, g.padding + 2),
-        dilation(g.dilation, g.dilation + 2);
-    padding_ = c10::IValue(padding), stride_ = c10::IValue(stride), dilation_ = c10::IValue(dilation);
-    groups_ = c10::IValue(g.groups);
-    aten_stride_ = stride, aten_padding_ = padding, aten_dilation_ = dilation, aten_groups_ = g.groups;
-    using K = EpilogueOp::Kind;
-    binary_ = !ops_.empty() && ops_[0].kind == K::Add;
-    const EpilogueOp* unary = ops_.empty() ? nullptr : &ops_.back();
-    std::string attr = "none", algorithm;
-    if (unary && unary->kind != K::Add) {
-      switch (unary->kind) {
-        case K::Relu: attr = "relu"; break;
-        case K::GeluErf: attr = "gelu", algorithm = "none"; break;
-        case K::GeluTanh: attr = "gelu", algorithm = "tanh"; break;
-        case K::Silu: attr = "swish"; break;
-        case K::Sigmoid: attr = "sigmoid"; break;
-        case K::Tanh: attr = "tanh"; break;
-        default: break;
-      }
-    }
-    unary_ = c10::IValue(attr);
-    algorithm_ = algorithm.empty() ? c10::IValue() : c10::IValue(algorithm);
-    scalars_ = c10::IValue(c10::List<std::optional<at::Scalar>>());
-  }
-
-  void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
-           const std::vector<uint32_t>& writes) const override {
-    size_t r = 0;
-    const at::Tensor& src = buffers[reads[r++]].toTensor();
-    const at::Tensor& weights = buffers[reads[r++]].toTensor();
-    at::Tensor bias = bias_ ? buffers[reads[r++]].toTensor() : at::Tensor();
-    std::vector<at::Tensor> addends;
-    for (size_t i = 0; i < addend_is_row_.size(); ++i) addends.push_back(buffers[reads[r++]].toTensor());
-    const at::Tensor* weights_input = pack_ ? &buffers[reads[r++]].toTensor() : nullptr;
-    at::Tensor out;
-    if (!run_torch(src, weights, weights_input, bias, addends, &out)) {
-      try {
-        at::Tensor y = at::convolution(src, weights, bias, aten_stride_, aten_padding_, aten_dilation_, false, {0, 0},
-                                       aten_groups_);
-        out = apply_epilogue_with_aten(std::move(y), ops_, addends, addend_is_row_);
-      } catch (const c10::Error& e) {
-        throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where_ + ")");
-      }
-    }
-    buffers[writes[0]] = std::move(out);
-  }
-
-  // "onednn ..." as Conv2dKernel's (ember.explain lists both as oneDNN calls), marked as torch's.
-  std::string describe() const override { return "onednn " + text_ + " via torch"; }
-
- private:
-  bool run_torch(const at::Tensor& src, const at::Tensor& weights, const at::Tensor* weights_input,
-                 const at::Tensor& bias, const std::vector<at::Tensor>& addends, at::Tensor* out) const {
+  bool run_torch(const GroupOperands& g, const at::Tensor* weights_input, at::Tensor* out) const {
+    const at::Tensor &src = *g.src, &weights = *g.weights, &bias = g.bias;
     if (failed_.load(std::memory_order_relaxed)) return false;
     if (src.dim() != 4 || weights.dim() != 4 || src.numel() == 0 || weights.numel() == 0) return false;
     const at::MemoryFormat format = src.suggest_memory_format();
     if (weights.suggest_memory_format() != format || !src.is_contiguous(format)) return false;  // item 2
     if (bias.defined() && !bias.is_contiguous()) return false;
-    if (binary_ && (addends.size() != 1 || !addends[0].is_contiguous(format))) return false;
+    const TorchConv& t = *torch_;
+    if (t.add && (g.addends.size() != 1 || !g.addends[0].is_contiguous(format))) return false;
     try {
       at::Tensor w = weights;
       // Packed weights only for channels-last sources: with an NCHW source the call then answers in
@@ -194,17 +134,13 @@ class TorchConv2dKernel final : public Kernel {
       torch::jit::Stack stack;
       stack.reserve(13);
       stack.emplace_back(src);
-      if (binary_) stack.emplace_back(addends[0]);
+      if (t.add) stack.emplace_back(g.addends[0]);
       stack.emplace_back(std::move(w));
       stack.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
-      stack.emplace_back(padding_), stack.emplace_back(stride_), stack.emplace_back(dilation_), stack.emplace_back(groups_);
-      if (binary_) {  // binary_attr, alpha, unary_attr, unary_scalars, unary_algorithm
-        stack.emplace_back(c10::IValue(std::string("add"))), stack.emplace_back(c10::IValue());
-        stack.emplace_back(unary_), stack.emplace_back(scalars_), stack.emplace_back(algorithm_);
-      } else {  // attr, scalars, algorithm
-        stack.emplace_back(unary_), stack.emplace_back(scalars_), stack.emplace_back(algorithm_);
-      }
-      (binary_ ? binary_conv() : conv_).callBoxed(&stack);
+      stack.emplace_back(t.padding), stack.emplace_back(t.stride), stack.emplace_back(t.dilation), stack.emplace_back(t.groups);
+      if (t.add) stack.emplace_back(c10::IValue(std::string("add"))), stack.emplace_back(c10::IValue());  // binary_attr, alpha
+      stack.emplace_back(t.unary), stack.emplace_back(t.scalars), stack.emplace_back(t.algorithm);
+      (t.add ? t.binary : t.conv).callBoxed(&stack);
       *out = std::move(stack[0]).toTensor();
       if (!out->is_contiguous(format)) *out = out->contiguous(format);  // eager's layout, whatever torch's answer
       return true;
@@ -218,29 +154,24 @@ class TorchConv2dKernel final : public Kernel {
   at::Tensor packed(const at::Tensor& weights, const at::Tensor& src, uint64_t generation) const {
     std::lock_guard<std::mutex> lock(packed_mu_);
     if (generation == packed_generation_ && src.sizes().equals(packed_for_)) return packed_;
-    torch::jit::Stack stack{c10::IValue(weights), padding_, stride_, dilation_, groups_, c10::IValue(src.sizes().vec())};
-    reorder_.callBoxed(&stack);
+    const TorchConv& t = *torch_;
+    torch::jit::Stack stack{c10::IValue(weights), t.padding, t.stride, t.dilation, t.groups, c10::IValue(src.sizes().vec())};
+    t.reorder.callBoxed(&stack);
     packed_ = std::move(stack[0]).toTensor();
     packed_generation_ = generation;
     packed_for_ = src.sizes().vec();
     return packed_;
   }
 
-  const c10::OperatorHandle& binary_conv() const {
-    static const c10::OperatorHandle op =
-        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_convolution_pointwise", "binary");
-    return op;
-  }
-
-  c10::OperatorHandle conv_, reorder_;
-  bool bias_, binary_ = false;
+  std::unique_ptr<onednn::Conv2d> dnnl_;
+  std::optional<TorchConv> torch_;
+  c10::ScalarType dtype_;
+  bool bias_;
   std::vector<EpilogueOp> ops_;
   std::vector<bool> addend_is_row_;
   bool pack_;
   std::string text_, where_;
-  c10::IValue padding_, stride_, dilation_, groups_, unary_, algorithm_, scalars_;
-  std::vector<int64_t> aten_stride_, aten_padding_, aten_dilation_;
-  int64_t aten_groups_ = 1;
+  int64_t stride_[2], padding_[2], dilation_[2], groups_;
   WeightsPacking packing_;
   mutable std::atomic<bool> failed_{false};
   mutable std::mutex packed_mu_;
@@ -249,9 +180,42 @@ class TorchConv2dKernel final : public Kernel {
   mutable std::vector<int64_t> packed_for_;
 };
 
-// torch's op, where this torch registers it (x86 builds with mkldnn).
-std::optional<c10::OperatorHandle> torch_op(const char* name, const char* overload) {
-  return c10::Dispatcher::singleton().findSchema({name, overload});
+// torch's call for group `g`, or nothing (with the reason) where this torch has no such op or the call
+// does not apply g's epilogue.
+std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not) {
+  if (!torch_conv_takes(g.ops)) {
+    if (why_not) *why_not = "an epilogue torch's oneDNN convolution does not apply: " + g.text();
+    return std::nullopt;
+  }
+  auto find = [](const char* name, const char* overload) { return c10::Dispatcher::singleton().findSchema({name, overload}); };
+  auto conv = find("mkldnn::_convolution_pointwise", ""), binary = find("mkldnn::_convolution_pointwise", "binary");
+  auto reorder = find("mkldnn::_reorder_convolution_weight", "");
+  if (!conv || !binary || !reorder) {
+    if (why_not) *why_not = "this torch has no mkldnn::_convolution_pointwise";
+    return std::nullopt;
+  }
+  TorchConv t{*conv, *binary, *reorder};
+  t.add = !g.ops.empty() && g.ops[0].kind == EpilogueOp::Kind::Add;
+  std::string unary = "none", algorithm;
+  if (!g.ops.empty()) {
+    switch (g.ops.back().kind) {
+      case EpilogueOp::Kind::Relu: unary = "relu"; break;
+      case EpilogueOp::Kind::GeluErf: unary = "gelu", algorithm = "none"; break;
+      case EpilogueOp::Kind::GeluTanh: unary = "gelu", algorithm = "tanh"; break;
+      case EpilogueOp::Kind::Silu: unary = "swish"; break;
+      case EpilogueOp::Kind::Sigmoid: unary = "sigmoid"; break;
+      case EpilogueOp::Kind::Tanh: unary = "tanh"; break;
+      default: break;  // the add alone
+    }
+  }
+  t.padding = c10::IValue(std::vector<int64_t>(g.padding, g.padding + 2));
+  t.stride = c10::IValue(std::vector<int64_t>(g.stride, g.stride + 2));
+  t.dilation = c10::IValue(std::vector<int64_t>(g.dilation, g.dilation + 2));
+  t.groups = c10::IValue(g.groups);
+  t.unary = c10::IValue(unary);
+  t.algorithm = algorithm.empty() ? c10::IValue() : c10::IValue(algorithm);
+  t.scalars = c10::IValue(c10::List<std::optional<at::Scalar>>());
+  return t;
 }
 
 // Read at each compile, as the pass reads it (passes/matmul_epilogue.cpp, item 5).
@@ -263,27 +227,14 @@ bool onednn_convolutions() {
 }  // namespace
 
 std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& g, std::string* why_not) {
-  if (!onednn_convolutions()) {
-    if (g.dtype != c10::kFloat && g.dtype != c10::kBFloat16) {
-      if (why_not) *why_not = std::string("torch's oneDNN convolution for ") + dtype_name(g.dtype);
-      return nullptr;
-    }
-    if (!torch_conv_takes(g.ops)) {
-      if (why_not) *why_not = "an epilogue torch's oneDNN convolution does not apply: " + g.text();
-      return nullptr;
-    }
-    auto conv = torch_op("mkldnn::_convolution_pointwise", "");
-    auto binary = torch_op("mkldnn::_convolution_pointwise", "binary");
-    auto reorder = torch_op("mkldnn::_reorder_convolution_weight", "");
-    if (!conv || !binary || !reorder) {
-      if (why_not) *why_not = "this torch has no mkldnn::_convolution_pointwise";
-      return nullptr;
-    }
-    return std::make_shared<TorchConv2dKernel>(g, *conv, *reorder);
-  }
   if (g.dtype != c10::kFloat && g.dtype != c10::kBFloat16) {
     if (why_not) *why_not = std::string("oneDNN convolution for ") + dtype_name(g.dtype);
     return nullptr;
+  }
+  if (!onednn_convolutions()) {
+    std::optional<TorchConv> torch = torch_conv(g, why_not);
+    if (!torch) return nullptr;
+    return std::make_shared<Conv2dKernel>(g, nullptr, std::move(torch));
   }
   onednn::Conv2dConfig config;
   config.dtype = onednn_dtype(g.dtype);
@@ -294,7 +245,7 @@ std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& g, std::st
   config.groups = g.groups;
   auto dnnl = onednn::Conv2d::create(config, why_not);
   if (!dnnl) return nullptr;
-  return std::make_shared<Conv2dKernel>(g, std::move(dnnl));
+  return std::make_shared<Conv2dKernel>(g, std::move(dnnl), std::nullopt);
 }
 
 }  // namespace ember::cpu

@@ -87,6 +87,34 @@ inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g) {
   return out;
 }
 
+// What a claimed group's kernel reads first, in EpilogueGroup::reads() order: src, weights, bias (when the
+// group has one), the addends. *next is left at the reads that follow (a matmul's shape values, then
+// weights_input).
+struct GroupOperands {
+  const at::Tensor* src = nullptr;
+  const at::Tensor* weights = nullptr;
+  at::Tensor bias;
+  std::vector<at::Tensor> addends;
+};
+
+inline GroupOperands read_operands(const std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                                   bool bias, size_t addends, size_t* next) {
+  size_t r = 0;
+  GroupOperands g;
+  g.src = &buffers[reads[r++]].toTensor();
+  g.weights = &buffers[reads[r++]].toTensor();
+  if (bias) g.bias = buffers[reads[r++]].toTensor();
+  g.addends.reserve(addends);
+  for (size_t i = 0; i < addends; ++i) g.addends.push_back(buffers[reads[r++]].toTensor());
+  *next = r;
+  return g;
+}
+
+// ATen's error with the node named, as the executor does for ATen steps: the user's way back to their code.
+[[noreturn]] inline void rethrow_naming(const c10::Error& e, const std::string& where) {
+  throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
+}
+
 // The epilogue through ATen, in place on y where ATen has the op in place.
 inline at::Tensor apply_epilogue_with_aten(at::Tensor y, const std::vector<EpilogueOp>& ops,
                                            const std::vector<at::Tensor>& addends, const std::vector<bool>& is_row) {

@@ -39,11 +39,9 @@ class MatmulKernel final : public Kernel {
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
     size_t r = 0;
-    const at::Tensor& src = buffers[reads[r++]].toTensor();
-    const at::Tensor& weights = buffers[reads[r++]].toTensor();
-    at::Tensor bias = bias_ ? buffers[reads[r++]].toTensor() : at::Tensor();
-    std::vector<at::Tensor> addends;
-    for (size_t i = 0; i < addend_is_row_.size(); ++i) addends.push_back(buffers[reads[r++]].toTensor());
+    GroupOperands g = read_operands(buffers, reads, bias_, addend_is_row_.size(), &r);
+    const at::Tensor &src = *g.src, &weights = *g.weights, &bias = g.bias;
+    const std::vector<at::Tensor>& addends = g.addends;
     std::vector<int64_t> shape;
     for (const auto& [constant, from_buffer] : out_shape_) shape.push_back(from_buffer ? buffers[reads[r++]].toInt() : constant);
     const at::Tensor* weights_input = pack_ ? &buffers[reads[r++]].toTensor() : nullptr;
@@ -53,8 +51,7 @@ class MatmulKernel final : public Kernel {
       try {
         out = run_aten(src, weights, bias, addends);
       } catch (const c10::Error& e) {
-        // As the executor does for ATen steps: name the node, the user's way back to their code.
-        throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where_ + ")");
+        rethrow_naming(e, where_);
       }
     }
     buffers[writes[0]] = shape.empty() ? std::move(out) : out.view(shape);

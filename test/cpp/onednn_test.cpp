@@ -278,72 +278,70 @@ TEST(OneDnnMatmul, BFloat16) {
     EXPECT_TRUE(at::allclose(t(g->run({x, w, b})[0]).to(at::kFloat), expected, 5e-2, 5e-2)) << "call " << call;
 }
 
-TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
-  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
-  setenv("EMBER_ONEDNN_CONV", "1", 1);  // convolutions go through oneDNN only when asked (matmul_epilogue.cpp)
-  struct Unset {
-    ~Unset() { unsetenv("EMBER_ONEDNN_CONV"); }
-  } unset;
-  const std::string text =
-      "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
-      "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
-      "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
-      "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
-      "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
-      "  return (%o)\n";
-  auto g = compile_text(text);
-  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
-  at::Tensor w = at::randn({6, 2, 3, 3}), b = at::randn({6});
-  for (bool channels_last : {false, true}) {
-    for (int call = 0; call < 3; ++call) {
-      at::Tensor x = at::randn({2, 4, 9, 7}), r = at::randn({2, 6, 5, 4});
-      if (channels_last) {
-        x = x.contiguous(at::MemoryFormat::ChannelsLast);
-        r = r.contiguous(at::MemoryFormat::ChannelsLast);
-      }
-      at::Tensor expected = at::relu(at::conv2d(x, w, b, {2, 2}, {1, 1}, {1, 1}, 2) + r);
-      at::Tensor out = t(g->run({x, w, b, r})[0]);
-      EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << channels_last << " call " << call;
-      EXPECT_EQ(out.strides(), expected.strides());
-    }
-  }
+// conv (stride 2, padding 1, groups 2) + residual + relu, then a scale when `scaled`: the graph and its check
+// on fresh inputs in both layouts, the weights rewritten in place before the third call of each.
+const char* conv_residual_relu(bool scaled) {
+  return scaled ? "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
+                  "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
+                  "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
+                  "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
+                  "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
+                  "  %s: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::mul.Tensor(%o, 0.5)\n"
+                  "  return (%s)\n"
+                : "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
+                  "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
+                  "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
+                  "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
+                  "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
+                  "  return (%o)\n";
 }
 
-// The default route for convolutions (no EMBER_ONEDNN_CONV): torch's own mkldnn::_convolution_pointwise
-// (kernels/cpu/conv_kernel.cpp), residual add and relu applied by the call, the weights packed from the
-// second call on for channels-last sources; and a chain cut where the call applies no more (the scale).
-TEST(TorchConv2d, ResidualReluBothLayoutsAndTheChainStopsAtAScale) {
-  if (!at::hasMKLDNN()) GTEST_SKIP() << "torch built without mkldnn";
-  const std::string text =
-      "graph(%x: f32[2, 4, 9, 7]{252, 63, 7, 1}@cpu, %w: f32[6, 2, 3, 3]{18, 9, 3, 1}@cpu, %b: f32[6]{1}@cpu, "
-      "%r: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu):\n"
-      "  %c: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::convolution(%x, %w, %b, [2, 2], [1, 1], [1, 1], false, [0, 0], 2)\n"
-      "  %a: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::add.Tensor(%c, %r)\n"
-      "  %o: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::relu(%a)\n"
-      "  %s: f32[2, 6, 5, 4]{120, 20, 4, 1}@cpu = aten::mul.Tensor(%o, 0.5)\n"
-      "  return (%s)\n";
-  auto g = compile_text(text);
-  std::vector<std::string> kernels;
-  for (const Step& s : g->plan().steps)
-    if (s.kernel) kernels.push_back(s.kernel->describe());
-  ASSERT_GE(kernels.size(), 1u) << g->describe();
-  EXPECT_EQ(kernels[0], "onednn conv2d f32 +bias add relu via torch") << g->describe();
-  at::Tensor w = at::randn({6, 2, 3, 3}), b = at::randn({6});
+void check_conv_residual_relu(CompiledGraph& g, bool scaled) {
+  const double scale = scaled ? 0.5 : 1.0;
+  at::Tensor b = at::randn({6});
   for (bool channels_last : {false, true}) {
-    at::Tensor wl = channels_last ? w.contiguous(at::MemoryFormat::ChannelsLast) : w;
+    at::Tensor w = at::randn({6, 2, 3, 3});
+    if (channels_last) w = w.contiguous(at::MemoryFormat::ChannelsLast);
     for (int call = 0; call < 4; ++call) {
       at::Tensor x = at::randn({2, 4, 9, 7}), r = at::randn({2, 6, 5, 4});
       if (channels_last) {
         x = x.contiguous(at::MemoryFormat::ChannelsLast);
         r = r.contiguous(at::MemoryFormat::ChannelsLast);
       }
-      if (call == 2) wl.mul_(-1.5);  // in place: packed weights from before are stale
-      at::Tensor expected = at::relu(at::conv2d(x, wl, b, {2, 2}, {1, 1}, {1, 1}, 2) + r) * 0.5;
-      at::Tensor out = t(g->run({x, wl, b, r})[0]);
+      if (call == 2) w.mul_(-1.5);  // in place: packed weights from before are stale
+      at::Tensor expected = at::relu(at::conv2d(x, w, b, {2, 2}, {1, 1}, {1, 1}, 2) + r) * scale;
+      at::Tensor out = t(g.run({x, w, b, r})[0]);
       EXPECT_TRUE(at::allclose(out, expected, 1e-4, 1e-5)) << channels_last << " call " << call;
       EXPECT_EQ(out.strides(), expected.strides()) << channels_last << " call " << call;
     }
   }
+}
+
+std::string first_kernel(const CompiledGraph& g) {
+  for (const Step& s : g.plan().steps)
+    if (s.kernel) return s.kernel->describe();
+  return "";
+}
+
+TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  setenv("EMBER_ONEDNN_CONV", "1", 1);  // convolutions go through ember's oneDNN only when asked (matmul_epilogue.cpp)
+  struct Unset {
+    ~Unset() { unsetenv("EMBER_ONEDNN_CONV"); }
+  } unset;
+  auto g = compile_text(conv_residual_relu(false));
+  EXPECT_EQ(first_kernel(*g), "onednn conv2d f32 +bias add relu") << g->describe();
+  check_conv_residual_relu(*g, false);
+}
+
+// The default route (kernels/cpu/conv_kernel.cpp): torch's own mkldnn::_convolution_pointwise, residual add
+// and relu applied by the call, the weights packed from the second call on for channels-last sources; the
+// chain cut where the call applies no more (the scale).
+TEST(TorchConv2d, ResidualReluBothLayoutsAndTheChainStopsAtAScale) {
+  if (!at::hasMKLDNN()) GTEST_SKIP() << "torch built without mkldnn";
+  auto g = compile_text(conv_residual_relu(true));
+  EXPECT_EQ(first_kernel(*g), "onednn conv2d f32 +bias add relu via torch") << g->describe();
+  check_conv_residual_relu(*g, true);
 }
 
 // Each build of the few-rows loop this CPU can run, called directly: 1-7 rows (blocks of 4 or 2 and their

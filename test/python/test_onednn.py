@@ -251,24 +251,6 @@ def test_epilogue_pass_can_be_switched_off():
 
 @pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
-@pytest.mark.parametrize("act", ["relu", "silu", "none"])
-def test_conv2d_epilogues(channels_last, groups, stride, padding, dilation, act):
-    conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups)
-    x = torch.randn(2, 8, 13, 11)
-    if channels_last:
-        conv = conv.to(memory_format=torch.channels_last)
-        x = x.to(memory_format=torch.channels_last)
-    fn = lambda x: ACTIVATIONS[act](conv(x))  # noqa: E731
-    with torch.no_grad():
-        eager, compiled = check_calls(fn, x, grad=False, **MATMUL_TOL)
-    assert compiled.stride() == eager.stride()
-    assert onednn_kernels() and onednn_kernels()[0].startswith("onednn conv2d f32 +bias")
-
-
-@pytest.mark.usefixtures("onednn_conv")
-@needs_onednn
 def test_conv2d_residual_and_repeated_calls():
     conv = nn.Conv2d(6, 6, 3, padding=1, bias=False).eval()
     compiled = compile_ember(lambda x, r: torch.relu(conv(x) + r))
@@ -323,11 +305,18 @@ def test_convolutions_by_default_run_torchs_onednn_with_batchnorm_folded(route, 
         assert steps.count("aten::convolution") == 2 and not torch_convs
 
 
-@needs_mkldnn
+@pytest.mark.parametrize("route", ["torch", "onednn"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
 @pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "none"])
-def test_torch_conv_epilogues(channels_last, groups, stride, padding, dilation, act):
+def test_conv2d_epilogues(route, channels_last, groups, stride, padding, dilation, act, monkeypatch):
+    """Both routes: torch's oneDNN call (the default) and ember's oneDNN (EMBER_ONEDNN_CONV=1)."""
+    if route == "torch" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without mkldnn")
+    if route == "onednn":
+        if not _onednn_built():
+            pytest.skip("ember was built without oneDNN")
+        monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
     conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups).eval()
     x = torch.randn(2, 8, 13, 11)
     if channels_last:
@@ -338,7 +327,7 @@ def test_torch_conv_epilogues(channels_last, groups, stride, padding, dilation, 
         eager, compiled = check_calls(fn, x, grad=False, calls=3, **MATMUL_TOL)  # calls 2+ on packed weights
     assert compiled.stride() == eager.stride()
     kernels = onednn_kernels()
-    assert len(kernels) == 1 and kernels[0].endswith("via torch"), kernels
+    assert len(kernels) == 1 and kernels[0].endswith("via torch") == (route == "torch"), kernels
     assert kernels[0].startswith("onednn conv2d f32 +bias" + ("" if act == "none" else " "))
 
 
