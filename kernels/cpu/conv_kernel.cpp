@@ -40,7 +40,7 @@ namespace {
 struct TorchConv {
   c10::OperatorHandle conv, binary, reorder;
   bool add = false;  // the .binary form: a residual added, then the unary post-op
-  c10::IValue padding, stride, dilation, groups, unary, algorithm, scalars;
+  c10::IValue padding, stride, dilation, groups, unary, algorithm, scalars, binary_attr;
 };
 
 class Conv2dKernel final : public Kernel {
@@ -138,7 +138,7 @@ class Conv2dKernel final : public Kernel {
       stack.emplace_back(std::move(w));
       stack.emplace_back(bias.defined() ? c10::IValue(bias) : c10::IValue());
       stack.emplace_back(t.padding), stack.emplace_back(t.stride), stack.emplace_back(t.dilation), stack.emplace_back(t.groups);
-      if (t.add) stack.emplace_back(c10::IValue(std::string("add"))), stack.emplace_back(c10::IValue());  // binary_attr, alpha
+      if (t.add) stack.emplace_back(t.binary_attr), stack.emplace_back(c10::IValue());  // binary_attr, alpha
       stack.emplace_back(t.unary), stack.emplace_back(t.scalars), stack.emplace_back(t.algorithm);
       (t.add ? t.binary : t.conv).callBoxed(&stack);
       *out = std::move(stack[0]).toTensor();
@@ -215,6 +215,7 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   t.unary = c10::IValue(unary);
   t.algorithm = algorithm.empty() ? c10::IValue() : c10::IValue(algorithm);
   t.scalars = c10::IValue(c10::List<std::optional<at::Scalar>>());
+  t.binary_attr = c10::IValue(std::string("add"));
   return t;
 }
 
