@@ -39,11 +39,6 @@
 namespace ember {
 namespace {
 
-// Read at each compile (item 5), so that a process can compare both.
-bool onednn_convolutions() {
-  const char* v = std::getenv("EMBER_ONEDNN_CONV");
-  return v && std::strcmp(v, "1") == 0;
-}
 
 // Read at each compile, as EMBER_ONEDNN_CONV.
 bool torch_convolutions() {
@@ -95,7 +90,7 @@ class Claimer {
         // A lone convolution gains from torch's call only by packed weights, which need parameters that
         // stay (inference). resnet18's b2 training step, 2-core host: 1.12-1.13x over eager with its
         // convolutions through ATen, 1.06-1.07x through torch's call unpacked.
-        if (n.op == "aten::convolution" && !onednn_convolutions() && !inference_) continue;
+        if (n.op == "aten::convolution" && !onednn_convolutions_requested() && !inference_) continue;
       }
       for (Node* m : members) m->group = next;
       ++next;
@@ -106,7 +101,7 @@ class Claimer {
   bool claimable_matmul(const Node& n) const {
     const Value *src, *weights, *bias;
     bool conv = as_conv2d(n, &src, &weights, &bias);
-    if (conv && !onednn_convolutions() && !torch_convolutions()) return false;
+    if (conv && !onednn_convolutions_requested() && !torch_convolutions()) return false;
     if (!conv && !as_matmul(n, &src, &weights, &bias)) return false;
     const TensorType& out = n.outputs[0]->type.tensor;
     if (!n.outputs[0]->type.is_tensor() || !out.device.is_cpu() || !supported_dtype(out.dtype) ||
@@ -126,7 +121,7 @@ class Claimer {
     const TensorType& mm = v->type.tensor;
     const Dim n_dim = mm.sizes[1];
     const bool conv = matmul.op == "aten::convolution";  // its epilogue keeps the NCHW shape: no views, no rows
-    const bool torch_conv = conv && !onednn_convolutions();  // its chain stops at what torch's call applies
+    const bool torch_conv = conv && !onednn_convolutions_requested();  // its chain stops at what torch's call applies
     std::vector<EpilogueOp> ops;
     while (uses_[v] == 1) {
       Node* next = user_[v];

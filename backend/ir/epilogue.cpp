@@ -2,6 +2,8 @@
 #include "ember/epilogue.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace ember {
 namespace {
@@ -123,6 +125,11 @@ bool torch_conv_takes(const std::vector<EpilogueOp>& ops) {
   if (ops.empty()) return true;
   if (ops.size() == 1) return activation(ops[0].kind) || ops[0].kind == K::Add;
   return ops.size() == 2 && ops[0].kind == K::Add && ops[1].kind == K::Relu;
+}
+
+bool onednn_convolutions_requested() {
+  const char* v = std::getenv("EMBER_ONEDNN_CONV");
+  return v && std::strcmp(v, "1") == 0;
 }
 
 const Value* input_behind(const Value* v) {

@@ -28,8 +28,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <optional>
 
@@ -219,12 +217,6 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   return t;
 }
 
-// Read at each compile, as the pass reads it (passes/matmul_epilogue.cpp, item 5).
-bool onednn_convolutions() {
-  const char* v = std::getenv("EMBER_ONEDNN_CONV");
-  return v && std::strcmp(v, "1") == 0;
-}
-
 }  // namespace
 
 std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& g, std::string* why_not) {
@@ -232,7 +224,7 @@ std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& g, std::st
     if (why_not) *why_not = std::string("oneDNN convolution for ") + dtype_name(g.dtype);
     return nullptr;
   }
-  if (!onednn_convolutions()) {
+  if (!onednn_convolutions_requested()) {
     std::optional<TorchConv> torch = torch_conv(g, why_not);
     if (!torch) return nullptr;
     return std::make_shared<Conv2dKernel>(g, nullptr, std::move(torch));

@@ -34,6 +34,9 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 // (mkldnn::_convolution_pointwise, kernels/cpu/conv_kernel.cpp): no op, one activation (relu, gelu, silu,
 // sigmoid, tanh), or an added tensor of the result's shape, then relu or nothing.
 bool torch_conv_takes(const std::vector<EpilogueOp>& ops);
+// EMBER_ONEDNN_CONV=1: convolutions go to ember's own (Debian's) oneDNN with any epilogue instead of torch's
+// call. Read at each compile, so that a process can compare both; the claim pass and the kernel read it here.
+bool onednn_convolutions_requested();
 // The graph input behind `v`: v itself, or what a chain of transposing views (permute / t / transpose)
 // starts from. That is how AOTAutograd passes a Linear's weights, which stay the same tensor call after
 // call in inference; or weights with a batch norm folded in (ember::fold_batchnorm's first output), which its
