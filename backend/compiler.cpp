@@ -94,10 +94,15 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   if (after.compiled > before.compiled || after.from_cache > before.from_cache) {
     // Parts of codegen (a name with ':' is not added to the total; NVRTC time summed over its threads).
     timings.emplace_back("codegen: nvrtc", after.nvrtc_ms - before.nvrtc_ms);
+    timings.emplace_back("codegen: nvrtc cpu", after.nvrtc_cpu_ms - before.nvrtc_cpu_ms);
     timings.emplace_back("codegen: module load", after.load_ms - before.load_ms);
-    // Counts, not milliseconds (report.py prints them so): modules NVRTC compiled and those read from disk.
+    // Counts, not milliseconds (report.py prints them so): modules NVRTC compiled and those read from disk,
+    // and NVRTC's major page faults and preemptions.
     timings.emplace_back("codegen: modules compiled", after.compiled - before.compiled);
     timings.emplace_back("codegen: modules from disk", after.from_cache - before.from_cache);
+    timings.emplace_back("codegen: nvrtc major faults", after.nvrtc_major_faults - before.nvrtc_major_faults);
+    timings.emplace_back("codegen: nvrtc minor faults", after.nvrtc_minor_faults - before.nvrtc_minor_faults);
+    timings.emplace_back("codegen: nvrtc preemptions", after.nvrtc_preemptions - before.nvrtc_preemptions);
   }
   dump(options, "kernels.txt", listing + (declined.empty() ? "" : "declined:\n" + declined));
   t0 = Clock::now();

@@ -13,6 +13,7 @@
 #include "kernels/cuda/image_store.h"
 
 #include <dlfcn.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -282,6 +283,19 @@ struct Loaded {
   KernelImage image;
 };
 
+// The calling thread's CPU time, page faults and involuntary context switches so far. Beside NVRTC's wall
+// time they tell a compile that computed from one that waited: for a core, or for its library's pages.
+struct ThreadUsage {
+  double cpu_ms = 0;
+  long major_faults = 0, minor_faults = 0, preemptions = 0;
+};
+ThreadUsage thread_usage() {
+  rusage u{};
+  if (getrusage(RUSAGE_THREAD, &u) != 0) return {};
+  auto ms = [](const timeval& t) { return t.tv_sec * 1e3 + t.tv_usec / 1e3; };
+  return {ms(u.ru_utime) + ms(u.ru_stime), u.ru_majflt, u.ru_minflt, u.ru_nivcsw};
+}
+
 // The image for `source`: from `images`, the disk cache, or NVRTC (then stored in the disk cache).
 KernelImage find_or_compile(const std::string& source, const std::string& name, const std::string& target,
                             ImageStore* images) {
@@ -294,10 +308,16 @@ KernelImage find_or_compile(const std::string& source, const std::string& name, 
     return std::move(*cached);
   }
   auto t0 = std::chrono::steady_clock::now();
+  const ThreadUsage u0 = thread_usage();
   KernelImage image{target, source, nvrtc_compile(source, name, target), version};
+  const ThreadUsage u1 = thread_usage();
   {
     std::lock_guard<std::mutex> lock(stats_mu);
     stats.nvrtc_ms += ms_since(t0);
+    stats.nvrtc_cpu_ms += u1.cpu_ms - u0.cpu_ms;
+    stats.nvrtc_major_faults += u1.major_faults - u0.major_faults;
+    stats.nvrtc_minor_faults += u1.minor_faults - u0.minor_faults;
+    stats.nvrtc_preemptions += u1.preemptions - u0.preemptions;
     ++stats.compiled;
   }
   disk_cache_store(dir, image);

@@ -18,9 +18,12 @@ bool available(std::string* why_not);
 // nothing.
 void warm_up_async();
 
-// Process-wide totals of compile work (milliseconds; NVRTC summed over threads).
+// Process-wide totals of compile work (milliseconds; NVRTC summed over threads). NVRTC's CPU time, page
+// faults and involuntary context switches, beside its wall time, say whether a slow compile computed or
+// waited.
 struct CompileStats {
-  double nvrtc_ms = 0, load_ms = 0;
+  double nvrtc_ms = 0, nvrtc_cpu_ms = 0, load_ms = 0;
+  long nvrtc_major_faults = 0, nvrtc_minor_faults = 0, nvrtc_preemptions = 0;
   int compiled = 0, from_cache = 0;
 };
 CompileStats compile_stats();

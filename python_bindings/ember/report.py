@@ -103,9 +103,13 @@ class ExplainReport:
     __repr__ = __str__
 
 
+_COUNTS = ("codegen: modules compiled", "codegen: modules from disk", "codegen: nvrtc major faults",
+           "codegen: nvrtc minor faults", "codegen: nvrtc preemptions")
+
+
 def _timing(name, value):
-    # "codegen: modules compiled" / "from disk" are counts; every other entry is milliseconds
-    return f"{name} {int(value)}" if name.startswith("codegen: modules") else f"{name} {value:.1f} ms"
+    # a few entries are counts (compiler.cpp); every other one is milliseconds
+    return f"{name} {int(value)}" if name in _COUNTS else f"{name} {value:.1f} ms"
 
 
 def record_graph(name, kind, gm, compiled, lower_ms, ir, graphs_note=""):
