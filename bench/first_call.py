@@ -6,7 +6,9 @@ Splits the first call of `torch.compile(model, backend="ember")` on a bench/harn
 tracing (call start to the backend's entry), ATen tracing (AOTAutograd or trace.py's one pass: the backend's
 time minus ember's compile), ember's compile (lowering, passes, code generation, NVRTC), the first run of what
 the backend returned, and the rest (Dynamo's guards and its tail). Prints that line and ember.explain's
-split of ember's compile (passes, codegen, NVRTC summed over its threads, modules compiled). KEEP_CACHE=1 keeps EMBER_CACHE_DIR as set (a warm kernel cache).
+split of ember's compile (passes, codegen, NVRTC summed over its threads, modules compiled).
+KEEP_CACHE=1 keeps EMBER_CACHE_DIR as set (a warm kernel cache). LATE_WARM_UP=1 starts NVRTC's warm-up at
+the backend's entry, as where ember.backend was imported before CUDA was in use.
 """
 
 import os
@@ -73,6 +75,10 @@ def main():
     report = ember.report.ExplainReport()
     ember.report._active.append(report)
     grad = torch.enable_grad if w.training else torch.no_grad
+    if not os.environ.get("LATE_WARM_UP"):
+        # torch.compile(backend="ember") imports ember.backend here, which starts NVRTC's warm-up where CUDA is
+        # in use; this script imported it earlier, so it makes that call itself
+        ember.backend._warm_up_if_cuda_in_use()
     with grad():
         fn = torch.compile(model, backend=backend)
         t0 = time.perf_counter()

@@ -9,6 +9,7 @@
 #include "kernels/cuda/driver.h"
 
 #include "ember/error.h"
+#include "kernels/cuda/cuda_prelude.h"
 #include "kernels/cuda/disk_cache.h"
 #include "kernels/cuda/image_store.h"
 
@@ -257,6 +258,21 @@ std::vector<void*> entry_points(void* module, const std::vector<std::string>& na
   return out;
 }
 
+// The warm-up's program: the prelude every module starts with and a kernel calling the math library
+// (libdevice), the warp shuffles and 16-bit conversions that generated kernels use, so that what NVRTC
+// loads or initializes on first use is done before the first real module.
+std::string warm_up_source() {
+  return std::string(kPrelude) + R"(
+extern "C" __global__ void ember_warm_up(const unsigned short* a, float* out, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  float x = i < n ? bf2f(a[i]) + h2f(a[i]) : 0.f;
+  float y = expf(x) + logf(fabsf(x) + 1e-8f) + tanhf(x) + erff(x) + rsqrtf(x * x + 1.f) + powf(x, 3.f);
+  y = warp_reduce<0>(y) + warp_reduce<1>(y);
+  if (i < n) out[i] = bf2f(f2bf(y)) + h2f(f2h(y));
+}
+)";
+}
+
 }  // namespace
 
 void warm_up_async() {
@@ -267,8 +283,7 @@ void warm_up_async() {
       api();
       nvrtc_api();
       // A program of its own (never cached): what the first compile in a process pays beyond its source.
-      nvrtc_compile("extern \"C\" __global__ void ember_warm_up(float* x) { x[threadIdx.x] *= 2.f; }\n",
-                    "ember_warm_up", arch(0));
+      nvrtc_compile(warm_up_source(), "ember_warm_up", arch(0));
     } catch (const std::exception&) {  // no driver or NVRTC: the real compile reports it
     }
   }).share();

@@ -12,10 +12,10 @@ class ImageStore;
 // found, and needed only for kernels that no image store holds.
 bool available(std::string* why_not);
 
-// Starts loading the driver and NVRTC and compiling a trivial program on a thread of its own, so that
-// NVRTC's first-use cost in the process (loading its libraries, its first compile) overlaps the tracing
-// that precedes a graph's code generation; compile() waits for it. Returns at once; repeated calls do
-// nothing.
+// Starts loading the driver and NVRTC and compiling a small program (the prelude, math functions) on a
+// thread of its own, so that NVRTC's first-use cost in the process (loading its libraries, its first
+// compile) overlaps the tracing that precedes a graph's code generation; compile() waits for it. Returns
+// at once; repeated calls do nothing.
 void warm_up_async();
 
 // Process-wide totals of compile work (milliseconds; NVRTC summed over threads). NVRTC's CPU time, page

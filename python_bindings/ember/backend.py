@@ -540,3 +540,19 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
     if direct is None:
         direct = _training_call(gm, example_inputs, training)
     return direct if direct is not None else compiled_fn
+
+
+def _warm_up_if_cuda_in_use():
+    """torch.compile(..., backend="ember") imports this module (the entry point) before the first call is
+    traced. Where the process already uses CUDA, NVRTC's first use starts now, on a thread of its own, and
+    overlaps Dynamo's tracing instead of only AOTAutograd's (ember_backend starts it otherwise)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        from . import _C
+
+        _C.warm_up_cuda_compiler()
+
+
+_warm_up_if_cuda_in_use()
