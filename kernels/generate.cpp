@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <set>
 #include <thread>
 
@@ -17,11 +18,21 @@ namespace ember {
 
 namespace {
 
-// Runs make(i) for i in [0, n) on up to hardware_concurrency threads: NVRTC compiles of distinct groups
+// Threads for make(i): EMBER_COMPILE_THREADS, else the hardware's (read once).
+size_t compile_threads() {
+  static const size_t threads = [] {
+    const char* v = std::getenv("EMBER_COMPILE_THREADS");
+    long n = v ? std::strtol(v, nullptr, 10) : 0;
+    return n > 0 ? static_cast<size_t>(n) : std::max(1u, std::thread::hardware_concurrency());
+  }();
+  return threads;
+}
+
+// Runs make(i) for i in [0, n) on up to compile_threads() threads: NVRTC compiles of distinct groups
 // overlap instead of queueing (the CPU generator is cheap and gains nothing, but shares the path).
 template <class F>
 void parallel_for_each(size_t n, F make) {
-  size_t workers = std::min<size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  size_t workers = std::min(n, compile_threads());
   if (workers <= 1) {
     for (size_t i = 0; i < n; ++i) make(i);
     return;
