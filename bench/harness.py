@@ -650,11 +650,20 @@ def main(argv=None):
 
     torch._dynamo.config.suppress_errors = False  # a failing backend must raise, never fall back to eager
     made_cache_dir = disable_inductor_caches()
+    out = args.out or os.path.join(RESULTS_DIR, f"harness_{args.device}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+
+    def write_json():
+        with open(out, "w") as f:
+            json.dump({"machine": machine_info(args.device), "repeat": args.repeat, "warmup": args.warmup,
+                       "results": results}, f, indent=2)
+
     results = []
     try:
         for name in names:
             print(f"[harness] {name} ...", file=sys.stderr, flush=True)
             results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup))
+            write_json()  # after each workload, so a run stopped by a time limit keeps what it measured
     finally:
         if made_cache_dir:
             shutil.rmtree(made_cache_dir, ignore_errors=True)
@@ -666,11 +675,7 @@ def main(argv=None):
                     row["cold_first_call_s"] = cold_first_call_in_child(r["workload"], backend, args)
 
     print_table(results)
-    out = args.out or os.path.join(RESULTS_DIR, f"harness_{args.device}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"machine": machine_info(args.device), "repeat": args.repeat, "warmup": args.warmup,
-                   "results": results}, f, indent=2)
+    write_json()
     print(f"wrote {out}")
     png = write_chart(results, os.path.splitext(out)[0] + ".png")
     if png:

@@ -12,10 +12,12 @@ For a workload, ember compiles it once with EMBER_DEBUG set (fresh EMBER_CACHE_D
 from the dump's kernels.txt: each group's whole module text, which ember compiles as two modules (the
 general entry beside the others), so the times here are of one module per group. Each source is then
 compiled --reps times in this process (through the libnvrtc ember loaded) and in a fresh Python process that
-imports nothing else. Prints ms per compile, first and later ones apart.
+imports nothing else (and, for a workload, in one that initialized torch's CUDA first), first one after the other, then all at once on a thread each (as ember compiles distinct
+groups). Prints ms per compile, first and later ones apart.
 """
 
 import argparse
+import concurrent.futures
 import ctypes
 import glob
 import json
@@ -49,22 +51,29 @@ def nvrtc_library():
     return "libnvrtc.so.13"
 
 
+def compile_once(lib, text, options):
+    """ms of one NVRTC compile of `text`; -1 where it failed. ctypes drops the GIL, so threads overlap."""
+    program = ctypes.c_void_p()
+    lib.nvrtcCreateProgram(ctypes.byref(program), text.encode(), b"k.cu", 0, None, None)
+    start = time.perf_counter()
+    failed = lib.nvrtcCompileProgram(program, 2, options)
+    ms = -1.0 if failed else (time.perf_counter() - start) * 1e3
+    lib.nvrtcDestroyProgram(ctypes.byref(program))
+    return ms
+
+
 def time_compiles(library, sources, arch, reps):
-    """[[ms per compile] per source]; -1 where NVRTC failed."""
+    """{"serial": [[ms per compile] per source], "parallel": [[ms] per source]}: each source `reps` times in a
+    row, then all sources at once on a thread each (as ember compiles distinct groups), `reps` rounds."""
     lib = ctypes.CDLL(library)
     options = (ctypes.c_char_p * 2)(f"--gpu-architecture={arch}".encode(), b"--std=c++17")
-    out = []
-    for text in sources:
-        times = []
-        for _ in range(reps):
-            program = ctypes.c_void_p()
-            lib.nvrtcCreateProgram(ctypes.byref(program), text.encode(), b"k.cu", 0, None, None)
-            start = time.perf_counter()
-            failed = lib.nvrtcCompileProgram(program, 2, options)
-            times.append(-1.0 if failed else (time.perf_counter() - start) * 1e3)
-            lib.nvrtcDestroyProgram(ctypes.byref(program))
-        out.append(times)
-    return out
+    serial = [[compile_once(lib, text, options) for _ in range(reps)] for text in sources]
+    parallel = [[] for _ in sources]
+    for _ in range(reps):
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(sources))) as pool:
+            for i, ms in enumerate(pool.map(lambda t: compile_once(lib, t, options), sources)):
+                parallel[i].append(ms)
+    return {"serial": serial, "parallel": parallel}
 
 
 def ember_modules(name):
@@ -102,6 +111,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         job = json.load(open(args.child))
+        if job["torch"]:  # a process like the one ember runs in, before anything compiles
+            import torch
+
+            torch.zeros(1, device="cuda")
         print(json.dumps(time_compiles(job["library"], job["sources"], job["arch"], job["reps"])))
         return 0
     if not args.workload and not args.sources:
@@ -120,24 +133,33 @@ def main(argv=None):
     arch = arch or ARCH_DEFAULT
     library = nvrtc_library()
     here = time_compiles(library, sources, arch, args.reps)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"library": library, "sources": sources, "arch": arch, "reps": args.reps}, f)
     env = dict(os.environ)  # NVRTC finds its builtins library next to itself through the loader's path
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (os.path.dirname(library), env.get("LD_LIBRARY_PATH")) if p)
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f.name], capture_output=True, text=True,
-                          env=env)
-    os.unlink(f.name)
-    alone = json.loads(done.stdout) if done.returncode == 0 else None
-    if alone is None:
-        print(f"the fresh process failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+
+    def fresh(with_torch):
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump({"library": library, "sources": sources, "arch": arch, "reps": args.reps, "torch": with_torch}, f)
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", f.name], capture_output=True,
+                              text=True, env=env)
+        os.unlink(f.name)
+        if done.returncode != 0:
+            print(f"the fresh process failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+            return None
+        return json.loads(done.stdout)
+
+    columns = [("in this process", here), ("in a fresh process", fresh(False))]
+    if args.workload:
+        columns.append(("fresh, torch + CUDA", fresh(True)))
     for line in explain:
         if "nvrtc" in line or "codegen" in line:
             print("ember:", line.strip())
-    print(f"NVRTC {library}, {arch}; ms per compile, {args.reps} in a row")
-    print(f"{'module':<8}{'lines':>7}   {'in this process':<28}{'in a fresh process':<28}")
-    for i, text in enumerate(sources):
-        fmt = lambda ts: " ".join(f"{t:7.1f}" for t in ts)  # noqa: E731
-        print(f"{i:<8}{text.count(chr(10)):>7}   {fmt(here[i]):<28}{fmt(alone[i]) if alone else '-':<28}")
+    fmt = lambda ts: " ".join(f"{t:7.1f}" for t in ts)  # noqa: E731
+    for mode, what in (("serial", f"{args.reps} in a row"), ("parallel", f"all modules at once, {args.reps} rounds")):
+        print(f"NVRTC {library}, {arch}; ms per compile, {what}")
+        print(f"{'module':<8}{'lines':>7}   " + "".join(f"{title:<28}" for title, _ in columns))
+        for i, text in enumerate(sources):
+            cells = "".join(f"{fmt(times[mode][i]) if times else '-':<28}" for _, times in columns)
+            print(f"{i:<8}{text.count(chr(10)):>7}   {cells}")
     return 0
 
 
