@@ -199,9 +199,12 @@ void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
         const c10::IValue& fresh = buffers[plan_.cached_results[j]];
         if (held.isTensor() && fresh.isTensor() && held.toTensor().sizes().equals(fresh.toTensor().sizes()) &&
             held.toTensor().strides().equals(fresh.toTensor().strides()) &&
-            held.toTensor().dtype() == fresh.toTensor().dtype())
+            held.toTensor().dtype() == fresh.toTensor().dtype()) {
           held.toTensor().copy_(fresh.toTensor());
-        else if (!(held.isTensor() || fresh.isTensor()))
+          // Below autograd the copy leaves the version counter alone; kernels that packed this tensor (weights
+          // folded with a batch norm, kernels/cpu/epilogue_support.h) know it changed by that counter.
+          if (!held.toTensor().is_inference()) held.toTensor().unsafeGetTensorImpl()->bump_version();
+        } else if (!(held.isTensor() || fresh.isTensor()))
           held = fresh;
         else
           throw Error("a step over parameters produced a result of another shape than on its first run; "

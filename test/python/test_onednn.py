@@ -422,12 +422,17 @@ def test_conv_batchnorm_folded_in_inference(channels, bias, channels_last):
 
 @pytest.mark.usefixtures("onednn_conv")
 @needs_onednn
-def test_folded_batchnorm_follows_parameter_changes():
-    model = conv_bn_blocks((4, 6, 5), False, False)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_folded_batchnorm_follows_parameter_changes(channels_last):
+    # The parameter cache refreshes the folded weights in place; the convolution's packed copy of them must
+    # notice (a stale packing gave errors of 5 here with channels-last weights).
+    model = conv_bn_blocks((4, 6, 5), False, channels_last)
     compiled = compile_ember(model)
     with torch.no_grad():
         for step in range(5):  # the fold is cached from the second call on, the weights packed from the third
             x = torch.randn(2, 4, 8, 8)
+            if channels_last:
+                x = x.to(memory_format=torch.channels_last)
             torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
             if step == 2:
                 model[1].running_var.mul_(3)
