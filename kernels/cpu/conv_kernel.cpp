@@ -117,18 +117,18 @@ class Conv2dKernel final : public Kernel {
     if (failed_.load(std::memory_order_relaxed)) return false;
     if (src.dim() != 4 || weights.dim() != 4 || src.numel() == 0 || weights.numel() == 0) return false;
     const at::MemoryFormat format = src.suggest_memory_format();
-    if (weights.suggest_memory_format() != format || !src.is_contiguous(format)) return false;  // item 2
+    if (!src.is_contiguous(format)) return false;
+    // Packed weights only for channels-last sources: with an NCHW source the call then answers in
+    // channels-last (and ran slower than unpacked on the 2-core host). Packed, their own layout no longer
+    // matters, and eager's result is channels-last as the source is (layout.py's CPU rewrite).
+    uint64_t generation = 0;
+    if (weights_input && format == at::MemoryFormat::ChannelsLast) generation = packing_.generation(*weights_input, weights);
+    if (generation == 0 && weights.suggest_memory_format() != format) return false;  // item 2
     if (bias.defined() && !bias.is_contiguous()) return false;
     const TorchConv& t = *torch_;
     if (t.add && (g.addends.size() != 1 || !g.addends[0].is_contiguous(format))) return false;
     try {
-      at::Tensor w = weights;
-      // Packed weights only for channels-last sources: with an NCHW source the call then answers in
-      // channels-last (and ran slower than unpacked on the 2-core host).
-      if (weights_input && format == at::MemoryFormat::ChannelsLast) {
-        uint64_t generation = packing_.generation(*weights_input, weights);
-        if (generation != 0) w = packed(weights, src, generation);
-      }
+      at::Tensor w = generation != 0 ? packed(weights, src, generation) : weights;
       torch::jit::Stack stack;
       stack.reserve(13);
       stack.emplace_back(src);

@@ -522,10 +522,13 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from .attention import route_attention
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
-    if os.environ.get("EMBER_CONV_CHANNELS_LAST", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
+    if os.environ.get("EMBER_CONV_CHANNELS_LAST", "1") != "0":
         from .layout import channels_last_convolutions
 
-        channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
+        if any(getattr(x, "is_cuda", False) for x in example_inputs):
+            channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
+        elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
+            channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
     direct = _traced_call(gm, example_inputs, config)
     if direct is not None:
         return direct

@@ -13,6 +13,13 @@ eager's strides.
 
 Only where a graph has at least two CUDA 2-D convolutions over floating NCHW tensors (a conv-heavy
 model, as inductor decides); EMBER_CONV_CHANNELS_LAST=0 turns it off.
+
+On the CPU the same holds for inference graphs, with the weights left as they are: ember's convolution
+kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's blocked layout for a
+channels-last source whatever their own layout, where a channels_last copy in the graph would be made per
+call and would hide the parameter from that packing and from batch-norm folding. oneDNN's convolutions
+are faster on channels-last activations (torchvision resnet18 b2 on the 2-core host: eager 60 ms in NCHW,
+33-41 ms in channels_last).
 """
 
 import torch
@@ -40,9 +47,10 @@ def _nchw(value, force):
     )
 
 
-def channels_last_convolutions(gm, force=False):
+def channels_last_convolutions(gm, force=False, weights=True):
     """Rewrites `gm` (a Dynamo graph) in place; returns the number of convolutions now reading
-    channels_last tensors. `force` applies it to CPU tensors too (for tests)."""
+    channels_last tensors. `force` applies it to CPU tensors too. `weights=False` leaves the weights as
+    they are: only the activations change layout (the CPU rewrite, see the module's docstring)."""
     convs = []
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.conv2d:
@@ -60,7 +68,7 @@ def channels_last_convolutions(gm, force=False):
     for node, x, w in convs:
         with graph.inserting_before(node):
             x_cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
-            w_cl = graph.call_method("contiguous", (w,), {"memory_format": torch.channels_last})
+            w_cl = graph.call_method("contiguous", (w,), {"memory_format": torch.channels_last}) if weights else w
         args = list(node.args)
         kwargs = dict(node.kwargs)
         if len(args) > 0:

@@ -1,11 +1,13 @@
-"""CUDA convolutions in channels_last (python_bindings/ember/layout.py): the Dynamo-graph rewrite keeps
-every value (checked on the CPU, where it is forced) and eager's output strides; through ember on a GPU,
-resnet-like blocks in f32 and bf16 match eager."""
+"""Convolutions in channels_last (python_bindings/ember/layout.py): the Dynamo-graph rewrite keeps every value
+and eager's output strides; through ember on a GPU, resnet-like blocks in f32 and bf16 match eager; on the
+CPU, inference graphs read channels-last activations with NCHW weights packed once, training graphs are
+left alone."""
 
 import pytest
 import torch
 import torch.nn as nn
 
+import helpers
 from ember.layout import channels_last_convolutions
 from helpers import assert_same, compile_ember
 
@@ -84,3 +86,40 @@ def test_resnet_blocks_training_step_cuda():
     ref(x).square().mean().backward()
     for (name, a), b in zip(m.named_parameters(), ref.parameters()):
         assert_same(a.grad, b.grad, atol=1e-3, rtol=1e-2), name
+
+
+def _steps():
+    return [what for _, g in helpers.EMBER_GRAPHS for _, what in g.steps()]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
+def test_cpu_inference_convolutions_read_channels_last_on_packed_weights():
+    # The CPU rewrite changes the activations' layout only; the weights stay NCHW parameters, packed by the
+    # convolution kernel from its second call on. A weight changed in place must be repacked.
+    m = net(8)
+    compiled = compile_ember(m)
+    with torch.no_grad():
+        for step in range(5):
+            x = torch.randn(2, 3, 11, 9)
+            expected, actual = m(x), compiled(x)
+            assert_same(actual, expected, atol=1e-4, rtol=1e-3)
+            assert actual.stride() == expected.stride()
+            if step == 2:
+                m[1].conv2.weight.mul_(-0.5)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(x)
+    steps = _steps()
+    assert steps.count("aten::clone") == 2, steps  # the input to channels-last, the result back to NCHW
+    assert not any(s == "aten::convolution" for s in steps) and sum("via torch" in s for s in steps) == 5, steps
+    calls = {e.key: e.count for e in prof.key_averages()}
+    assert calls.get("mkldnn::_convolution_pointwise", 0) + calls.get("mkldnn::_convolution_pointwise_", 0) + \
+        calls.get("mkldnn::_convolution_pointwise.binary", 0) == 5, calls  # torch's call, not ATen's fallback
+    assert "aten::convolution" not in calls, calls
+
+
+def test_cpu_training_graphs_keep_their_layout():
+    m = net(8).train()
+    compiled = compile_ember(m)
+    x = torch.randn(2, 3, 11, 9)
+    compiled(x).sum().backward()
+    assert "aten::clone" not in _steps()
