@@ -97,7 +97,7 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
     timings.emplace_back("codegen: nvrtc cpu", after.nvrtc_cpu_ms - before.nvrtc_cpu_ms);
     timings.emplace_back("codegen: module load", after.load_ms - before.load_ms);
     // Counts, not milliseconds (report.py prints them so): modules NVRTC compiled and those read from disk,
-    // and NVRTC's major page faults and preemptions.
+    // and NVRTC's page faults (major, minor) and preemptions.
     timings.emplace_back("codegen: modules compiled", after.compiled - before.compiled);
     timings.emplace_back("codegen: modules from disk", after.from_cache - before.from_cache);
     timings.emplace_back("codegen: nvrtc major faults", after.nvrtc_major_faults - before.nvrtc_major_faults);

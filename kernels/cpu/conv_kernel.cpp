@@ -12,8 +12,10 @@
 //     Whole models through ember, speedup over eager (same host, EMBER_CPU_CONV=aten against this):
 //     resnet50 b1 channels-last 1.08-1.13x -> 1.56-1.58x, resnet18 b2 NCHW 1.10-1.17x -> 1.33-1.35x.
 //  2. The result takes the source's layout, which is eager's where source and weights agree (both
-//     channels-last or both contiguous); where they do not, and for anything the call rejects (the first
-//     failure sticks), the same computation runs through ATen.
+//     channels-last or both contiguous), and where a channels-last source meets packed weights of any
+//     layout (layout.py's CPU rewrite makes the activations channels-last and leaves the weights NCHW);
+//     otherwise, and for anything the call rejects (the first failure sticks), the same computation runs
+//     through ATen.
 // With EMBER_ONEDNN_CONV=1: ember's oneDNN (Debian's) with any epilogue.
 //  1. Source and result keep the layout eager gives them: channels-last when the source or the weights are
 //     channels-last (as ATen's oneDNN path decides), else contiguous NCHW; oneDNN reads and writes them in

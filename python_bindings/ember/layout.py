@@ -1,4 +1,5 @@
-"""CUDA convolutions in channels_last, chosen on the Dynamo graph before AOTAutograd traces it.
+"""Convolutions in channels_last (CUDA, and CPU inference), chosen on the Dynamo graph before AOTAutograd
+traces it.
 
 cuDNN runs 2-D convolutions in NHWC: given NCHW tensors it converts each input to NHWC and each result
 back (torchvision resnet18 b8 f32 on the H100: 36 nchwToNhwc and 14 nhwcToNchw kernels, 204 of the 734 us
