@@ -118,8 +118,6 @@ def test_cpu_inference_convolutions_read_channels_last_on_packed_weights():
 
 
 def test_cpu_training_graphs_keep_their_layout():
-    m = net(8).train()
-    compiled = compile_ember(m)
-    x = torch.randn(2, 3, 11, 9)
-    compiled(x).sum().backward()
+    # forward and gradients against eager on random inputs, and no layout copies in the compiled graphs
+    helpers.check(net(8).train(), torch.randn(2, 3, 11, 9), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
     assert "aten::clone" not in _steps()
