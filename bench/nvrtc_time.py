@@ -12,8 +12,13 @@ For a workload, ember compiles it once with EMBER_DEBUG set (fresh EMBER_CACHE_D
 from the dump's kernels.txt: each group's whole module text, which ember compiles as two modules (the
 general entry beside the others), so the times here are of one module per group. Each source is then
 compiled --reps times in this process (through the libnvrtc ember loaded) and in a fresh Python process that
-imports nothing else (and, for a workload, in one that initialized torch's CUDA first), first one after the other, then all at once on a thread each (as ember compiles distinct
-groups). Prints ms per compile, first and later ones apart.
+imports nothing else (and, for a workload, in one that initialized torch's CUDA first), first one after the
+other, then all at once on a thread each (as ember compiles distinct groups). Prints ms per compile, first and
+later ones apart.
+
+What it found (session 19, H100): 17-27 ms per compile in every column, so neither the process nor parallel
+compiles explain session 18's times; those came from each fresh machine's first NVRTC process (explain's
+"nvrtc cpu" and "nvrtc minor faults" show it: CPU-bound, ten times the page faults of later processes).
 """
 
 import argparse
