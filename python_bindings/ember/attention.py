@@ -13,13 +13,161 @@ On Hopper, 16-bit attention goes to cuDNN's kernel first, as eager's dispatcher 
 H100): GPT-2 bf16 b16 s512 (transformers' causal mask reaching SDPA as a boolean mask under compile) took
 155 us per layer in the memory-efficient kernel with the mask as a bias, 68 us in cuDNN's (inductor's
 choice), 32 us in eager's cuDNN call without a mask. EMBER_CUDNN_ATTENTION=0 keeps it to flash / efficient.
+
+Before that, on every device, masks computed from constants alone are read at compile time
+(`simplify_masks`): one that masks nothing is dropped, one that is exactly the causal mask becomes
+is_causal=True. transformers 5.17 under torch.compile builds BertModel's "no padding" mask in the graph
+(arange, `>= 0`, expand: all True) and GPT-2's causal one (arange, `<=`, a packed-sequence check), where
+eager passes none and is_causal; a mask costs the kernel its mask-free path (H100, bf16 b32 s512: cuDNN's
+attention 131 us per layer with BERT's mask as a bias, 71 without).
 """
 
+import operator
 import os
 
 import torch
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
+
+# What a mask's constant subgraph may call to be evaluated at compile time: deterministic, no memory left
+# uninitialized, no reads outside the subgraph.
+_CONSTANT_FUNCTIONS = {
+    torch.arange, torch.ones, torch.zeros, torch.full, torch.ones_like, torch.zeros_like, torch.full_like,
+    torch.tensor, torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge, torch.where, torch.logical_and,
+    torch.logical_or, torch.logical_not, torch.bitwise_and, torch.bitwise_or, torch.masked_fill, torch.add,
+    torch.sub, torch.mul, torch.unsqueeze, torch.reshape, torch.broadcast_to, torch.cumsum, torch.diff,
+    torch.tril, torch.triu,
+    operator.add, operator.sub, operator.mul, operator.neg, operator.invert, operator.and_, operator.or_,
+    operator.eq, operator.ne, operator.lt, operator.le, operator.gt, operator.ge, operator.getitem,
+}
+_CONSTANT_METHODS = {
+    "expand", "expand_as", "view", "reshape", "unsqueeze", "squeeze", "to", "bool", "float", "half", "bfloat16",
+    "type", "masked_fill", "transpose", "permute", "contiguous", "repeat", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_and", "logical_or", "logical_not", "__and__", "__or__", "__invert__", "add", "sub", "mul",
+    "new_ones", "new_zeros", "new_full", "cumsum", "tril", "triu",
+}
+_MAX_CONSTANT_ELEMENTS = 1 << 24  # a mask larger than this is left to the kernel
+
+
+def _argument(node, index, name, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _set_argument(node, index, name, value):
+    if len(node.args) > index:
+        node.update_arg(index, value)
+    else:
+        node.update_kwarg(name, value)
+
+
+def _constant_subgraph(mask):
+    """The nodes `mask` is computed from, in graph order, if they read nothing but constants through the
+    calls listed above; else None."""
+    seen, stack = set(), [mask]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "call_function":
+            if n.target not in _CONSTANT_FUNCTIONS:
+                return None
+        elif n.op != "call_method" or n.target not in _CONSTANT_METHODS:
+            return None  # a placeholder, a parameter, a submodule: not known before the call
+        value = n.meta.get("example_value")
+        if isinstance(value, torch.Tensor) and value.numel() > _MAX_CONSTANT_ELEMENTS:
+            return None
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def _evaluate(nodes):
+    values = {}
+    with torch.no_grad():
+        for n in nodes:
+            args = torch.fx.node.map_arg(n.args, values.__getitem__)
+            kwargs = torch.fx.node.map_arg(n.kwargs, values.__getitem__)
+            if n.op == "call_function":
+                values[n] = n.target(*args, **kwargs)
+            else:
+                values[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+    return values[nodes[-1]]
+
+
+def _shape_of(arg):
+    value = getattr(arg, "meta", {}).get("example_value")
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _what_mask_is(mask, scores):
+    """'none' where the mask masks nothing (all True, or an additive mask of zeros), 'causal' where it is
+    exactly is_causal's (True, or 0, on and below the diagonal; False, or -inf, above it; square scores),
+    else None."""
+    try:
+        if torch.broadcast_shapes(tuple(mask.shape), scores) != scores:
+            return None  # eager broadcasts the scores to the mask's shape, or raises
+    except RuntimeError:
+        return None
+    if mask.dtype == torch.bool:
+        kept = mask
+    elif mask.is_floating_point():
+        if not bool(((mask == 0) | (mask == float("-inf"))).all()):
+            return None
+        kept = mask == 0
+    else:
+        return None
+    if bool(kept.all()):
+        return "none"
+    rows, cols = scores[-2], scores[-1]
+    if rows != cols or tuple(kept.shape[-2:]) != (rows, cols):
+        return None
+    causal = torch.ones(rows, cols, dtype=torch.bool, device=kept.device).tril()
+    return "causal" if bool((kept == causal).all()) else None
+
+
+def simplify_masks(gm):
+    """Attention masks of a Dynamo graph computed from constants alone: dropped where they mask nothing,
+    replaced by is_causal=True where they are exactly the causal mask. The attention is the same either way;
+    its kernels run their mask-free (or causal) paths. Returns (masks dropped, masks made is_causal).
+    EMBER_KEEP_MASKS=1 leaves them."""
+    if os.environ.get("EMBER_KEEP_MASKS", "0") == "1":
+        return 0, 0
+    dropped = causal = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        mask = _argument(node, 3, "attn_mask")
+        if not isinstance(mask, torch.fx.Node) or _argument(node, 5, "is_causal", False) is not False:
+            continue  # is_causal with a mask is an error eager must still raise
+        q_shape, k_shape = _shape_of(_argument(node, 0, "query")), _shape_of(_argument(node, 1, "key"))
+        nodes = _constant_subgraph(mask)
+        if nodes is None or q_shape is None or k_shape is None or len(q_shape) < 2 or len(k_shape) < 2:
+            continue
+        try:
+            value = _evaluate(nodes)
+        except Exception:  # noqa: BLE001 - the mask then stays, and eager's semantics with it
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        what = _what_mask_is(value, q_shape[:-1] + k_shape[-2:-1])
+        if what is None:
+            continue
+        _set_argument(node, 3, "attn_mask", None)
+        if what == "causal":
+            _set_argument(node, 5, "is_causal", True)
+            causal += 1
+        else:
+            dropped += 1
+    if dropped or causal:
+        for n in reversed(list(gm.graph.nodes)):  # what only computed the masks
+            if n.op in ("call_function", "call_method") and not n.users and (
+                    n.target in _CONSTANT_FUNCTIONS or n.target in _CONSTANT_METHODS):
+                gm.graph.erase_node(n)
+        gm.recompile()
+    return dropped, causal
 
 
 def route_attention(gm):

@@ -518,6 +518,11 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
+    if any(n.target is torch._C._nn.scaled_dot_product_attention for n in gm.graph.nodes):
+        from . import report
+        from .attention import simplify_masks
+
+        report.record_masks(*simplify_masks(gm))  # constant masks that mask nothing, or are causal (attention.py)
     if os.environ.get("EMBER_FUSED_ATTENTION", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from .attention import route_attention
 

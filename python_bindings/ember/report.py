@@ -62,6 +62,7 @@ class ExplainReport:
         self.graphs = []
         self.fallbacks = []  # (kind, reason)
         self.as_is = []  # what graphs with nothing to compile did (views, detach): they run as Dynamo traced them
+        self.masks = [0, 0]  # attention masks read at compile time: dropped, made is_causal (attention.py)
         self.total_s = 0.0
         self.backend_s = 0.0  # inside ember's compilers
 
@@ -88,6 +89,9 @@ class ExplainReport:
             lines.append(f"- {kind} graph ran eagerly: {reason}")
         for what in self.as_is:
             lines.append(f"- a graph with nothing to compile ({what}) runs as Dynamo traced it")
+        if any(self.masks):
+            lines.append(f"- attention masks computed from constants: {self.masks[0]} dropped (they mask nothing), "
+                         f"{self.masks[1]} replaced by is_causal")
         passes = collections.defaultdict(float)
         lower = 0.0
         for g in self.graphs:
@@ -123,6 +127,12 @@ def record_graph(name, kind, gm, compiled, lower_ms, ir, graphs_note=""):
 def record_as_is(what):
     if _active:
         _active[-1].as_is.append(what)
+
+
+def record_masks(dropped, causal):
+    if _active:
+        _active[-1].masks[0] += dropped
+        _active[-1].masks[1] += causal
 
 
 def record_fallback(kind, reason):

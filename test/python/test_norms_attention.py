@@ -118,6 +118,61 @@ def test_sdpa_with_masks_and_cross_lengths(device):
     check(fn, q, k, v, bool_mask, float_mask, **MATMUL_TOL)
 
 
+def _positions(n, device):
+    return torch.arange(n, device=device) + 0
+
+
+# Masks built inside the graph from constants, as transformers 5.17 builds them under torch.compile.
+CONSTANT_MASKS = {
+    # (the mask for an L x L attention, what ember makes of it: dropped, is_causal or kept)
+    "all_true": (lambda n, d: (_positions(n, d)[None, None, :, None] >= 0).expand(2, -1, n, n), "dropped"),
+    "zeros": (lambda n, d: torch.zeros(n, n, device=d), "dropped"),
+    "causal_bool": (lambda n, d: (_positions(n, d)[None, None, None, :] <= _positions(n, d)[None, None, :, None])
+                    .expand(2, 1, n, n), "causal"),
+    "causal_additive": (lambda n, d: torch.full((n, n), float("-inf"), device=d).triu(1), "causal"),
+    "first_key_hidden": (lambda n, d: (_positions(n, d) >= 1)[None, :].expand(n, n), "kept"),
+    "below_diagonal_and_first_key": (lambda n, d: torch.ones(n, n, dtype=torch.bool, device=d).tril(-1)
+                                     | torch.eye(n, dtype=torch.bool, device=d)[0], "kept"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", list(CONSTANT_MASKS))
+def test_constant_attention_masks(device, mask):
+    """A mask computed from constants alone is read at compile time (attention.py, simplify_masks): one
+    that masks nothing is dropped, the causal one becomes is_causal, any other stays. Values and gradients
+    match eager's either way."""
+    import ember
+
+    build, expected = CONSTANT_MASKS[mask]
+    q, k, v = (torch.randn(2, 3, 7, 8, device=device) for _ in range(3))
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(7, q.device))
+
+    check(fn, q, k, v, **MATMUL_TOL)
+    report = ember.explain(fn)(q, k, v)
+    assert report.masks == {"dropped": [1, 0], "causal": [0, 1], "kept": [0, 0]}[expected], str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_masks_from_inputs_or_non_square_stay(device):
+    """A mask read from an input, or a causal-looking one over a non-square attention, is not touched."""
+    import ember
+
+    q = torch.randn(2, 3, 5, 8, device=device)
+    k, v = (torch.randn(2, 3, 9, 8, device=device) for _ in range(2))
+    keep = torch.ones(5, 9, dtype=torch.bool, device=device)
+
+    def fn(q, k, v, keep):
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 9, dtype=torch.bool, device=q.device).tril())
+        return a, b
+
+    check(fn, q, k, v, keep, **MATMUL_TOL)
+    assert ember.explain(fn)(q, k, v, keep).masks == [0, 0]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_multihead_attention(device):
     mha = nn.MultiheadAttention(16, 4, batch_first=True).to(device)
