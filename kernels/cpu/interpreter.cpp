@@ -208,8 +208,9 @@ float reduce(OpCode op, const Reg& r, int64_t n) {
   }
   if (n == 0) return op == OpCode::RowMax ? -INFINITY : INFINITY;
   // maximum/minimum propagate NaN, as amax/amin do.
-  if (op == OpCode::RowMax) return reduce_lanes(r.p, n, -INFINITY, [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, r.scratch);
-  return reduce_lanes(r.p, n, INFINITY, [](const Vec& x, const Vec& y) { return at::vec::minimum(x, y); }, r.scratch);
+  auto max = [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); };
+  auto min = [](const Vec& x, const Vec& y) { return at::vec::minimum(x, y); };
+  return op == OpCode::RowMax ? reduce_lanes(r.p, n, -INFINITY, max, r.scratch) : reduce_lanes(r.p, n, INFINITY, min, r.scratch);
 }
 
 // One strided tensor operand seen through the iteration space: strides aligned to it (0 = broadcast).

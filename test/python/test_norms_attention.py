@@ -166,7 +166,8 @@ def test_attention_masks_from_inputs_or_non_square_stay(device):
 
     def fn(q, k, v, keep):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
-        b = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 9, dtype=torch.bool, device=q.device).tril())
+        lower = torch.ones(5, 9, dtype=torch.bool, device=q.device).tril()
+        b = F.scaled_dot_product_attention(q, k, v, attn_mask=lower)
         return a, b
 
     check(fn, q, k, v, keep, **MATMUL_TOL)
