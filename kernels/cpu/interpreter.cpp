@@ -176,6 +176,32 @@ void apply_n(OpCode op, const Reg& ra, const Reg& rb, const Reg& rc, float* out,
   throw Error("internal: row op in apply_n()");
 }
 
+// One elementwise instruction over `rows` rows of `cols` values, for blocks of rows (run_row_blocks): an
+// operand marked in `row_operand` holds one value per row (uniform over its row), any other is a full
+// operand (rows * cols values) or a single value. Tails are stored masked: the next row follows.
+template <class F>
+void map_rows(const F& f, const Reg (&in)[3], const bool (&row_operand)[3], float* out, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    Reg x[3];
+    for (int k = 0; k < 3; ++k)
+      x[k] = row_operand[k] ? Reg{nullptr, in[k].p[r]} : in[k].p ? Reg{in[k].p + r * cols} : in[k];
+    map_n(f, x[0], x[1], x[2], out + r * cols, cols, true);
+  }
+}
+
+void apply_rows(OpCode op, const Reg (&in)[3], const bool (&row_operand)[3], float* out, int64_t rows, int64_t cols) {
+  switch (op) {
+#define EMBER_CASE(OP, EXPR)                                                                                  \
+  case OpCode::OP:                                                                                            \
+    map_rows([](const Vec& a, const Vec& b, const Vec& c) -> Vec { return EXPR; }, in, row_operand, out, rows, cols); \
+    return;
+    EMBER_ELEMENTWISE_OPS(EMBER_CASE)
+#undef EMBER_CASE
+    default: break;
+  }
+  throw Error("internal: row op in apply_rows()");
+}
+
 float apply_scalar(OpCode op, float a, float b, float c) {
   float out[Vec::size()];
   Reg ra{nullptr, a}, rb{nullptr, b}, rc{nullptr, c};
@@ -508,9 +534,10 @@ class FusedCpuKernel final : public Kernel {
 
   // Short rows run in blocks of rows: decoding each instruction once per row cost more than its arithmetic.
   // 2-core AVX-512 host, 2 threads, 10th percentile of 1500 calls, row by row -> blocks (eager):
-  //   softmax(x * 2)  10000 x 10: 627 -> 217-294 us (958), 5000 x 20: 363 -> 134-180 (97), 1000 x 100: 100 -> 58 (54)
-  //   entropy         10000 x 10: 689 -> 296 us (1977),   5000 x 20: 383 -> 183 (236-342)
-  // Reductions still run row by row, so softmax over 20-50 columns stays behind eager. A block is R whole rows:
+  //   softmax(x * 2)  10000 x 10: 627 -> 174 us (958), 5000 x 20: 363 -> 109 (97), 1000 x 100: 100 -> 55 (54)
+  //   entropy         10000 x 10: 689 -> 250 us (1977), 5000 x 20: 383 -> 161 (236-342)
+  // (fastest of three runs; a mixed instruction's rows in one call, apply_rows, took 215 -> 174 and 128 -> 109
+  // of that for softmax). A block is R whole rows:
   // elementwise instructions run over all R * cols values at once, reductions row by row into R-value row
   // registers, and instructions mixing full and row registers row by row (tails masked there: the next
   // row's values follow). Every full input must be dense or a single value, so that R rows of it are
@@ -591,14 +618,9 @@ class FusedCpuKernel final : public Kernel {
       } else if (!row_values(ins.a) && !row_values(ins.b) && !row_values(ins.c)) {
         d = elementwise(ins, a, b, c, data, tile, n_rows * cols);
       } else {
-        // Row by row: a row register's value is uniform over its row. Tails are stored masked: a whole
-        // vector would write into the next row's values.
-        auto row_of = [&](const Operand& o, const Reg& x, int64_t r) {
-          if (row_values(o)) return Reg{nullptr, x.p[r]};
-          return x.p ? Reg{x.p + r * cols, 0.f, 0} : x;
-        };
-        for (int64_t r = 0; r < n_rows; ++r)
-          apply_n(ins.op, row_of(ins.a, a, r), row_of(ins.b, b, r), row_of(ins.c, c, r), out + r * cols, cols, true);
+        const Reg in[3] = {a, b, c};
+        const bool row_operand[3] = {row_values(ins.a), row_values(ins.b), row_values(ins.c)};
+        apply_rows(ins.op, in, row_operand, out, n_rows, cols);
         d = Reg{out, 0.f, 1};
       }
     }
