@@ -163,11 +163,11 @@ void map_n(const F& f, const Reg& ra, const Reg& rb, const Reg& rc, float* out, 
   }
 }
 
-void apply_n(OpCode op, const Reg& ra, const Reg& rb, const Reg& rc, float* out, int64_t n, bool masked_tail = false) {
+void apply_n(OpCode op, const Reg& ra, const Reg& rb, const Reg& rc, float* out, int64_t n) {
   switch (op) {
 #define EMBER_CASE(OP, EXPR)                                                                    \
   case OpCode::OP:                                                                              \
-    map_n([](const Vec& a, const Vec& b, const Vec& c) -> Vec { return EXPR; }, ra, rb, rc, out, n, masked_tail); \
+    map_n([](const Vec& a, const Vec& b, const Vec& c) -> Vec { return EXPR; }, ra, rb, rc, out, n, false); \
     return;
     EMBER_ELEMENTWISE_OPS(EMBER_CASE)
 #undef EMBER_CASE
@@ -449,10 +449,8 @@ class FusedCpuKernel final : public Kernel {
     std::vector<char> uniform(views.size());
     bool all_simple = true;
     for (size_t i = 0; i < views.size(); ++i) {
-      bool u = true;
-      for (int64_t d = 0; d < rank; ++d) u = u && (views[i].strides[d] == 0 || full[d] == 1);
-      uniform[i] = u;
-      all_simple = all_simple && (u || views[i].dense);
+      uniform[i] = uniform_view(views[i], full);
+      all_simple = all_simple && (uniform[i] || views[i].dense);
     }
     const int64_t cols = rank ? full.back() : 1;
     const bool by_rows = !all_simple && cols >= 64;
@@ -533,15 +531,15 @@ class FusedCpuKernel final : public Kernel {
   }
 
   // Short rows run in blocks of rows: decoding each instruction once per row cost more than its arithmetic.
-  // 2-core AVX-512 host, 2 threads, 10th percentile of 1500 calls, row by row -> blocks (eager):
+  // A block is R whole rows: elementwise instructions run over all R * cols values at once, reductions row
+  // by row into R-value row registers, and instructions mixing full and row registers row by row inside one
+  // call (apply_rows; tails masked there: the next row's values follow). Every full input must be dense or a
+  // single value, so that R rows of it are R * cols consecutive values.
+  // 2-core AVX-512 host, 2 threads, 10th percentile of 1500 calls, fastest of three runs, row by row ->
+  // blocks (eager):
   //   softmax(x * 2)  10000 x 10: 627 -> 174 us (958), 5000 x 20: 363 -> 109 (97), 1000 x 100: 100 -> 55 (54)
   //   entropy         10000 x 10: 689 -> 250 us (1977), 5000 x 20: 383 -> 161 (236-342)
-  // (fastest of three runs; a mixed instruction's rows in one call, apply_rows, took 215 -> 174 and 128 -> 109
-  // of that for softmax). A block is R whole rows:
-  // elementwise instructions run over all R * cols values at once, reductions row by row into R-value row
-  // registers, and instructions mixing full and row registers row by row (tails masked there: the next
-  // row's values follow). Every full input must be dense or a single value, so that R rows of it are
-  // R * cols consecutive values.
+  // Of that, apply_rows (one call per block instead of one per row) took softmax's 215 -> 174 and 128 -> 109.
   static constexpr int64_t kShortRow = 128;
   static constexpr int64_t kBlockValues = 2048;  // R * cols, about: a few live registers stay in L1
 
