@@ -507,6 +507,123 @@ def test_one_pass_trace_outputs_view_of_intermediate_and_repeated():
                 torch.testing.assert_close(a, b)
 
 
+class _Block(torch.nn.Module):
+    """A transformer-like layer: linear, head split, attention, merge, residual, layer norm, gelu, a split into
+    chunks, a call whose two orders of its arguments must not share a trace, and a scale whose sign is its only
+    difference from the next block's (-0.0 and 0.0 compare equal, so a key that compared them would copy one
+    block's trace into the other)."""
+
+    def __init__(self, width, scale):
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.drop = torch.nn.Dropout(0.1)
+        self.scale = scale
+
+    def forward(self, x):
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).split(w, dim=-1)
+        q, k, v = (t.view(b, s, 2, w // 2).transpose(1, 2) for t in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, w)
+        x = self.norm(x + self.drop(self.out(a)))
+        left, right = (F.gelu(x) + x).chunk(2, dim=-1)
+        signed = 1 / (left.abs() * self.scale + 0.0)  # +inf or -inf: the scale's sign must survive
+        # The same function over the same two tensors, in two orders: the key must tell them apart.
+        mixed = torch.addcmul(left, left, right) - torch.addcmul(left, right, right)
+        return torch.cat([right + mixed, left + signed.clamp(-1e3, 1e3) * 1e-6], -1)
+
+
+def _canonical_ir(traced):
+    """ember's IR text of a traced graph with values and constants renamed in order of appearance."""
+    text, _ = ember.lower.lower(traced)
+    names = {}
+    text = re.sub(r"%[A-Za-z_][A-Za-z0-9_]*", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
+    constants = {}
+    return re.sub(r'prim::constant\("([^"]*)"\)',
+                  lambda m: f'prim::constant("c{constants.setdefault(m.group(1), len(constants))}")', text)
+
+
+def _traced_both_ways(monkeypatch, model, *inputs):
+    """{EMBER_TRACE_BY_NODE value: canonical IR text} of trace.py's trace of `model`'s Dynamo graph, made
+    inside the backend call (where Dynamo's fake mode is found), and whether the graph repeats enough."""
+    import ember.trace
+    from ember.decompositions import decomposition_table
+
+    traced = {}
+
+    def both_ways(gm, example_inputs):
+        traced["repeats"] = ember.trace._repeats_enough(gm)
+        for mode in ("0", "1"):
+            monkeypatch.setenv("EMBER_TRACE_BY_NODE", mode)
+            graph, _ = ember.trace.trace_inference(gm, example_inputs, decomposition_table())
+            traced[mode] = _canonical_ir(graph)
+        monkeypatch.delenv("EMBER_TRACE_BY_NODE")
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=both_ways, fullgraph=True)(*inputs)
+    return traced
+
+
+def test_repeated_layers_trace_by_node_as_the_whole_graph(monkeypatch):
+    """Twelve blocks of two kinds: traced call by call, each distinct call once, the graph is the one the
+    whole-graph trace gives (same IR text), the signs of the 0.0 and -0.0 scales included; compiled, the
+    model matches eager on fresh inputs."""
+    import ember.trace
+
+    model = torch.nn.Sequential(*[_Block(16, -0.0 if i % 2 else 0.0) for i in range(12)]).eval()
+    by_node = record_returns(monkeypatch, ember.trace, "_trace_by_node")
+    traced = _traced_both_ways(monkeypatch, model, torch.randn(2, 5, 16))
+    assert traced["repeats"] and len(by_node) == 1  # it went call by call once, with EMBER_TRACE_BY_NODE=1
+    assert traced["1"] == traced["0"]
+    assert traced["1"].count("aten::mul.Tensor") >= 12  # the scales are there, one per block
+    torch._dynamo.reset()
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(2, 5, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-3, atol=1e-3)  # twelve blocks deep
+    assert len(by_node) == 2  # and so did the compile, by itself
+
+
+def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
+    """In-place calls, and calls that change grad mode, send the graph to the whole-graph trace; results match
+    eager."""
+    import ember.trace
+
+    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    refused = []
+    original = ember.trace._trace_by_node
+
+    def spy(*args):
+        try:
+            return original(*args)
+        except ember.trace._NotByNode as e:
+            refused.append(str(e))
+            raise
+
+    monkeypatch.setattr(ember.trace, "_trace_by_node", spy)
+
+    def in_place(x):
+        y = x * 2
+        y.relu_()
+        return y + 1
+
+    def grad_mode(x):
+        with torch.enable_grad():
+            y = x.sin()
+        return y * x
+
+    for fn in (in_place, grad_mode):
+        torch._dynamo.reset()
+        x = torch.randn(4, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(compile_ember(fn)(x), fn(x))
+    assert len(refused) == 2 and all("state" in why for why in refused)
+
+
 def test_direct_call_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("EMBER_DIRECT_CALL", "0")
     made = _direct_calls(monkeypatch)
