@@ -53,25 +53,36 @@ def _plain_inputs(gm, example_inputs):
     return None
 
 
+# Python's in-place operators, as functions (operator.iadd) and as methods (__iadd__).
+_IN_PLACE_OPERATORS = frozenset(f"{prefix}{op}{suffix}" for prefix, suffix in (("i", ""), ("__i", "__"))
+                                for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                                           "and", "or", "xor", "lshift", "rshift", "concat"))
+
+
+def _in_place(node):
+    """Whether a Dynamo call writes its first argument: relu_, add_, inplace=True, item assignment, +=."""
+    import operator
+
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    if node.kwargs.get("inplace") is True or target in (operator.setitem, operator.delitem):
+        return True
+    return name in _IN_PLACE_OPERATORS and (isinstance(target, str) or target is getattr(operator, name, None))
+
+
 def _writes_an_input(gm):
     """Whether the Dynamo graph plainly writes one of its inputs: an in-place op or item assignment on an
     input, or a training batch norm (its running statistics). Such graphs go to AOTAutograd without a trace
     here that would only find the write afterwards (writes through views of inputs are found then)."""
-    import operator
-
     import torch
 
     inputs = {n for n in gm.graph.nodes if n.op == "placeholder"}
     for n in gm.graph.nodes:
         if n.op not in ("call_function", "call_method"):
             continue
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        in_place = (name.endswith("_") and not name.endswith("__")) or n.kwargs.get("inplace") is True
-        in_place = in_place or n.target in (operator.setitem, operator.iadd, operator.isub, operator.imul,
-                                            operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
-                                            operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                                            operator.irshift)
-        if in_place and n.args and n.args[0] in inputs:
+        if _in_place(n) and n.args and n.args[0] in inputs:
             return True
         if n.target is torch.nn.functional.batch_norm and (n.kwargs.get("training") or (len(n.args) > 5 and n.args[5])):
             return True
@@ -235,29 +246,17 @@ _STATEFUL_MODULES = ("torch.autograd", "torch.amp", "torch.random", "torch.cuda"
 
 def _stateful(node):
     """Whether a Dynamo call may write memory or global state (then the whole graph is traced at once)."""
-    import operator
-
+    if _in_place(node) or "out" in node.kwargs:
+        return True
     target = node.target
-    name = target if isinstance(target, str) else getattr(target, "__name__", "")
-    if name.endswith("_") and not name.endswith("__"):
-        return True  # in-place: relu_, add_, copy_, ...
-    if "out" in node.kwargs or node.kwargs.get("inplace") is True:
+    if (target if isinstance(target, str) else getattr(target, "__name__", "")) in _STATEFUL_NAMES:
         return True
-    if target in (operator.setitem, operator.delitem) or name in _IN_PLACE_OPERATORS:
-        return True
-    if name in _STATEFUL_NAMES:
-        return True
-    module = getattr(target, "__module__", None) or ""
-    return module.startswith(_STATEFUL_MODULES)
-
-
-_IN_PLACE_OPERATORS = frozenset(f"{prefix}{op}{suffix}" for prefix, suffix in (("i", ""), ("__i", "__"))
-                                for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
-                                           "and", "or", "xor", "lshift", "rshift", "concat"))
+    return (getattr(target, "__module__", None) or "").startswith(_STATEFUL_MODULES)
 
 
 def _literal_key(x):
-    """A key for a literal argument that equals another's only where the two trace the same, or _NotByNode.
+    """A key for a literal (not a container: _arg_key) that equals another's only where the two trace the same,
+    or _NotByNode.
     Floats go by their text (0.0 and -0.0 compare equal but scale differently); types are part of the key
     (True == 1)."""
     import torch
@@ -266,10 +265,6 @@ def _literal_key(x):
         return (type(x), x)
     if isinstance(x, float):
         return (float, repr(x))
-    if isinstance(x, (list, tuple)):
-        return (type(x), *(_literal_key(i) for i in x))
-    if isinstance(x, slice):
-        return (slice, _literal_key(x.start), _literal_key(x.stop), _literal_key(x.step))
     if x is Ellipsis:
         return (type(x),)
     raise _NotByNode(f"an argument of kind {type(x).__name__}")
