@@ -1,7 +1,7 @@
-// A fused CUDA kernel: the group's module (cuda_source.h), compiled with NVRTC when the plan is built,
-// launched on ATen's current stream with the entry point and grid call_plan.h picks per call. The
-// device's multiprocessor count, and each entry point's largest block and resident blocks per
-// multiprocessor, are queried once, here.
+// A fused CUDA kernel: the group's module (cuda_source.h), compiled with NVRTC when the plan is built
+// (its fallback entries on first use), launched on ATen's current stream with the entry point and grid
+// call_plan.h picks per call. The device's multiprocessor count, and each entry point's largest block and
+// resident blocks per multiprocessor, are queried once per entry, here.
 #include "kernels/cuda/cuda_kernel.h"
 
 #include "ember/error.h"
@@ -17,7 +17,9 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <future>
+#include <memory>
 #include <string>
 #include <mutex>
 
@@ -25,21 +27,26 @@ namespace ember::cuda {
 namespace {
 
 // Entry points in CallPlan::entry order: general, vector, strided vector (flat groups) or the row
-// variants (column groups have the general entry alone). A flat group's strided entry is compiled on first use (cuda_source.h, strided_text) unless
-// `images` is given (a package is exported or loaded: it must hold every image), so until then
-// functions_ has one entry fewer, and limits_ does not know it.
+// variants (column groups have the general entry alone). Two entries are fallbacks that compile on first
+// use, each a module of its own: a flat group's strided entry (strided_text: misaligned or irregularly
+// strided inputs), and the general entry of a group whose other entries are a module apart (general_text:
+// rows no variant takes, outputs below one vector; a third of the group's NVRTC time, GPT-2's modules 65-104
+// of 250-290 ms on the 2-core host). Until then an entry's slot in functions_ is null and its launch limits
+// are unknown. make_fused_kernel compiles them at once where `images` is given (a package is exported or
+// loaded: it must hold every image).
 class FusedCudaKernel final : public Kernel {
  public:
-  FusedCudaKernel(Program program, CudaSource source, std::vector<void*> functions, int device)
-      : p_(std::move(program)), source_(std::move(source)), functions_(std::move(functions)), device_(device) {
+  FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device)
+      : p_(std::move(program)), source_(std::move(source)), device_(device), entries_(functions.size()),
+        functions_(new std::atomic<void*>[functions.size()]) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
-    limits_.multiprocessors = multiprocessor_count(device_);
-    for (void* function : functions_) add_limits(limits_, function);
-    if (!p_.has_reduction && functions_.size() > kStridedEntry) {  // compiled with the rest
-      strided_function_ = functions_[kStridedEntry];
-      full_limits_ = limits_;
-      strided_ready_.store(true, std::memory_order_release);
+    LaunchLimits& limits = snapshots_.emplace_back();
+    limits.multiprocessors = multiprocessor_count(device_);
+    for (size_t entry = 0; entry < entries_; ++entry) {
+      functions_[entry].store(functions[entry], std::memory_order_relaxed);
+      if (functions[entry]) set_limits(limits, entry, functions[entry]);
     }
+    limits_.store(&limits, std::memory_order_release);
   }
 
   std::string describe() const override {
@@ -51,16 +58,14 @@ class FusedCudaKernel final : public Kernel {
            const std::vector<uint32_t>& writes) const override {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
-    const bool strided_ready = strided_ready_.load(std::memory_order_acquire);
-    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, strided_ready ? full_limits_ : limits_);
-    const bool flat = !p_.has_reduction;
-    if (plan.launch && flat && plan.entry == kStridedEntry && !strided_ready) {
-      std::call_once(strided_once_, [&] { load_strided(); });
-      plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, full_limits_);  // its grid, by its limits
+    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits_.load(std::memory_order_acquire));
+    void* function = plan.launch ? functions_[plan.entry].load(std::memory_order_acquire) : nullptr;
+    if (plan.launch && !function) {
+      function = load(plan.entry);
+      plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits_.load(std::memory_order_acquire));
     }
     if (plan.launch) {
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
-      void* function = flat && plan.entry == kStridedEntry ? strided_function_ : functions_[plan.entry];
       if (plan.splits > 1) provide_workspace(plan, stream, device);
       launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
     }
@@ -68,14 +73,33 @@ class FusedCudaKernel final : public Kernel {
   }
 
  private:
-  static constexpr size_t kStridedEntry = 2;  // of flat groups (call_plan.cpp, plan_flat); rows use 2 for a variant
-
-  // Every block size an entry may launch with, asked once so that calls ask the driver nothing.
-  static void add_limits(LaunchLimits& limits, void* function) {
+  // Every block size `entry` may launch with, asked once so that calls ask the driver nothing. Entries
+  // before it that are not compiled yet keep unknown limits (LaunchLimits: 1024 threads, a wave estimated).
+  static void set_limits(LaunchLimits& limits, size_t entry, void* function) {
+    if (limits.max_threads.size() <= entry) {
+      limits.max_threads.resize(entry + 1, 1024);
+      limits.resident.resize(entry + 1);
+    }
     const int most = max_threads_per_block(function);
-    limits.max_threads.push_back(most);
-    std::vector<int>& resident = limits.resident.emplace_back();
+    limits.max_threads[entry] = most;
+    std::vector<int>& resident = limits.resident[entry];
+    resident.clear();
     for (int threads = 32; threads <= 1024; threads += 32) resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
+  }
+
+  // A fallback entry, compiled on the first call that needs it: its function, published with new launch
+  // limits (a snapshot of their own, so that calls reading the old ones are never disturbed).
+  void* load(size_t entry) const {
+    std::lock_guard<std::mutex> lock(load_mu_);
+    if (void* loaded = functions_[entry].load(std::memory_order_acquire)) return loaded;
+    const bool strided = !p_.has_reduction && entry == kStridedEntry;
+    void* function = strided ? compile(source_.strided_text, source_.strided_vector_entry, device_, nullptr)
+                             : compile(source_.general_text, source_.general, device_, nullptr);
+    LaunchLimits& limits = snapshots_.emplace_back(*limits_.load(std::memory_order_acquire));
+    set_limits(limits, entry, function);
+    functions_[entry].store(function, std::memory_order_release);
+    limits_.store(&limits, std::memory_order_release);
+    return function;
   }
 
   // A column group's call whose rows split (call_plan.h) needs counters that start at zero (the kernel
@@ -101,25 +125,20 @@ class FusedCudaKernel final : public Kernel {
     set_workspace(plan, static_cast<float*>(w->part.data_ptr()), static_cast<unsigned*>(w->counters.data_ptr()));
   }
 
-  // Once, on the first call that needs it (std::call_once orders it before every later use).
-  void load_strided() const {
-    strided_function_ = compile(source_.strided_text, source_.strided_vector_entry, device_, nullptr);
-    full_limits_ = limits_;
-    add_limits(full_limits_, strided_function_);
-    strided_ready_.store(true, std::memory_order_release);
-  }
+  static constexpr size_t kStridedEntry = 2;  // of flat groups (call_plan.cpp, plan_flat); rows use 2 for a variant
 
   Program p_;
   CudaSource source_;
-  std::vector<void*> functions_;  // general, then the vector entries (flat) or the row variants in order
   int device_;
-  LaunchLimits limits_;           // of functions_
   std::vector<c10::ScalarType> out_dtypes_;
-  // The strided entry, where it is compiled lazily: written once under strided_once_.
-  mutable std::once_flag strided_once_;
-  mutable std::atomic<bool> strided_ready_{false};
-  mutable void* strided_function_ = nullptr;
-  mutable LaunchLimits full_limits_;  // limits_ and the strided entry's
+  size_t entries_;
+  // Per entry, its function: null until a fallback entry is compiled (load), then written once.
+  std::unique_ptr<std::atomic<void*>[]> functions_;
+  // The launch limits of the entries compiled so far: snapshots_ holds each version (a deque: addresses
+  // stay), limits_ the newest.
+  mutable std::mutex load_mu_;
+  mutable std::deque<LaunchLimits> snapshots_;
+  mutable std::atomic<const LaunchLimits*> limits_{nullptr};
   // Column groups' workspaces per stream (provide_workspace).
   struct Workspace {
     void* stream;
@@ -141,33 +160,37 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   CudaSource source = generate(program, "ember_fused");
   if (listing) {
     *listing += "// group " + std::to_string(program.group) + "\n" + source.text;
+    if (!source.entries_text.empty())
+      *listing += "// (" + source.general + ", the general entry, compiles from its part of this source on first use)\n";
     if (!source.strided_vector_entry.empty())
       *listing += "// (" + source.strided_vector_entry + ", the strided vector entry, compiles from this source on first use)\n";
     *listing += "\n";
   }
+  // Packages hold every image: exporting or loading one compiles the fallback entries now. So do
+  // EMBER_CUDA_GENERAL=eager and EMBER_CUDA_STRIDED=eager (measuring switches: the first call's cost of that).
+  auto eager = [images](const char* name) {
+    const char* v = std::getenv(name);
+    return images != nullptr || (v && std::string(v) == "eager");
+  };
   std::vector<std::string> entries;
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
   std::vector<void*> functions;
-  if (!source.entries_text.empty()) {  // two modules compiled at once (cuda_source.h)
-    auto general = std::async(std::launch::async,
-                              [&] { return compile(source.general_text, source.general, device, images); });
+  if (!source.entries_text.empty()) {  // the general entry a module apart (cuda_source.h)
+    std::future<void*> general;
+    if (eager("EMBER_CUDA_GENERAL"))
+      general = std::async(std::launch::async, [&] { return compile(source.general_text, source.general, device, images); });
     std::vector<void*> others = compile(source.entries_text, entries, device, images);
-    functions.push_back(general.get());
+    functions.push_back(general.valid() ? general.get() : nullptr);
     functions.insert(functions.end(), others.begin(), others.end());
   } else {
     entries.insert(entries.begin(), source.general);
     functions = compile(source.text, entries, device, images);
   }
-  // Packages hold every image: exporting or loading one compiles the strided entry now.
-  // EMBER_CUDA_STRIDED=eager does so always (a measuring switch: the first call's cost of doing so).
-  static const bool eager = [] {
-    const char* v = std::getenv("EMBER_CUDA_STRIDED");
-    return v && std::string(v) == "eager";
-  }();
-  if ((images || eager) && !source.strided_vector_entry.empty())
-    functions.push_back(compile(source.strided_text, source.strided_vector_entry, device, images));
-  return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::move(functions), device);
+  if (!source.strided_vector_entry.empty())
+    functions.push_back(eager("EMBER_CUDA_STRIDED") ? compile(source.strided_text, source.strided_vector_entry, device, images)
+                                                    : nullptr);
+  return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device);
 }
 
 }  // namespace ember::cuda
