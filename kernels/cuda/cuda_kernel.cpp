@@ -58,13 +58,15 @@ class FusedCudaKernel final : public Kernel {
            const std::vector<uint32_t>& writes) const override {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
-    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits_.load(std::memory_order_acquire));
-    void* function = plan.launch ? functions_[plan.entry].load(std::memory_order_acquire) : nullptr;
-    if (plan.launch && !function) {
-      function = load(plan.entry);
-      plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits_.load(std::memory_order_acquire));
+    const LaunchLimits* limits = limits_.load(std::memory_order_acquire);
+    CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
+    while (plan.launch && !compiled(*limits, plan.entry)) {
+      load(plan.entry);  // a fallback entry's first use: compiled now, and the call planned again by its limits
+      limits = limits_.load(std::memory_order_acquire);
+      plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
     }
     if (plan.launch) {
+      void* function = functions_[plan.entry].load(std::memory_order_acquire);
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
       if (plan.splits > 1) provide_workspace(plan, stream, device);
       launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
@@ -87,11 +89,11 @@ class FusedCudaKernel final : public Kernel {
     for (int threads = 32; threads <= 1024; threads += 32) resident.push_back(threads <= most ? resident_blocks(function, threads) : 0);
   }
 
-  // A fallback entry, compiled on the first call that needs it: its function, published with new launch
-  // limits (a snapshot of their own, so that calls reading the old ones are never disturbed).
-  void* load(size_t entry) const {
+  // A fallback entry, compiled on the first call that needs it: its function published, then launch limits
+  // that know it (a snapshot of their own, so that calls reading the old ones are never disturbed).
+  void load(size_t entry) const {
     std::lock_guard<std::mutex> lock(load_mu_);
-    if (void* loaded = functions_[entry].load(std::memory_order_acquire)) return loaded;
+    if (compiled(*limits_.load(std::memory_order_acquire), entry)) return;
     const bool strided = !p_.has_reduction && entry == kStridedEntry;
     void* function = strided ? compile(source_.strided_text, source_.strided_vector_entry, device_, nullptr)
                              : compile(source_.general_text, source_.general, device_, nullptr);
@@ -99,7 +101,11 @@ class FusedCudaKernel final : public Kernel {
     set_limits(limits, entry, function);
     functions_[entry].store(function, std::memory_order_release);
     limits_.store(&limits, std::memory_order_release);
-    return function;
+  }
+
+  // Whether `limits` know `entry`: then it is compiled, and its function was published before them.
+  static bool compiled(const LaunchLimits& limits, size_t entry) {
+    return entry < limits.resident.size() && !limits.resident[entry].empty();
   }
 
   // A column group's call whose rows split (call_plan.h) needs counters that start at zero (the kernel
@@ -132,7 +138,8 @@ class FusedCudaKernel final : public Kernel {
   int device_;
   std::vector<c10::ScalarType> out_dtypes_;
   size_t entries_;
-  // Per entry, its function: null until a fallback entry is compiled (load), then written once.
+  // Per entry, its function: null until a fallback entry is compiled (load), then written once. A call reads
+  // it where the limits it planned by know the entry (compiled).
   std::unique_ptr<std::atomic<void*>[]> functions_;
   // The launch limits of the entries compiled so far: snapshots_ holds each version (a deque: addresses
   // stay), limits_ the newest.
