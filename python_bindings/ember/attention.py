@@ -231,6 +231,15 @@ def _cudnn_usable(query, head, value_head, attn_mask):
     return torch.cuda.get_device_capability(query.device) == (9, 0)
 
 
+def _aligned_bias(bias):
+    """The bias as ATen's memory-efficient and cuDNN kernels read it: rows contiguous, every other stride and
+    the offset a multiple of 16 elements (broadcast strides of 0 included); else a copy, as SDPA itself makes
+    one (T5's position bias, a permuted embedding, has a last-dimension stride of the head count)."""
+    if bias.stride(-1) == 1 and bias.storage_offset() % 16 == 0 and all(s % 16 == 0 for s in bias.stride()[:-1]):
+        return bias
+    return bias.clone(memory_format=torch.contiguous_format)
+
+
 def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """F.scaled_dot_product_attention through ATen's cuDNN / flash / memory-efficient kernel where they apply."""
     kernel = _kernel_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
@@ -246,7 +255,7 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         if bias.dtype == torch.bool:  # what SDPA itself does with a boolean mask: 0 where kept, -inf elsewhere
             bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device).masked_fill(
                 bias.logical_not(), float("-inf"))
-        bias = bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        bias = _aligned_bias(bias.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, bias))
     if kernel == "cudnn":

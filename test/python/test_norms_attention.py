@@ -258,7 +258,7 @@ CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA
 
 @CUDA_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
-@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float_broadcast"])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float_broadcast", "float_transposed", "float_unaligned"])
 def test_cuda_attention_runs_a_fused_kernel(dtype, mask, tmp_path):
     """On CUDA ember sends attention to ATen's cuDNN (16-bit on Hopper) / flash / memory-efficient kernel
     (python_bindings/ember/attention.py), transposed projections and broadcast masks included; values and
@@ -267,7 +267,11 @@ def test_cuda_attention_runs_a_fused_kernel(dtype, mask, tmp_path):
     q, k, v = (torch.randn(2, 16, 4, 64, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(3))
     masks = {"none": None, "causal": None,
              "bool": torch.rand(2, 1, 16, 16, device="cuda") > 0.2,
-             "float_broadcast": torch.randn(16, device="cuda", dtype=dtype).expand(2, 1, 16, 16)}
+             "float_broadcast": torch.randn(16, device="cuda", dtype=dtype).expand(2, 1, 16, 16),
+             # T5's position bias: [q, k, heads] permuted to [1, heads, q, k], the last dimension strided
+             "float_transposed": torch.randn(16, 16, 4, device="cuda", dtype=dtype).permute(2, 0, 1).unsqueeze(0),
+             # rows 17 apart from an offset of 1: no 16-element alignment
+             "float_unaligned": torch.randn(2, 1, 16, 17, device="cuda", dtype=dtype)[..., 1:]}
     attn_mask = masks[mask]
     if mask == "bool":
         attn_mask[..., 0] = True
