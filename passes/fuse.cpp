@@ -222,8 +222,10 @@ class Fuser {
     for (Node* n : reductions) {
       const Value* v = n->args[0].value;
       const Node* view = v->producer;
+      // A view inside a group (a matmul's epilogue with the view after it): its input is the group's
+      // own, never written to a buffer; the reduction keeps reading the view.
       if (!view || (view->op != "aten::view" && view->op != "aten::_unsafe_view" && view->op != "aten::reshape") ||
-          view->args.empty() || !view->args[0].is_value() || !view->args[0].value->type.is_tensor())
+          view->group >= 0 || view->args.empty() || !view->args[0].is_value() || !view->args[0].value->type.is_tensor())
         continue;
       Value* x = view->args[0].value;
       const TensorType &xt = x->type.tensor, &vt = v->type.tensor, &ot = n->outputs[0]->type.tensor;

@@ -466,6 +466,24 @@ def test_lone_column_sums_run_as_cuda_kernels():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_bias_gradient_of_a_residual_sum_made_in_a_matmul_epilogue(device):
+    """z feeds a linear and a residual add: its gradient is one matmul's result plus the add's, which the
+    CPU adds in the matmul's epilogue (oneDNN), viewed as [B*S, H] in the same group. The next bias
+    gradient's sum over that view must not read the epilogue's inner [B, S, H] value, which no buffer holds
+    (it did: 'Expected Tensor but got None', ELECTRA's and ALBERT's training steps)."""
+    class Residual(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            z = self.a(x)
+            return self.c(torch.tanh(z + self.b(z)))
+
+    check(Residual().to(device), torch.randn(2, 5, 16, device=device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_bias_gradients_of_3d_linears_fuse_through_the_reshape(device):
     """Linear layers over [B, S, H]: AOTAutograd's backward sums each bias gradient over a [B*S, H] view
     of the gradient; the fuse pass reads the [B, S, H] gradient instead, so the sum joins the kernel that
