@@ -12,7 +12,9 @@
 //     parameters are known (CompileOptions::cached_inputs), only a parameter counts: an input the caller
 //     passes (softmax(a @ b)'s b) may change every call, and oneDNN then only adds its call overhead (2-core
 //     AVX-512 host, 100x100 @ 100x100 + softmax, interleaved medians: 59.4 us through oneDNN, 54.1 through
-//     ATen's mm, 33.1 eager).
+//     ATen's mm, 33.1 eager). Where the parameters are not known (training graphs: a backward reads the
+//     forward's activations as inputs, new at every call), a lone matmul stays ATen's too
+//     (EMBER_TRAINING_MATMULS=onednn claims it, for measuring).
 //  4. Runs before fuse, which leaves claimed nodes alone. The marks are advice, as fuse's are: a generator
 //     that declines a group (no oneDNN, a GPU) leaves its nodes to ATen, unchanged.
 //  5. Convolutions go to torch's own oneDNN convolution with post-ops (mkldnn::_convolution_pointwise, the
@@ -44,6 +46,12 @@ namespace {
 bool torch_convolutions() {
   const char* v = std::getenv("EMBER_CPU_CONV");
   return !(v && std::strcmp(v, "aten") == 0) && at::hasMKLDNN();
+}
+
+// EMBER_TRAINING_MATMULS=onednn claims them anyway (for measuring).
+bool lone_training_matmuls() {
+  const char* v = std::getenv("EMBER_TRAINING_MATMULS");
+  return v && std::strcmp(v, "onednn") == 0;
 }
 
 bool supported_dtype(c10::ScalarType t) { return t == c10::kFloat || t == c10::kBFloat16; }
@@ -87,6 +95,11 @@ class Claimer {
       if (members.size() == 1) {
         const Value* input = input_behind(weights);
         if (!input || passed_.count(input)) continue;
+        // Outside inference graphs whose parameters are known, a graph input is as likely an activation (a
+        // backward reads the forward's as inputs), new at every call: never packed, and oneDNN on plain
+        // operands lost to ATen's mm (LLaMA's training step on the 2-core host: backward 26-28 ms against
+        // 21-22 with these matmuls left to ATen, eager's 19-21).
+        if (n.op != "aten::convolution" && !inference_ && !lone_training_matmuls()) continue;
         // A lone convolution gains from torch's call only by packed weights, which need parameters that
         // stay (inference). resnet18's b2 training step, 2-core host: 1.12-1.13x over eager with its
         // convolutions through ATen, 1.06-1.07x through torch's call unpacked.

@@ -60,8 +60,8 @@ TEST(EpiloguePass, ClaimsMatmulAndItsPointwiseChain) {
 }
 
 TEST(EpiloguePass, StopsAtSharedValuesLateAddendsAndBroadcastingUp) {
-  // %y is read twice: the matmul stands alone (its weights are an input: claimed for packing).
-  // %late is made after the matmul: the add stays out.
+  // %y is read twice: the matmul stands alone (its weights a parameter of an inference graph: claimed for
+  // packing). %late is made after the matmul: the add stays out.
   const std::string in =
       "graph(%x: f32[4, 3]{3, 1}@cpu, %w: f32[3, 6]{6, 1}@cpu, %c: f32[4, 6]{6, 1}@cpu):\n"
       "  %y: f32[4, 6]{6, 1}@cpu = aten::mm(%x, %w)\n"
@@ -80,13 +80,19 @@ TEST(EpiloguePass, StopsAtSharedValuesLateAddendsAndBroadcastingUp) {
       "  %late: f32[4, 6]{6, 1}@cpu = aten::cos(%c)\n"
       "  %z: f32[4, 6]{6, 1}@cpu = aten::add.Tensor(%m, %late)\n"
       "  return (%a, %b, %z)\n";
-  EXPECT_EQ(run_pass(claim_matmul_epilogues, in), expected);
+  Graph g = parse(in);
+  CompileOptions options;
+  options.cached_inputs = {false, true, false};
+  PassContext ctx{options};
+  claim_matmul_epilogues(g, ctx);
+  EXPECT_EQ(print(g), expected);
 }
 
 TEST(EpiloguePass, LoneMatmulsAreClaimedOnlyForParameterWeights) {
   // softmax(a @ b) with both operands passed by the caller, in an inference graph whose parameters are known
-  // (CompileOptions::cached_inputs): nothing to pack, the matmul stays ATen's. With %b a parameter, or with
-  // the parameters unknown (a training graph's forward), it is claimed for packing as before.
+  // (CompileOptions::cached_inputs): nothing to pack, the matmul stays ATen's. With %b a parameter it is
+  // claimed for packing. With the parameters unknown (a training graph, whose backward reads activations as
+  // inputs) it stays ATen's, unless EMBER_TRAINING_MATMULS=onednn.
   const std::string in =
       "graph(%a: f32[4, 3]{3, 1}@cpu, %b: f32[3, 6]{6, 1}@cpu):\n"
       "  %y: f32[4, 6]{6, 1}@cpu = aten::mm(%a, %b)\n"
@@ -102,7 +108,11 @@ TEST(EpiloguePass, LoneMatmulsAreClaimedOnlyForParameterWeights) {
   };
   EXPECT_FALSE(claimed({false, false}));
   EXPECT_TRUE(claimed({false, true}));
-  EXPECT_TRUE(claimed({}));
+  EXPECT_FALSE(claimed({}));
+  setenv("EMBER_TRAINING_MATMULS", "onednn", 1);
+  const bool forced = claimed({});
+  unsetenv("EMBER_TRAINING_MATMULS");
+  EXPECT_TRUE(forced);
 }
 
 TEST(EpiloguePass, LeavesCudaAndDoubleMatmulsAlone) {

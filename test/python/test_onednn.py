@@ -83,9 +83,12 @@ def test_linear_activation_inference(act, bias, shape):
 @needs_onednn
 @pytest.mark.parametrize("act", ["relu", "gelu", "tanh"])
 def test_linear_activation_training(act):
+    """relu's and tanh's backward read the activation's output: the matmul and its activation are one oneDNN
+    call. gelu's reads its input, which leaves the matmul alone, and a lone matmul in a training graph stays
+    ATen's (passes/matmul_epilogue.cpp, item 3)."""
     lin = nn.Linear(11, 6)
     check_calls(lambda x: ACTIVATIONS[act](lin(x)), torch.randn(5, 11, requires_grad=True), **MATMUL_TOL)
-    assert onednn_kernels()
+    assert bool(onednn_kernels()) == (act != "gelu")
 
 
 @needs_onednn
