@@ -201,6 +201,15 @@ class Lowering {
     if (op == "aten::minimum") return out(emit(OpCode::Min, x(0, "self"), x(1, "other")));
     if (op == "aten::where.self") return out(emit(OpCode::Where, x(0, "condition"), x(1, "self"), x(2, "other")));
     if (op == "aten::logical_not") return out(emit(OpCode::Eq, x(0, "self"), Operand::constant(0.f)));
+    // Bool values are 0 or 1 (define() rounds every bool result so): or is max, and is min, xor is ne.
+    if (op == "aten::bitwise_or.Tensor") return out(emit(OpCode::Max, x(0, "self"), x(1, "other")));
+    if (op == "aten::bitwise_and.Tensor") return out(emit(OpCode::Min, x(0, "self"), x(1, "other")));
+    if (op == "aten::bitwise_xor.Tensor") return out(emit(OpCode::Ne, x(0, "self"), x(1, "other")));
+    if (op == "aten::logical_or" || op == "aten::logical_and" || op == "aten::logical_xor") {
+      Operand a = emit(OpCode::Ne, x(0, "self"), Operand::constant(0.f));
+      Operand b = emit(OpCode::Ne, x(1, "other"), Operand::constant(0.f));
+      return out(emit(op == "aten::logical_or" ? OpCode::Max : op == "aten::logical_and" ? OpCode::Min : OpCode::Ne, a, b));
+    }
     if (op == "aten::pow.Tensor_Scalar") {
       Operand a = x(0, "self");
       double e = arg_number(n, 1, "exponent", 1.0);

@@ -185,6 +185,13 @@ class Fuser {
     if (!info->has(kFusible)) return false;
     c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
     if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
+    if (!device.is_cpu() && info->has(kCpuOnly)) return false;
+    // ember's programs compute in float registers: bitwise ops only on bool values (0 or 1)
+    if (n.op.rfind("aten::bitwise_", 0) == 0) {
+      bool all_bool = true;
+      n.for_each_input([&](const Value* v) { all_bool = all_bool && v->type.is_tensor() && v->type.tensor.dtype == c10::kBool; });
+      if (!all_bool) return false;
+    }
     for (const Value* v : n.outputs) {
       if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || v->type.tensor.device != device) return false;
       if (!contiguous(v->type.tensor) && !(device.is_cuda() && !info->has(kReduction) && permuted_layout(v->type.tensor)))

@@ -179,3 +179,23 @@ def test_autocast_region(device):
 
     e, c = check(fn, torch.randn(4, 5, device=device), torch.randn(5, 6, device=device), atol=2e-2, rtol=2e-2)
     assert c[0].dtype == dtype
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_logic_and_relu6_backward(device):
+    """|, &, ^ on bool tensors and logical_or / and / xor on floats (NaN and 0 are true and false), and
+    relu6's backward, whose mask is bitwise_or(x <= 0, x >= 6): on the CPU the logic fuses into ember's
+    kernel with the compares and the where, leaving no ATen bitwise or where step."""
+    from helpers import EMBER_GRAPHS
+
+    def fn(x, y):
+        a, b = x > 0.3, y < 0
+        return a | b, a & b, a ^ b, torch.logical_or(x, y), torch.logical_and(x, y - 1), torch.logical_xor(x > 0, y)
+
+    x, y = torch.randn(37, 11, device=device), torch.randn(37, 11, device=device)
+    x[0, 0], y[1, 1], x[2, 2] = float("nan"), 0.0, 0.0
+    check(fn, x, y, grad=False)
+    check(lambda x: F.relu6(x * 4).sin(), torch.randn(5, 67, device=device))
+    if device == "cpu":
+        steps = [what for _, g in EMBER_GRAPHS for kind, what in g.steps() if kind == "aten"]
+        assert not any(what.startswith(("aten::bitwise", "aten::logical", "aten::where")) for what in steps), steps
