@@ -1,6 +1,7 @@
 """Where one workload's first call goes, in this fresh process with a fresh ember kernel cache.
 
     python bench/first_call.py bert_b8_s128 [cuda|cpu]
+    python bench/first_call.py zoo:efficientnet_b0 [cuda|cpu]     # a bench/zoo.py model (batch 8 / 1, seq 128 / 64)
 
 Splits the first call of `torch.compile(model, backend="ember")` on a bench/harness.py workload into: Dynamo's
 tracing (call start to the backend's entry), ATen tracing (AOTAutograd or trace.py's one pass: the backend's
@@ -8,13 +9,15 @@ time minus ember's compile), ember's compile (lowering, passes, code generation,
 the backend returned, and the rest (Dynamo's guards and its tail). Prints that line and ember.explain's
 split of ember's compile (passes, codegen, NVRTC summed over its threads, modules compiled).
 KEEP_CACHE=1 keeps EMBER_CACHE_DIR as set (a warm kernel cache). LATE_WARM_UP=1 starts NVRTC's warm-up at
-the backend's entry, as where ember.backend was imported before CUDA was in use.
+the backend's entry, as where ember.backend was imported before CUDA was in use. PROFILE=<n> prints cProfile's
+top n functions of the first call by own time and by cumulative time.
 """
 
 import os
 import sys
 import tempfile
 import time
+import types
 
 if not os.environ.get("KEEP_CACHE"):
     os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-first-call-")
@@ -30,8 +33,17 @@ import harness  # noqa: E402
 def main():
     name = sys.argv[1]
     device = sys.argv[2] if len(sys.argv) > 2 else ("cuda" if torch.cuda.is_available() else "cpu")
-    w = harness.WORKLOADS[name]
-    model, inputs = w.build(device)
+    if name.startswith("zoo:"):
+        import zoo
+
+        cuda = device == "cuda"
+        zoo_args = types.SimpleNamespace(batch=8 if cuda else 1, seq=128 if cuda else 64, dtype="f32")
+        model, inputs = zoo.build(name[4:], device, zoo_args)
+        training = False
+    else:
+        w = harness.WORKLOADS[name]
+        model, inputs = w.build(device)
+        training = w.training
     spent = {"enter": None, "backend": 0.0, "ember": 0.0, "first_run": 0.0, "graphs": 0}
 
     def sync():
@@ -74,17 +86,25 @@ def main():
 
     report = ember.report.ExplainReport()
     ember.report._active.append(report)
-    grad = torch.enable_grad if w.training else torch.no_grad
+    grad = torch.enable_grad if training else torch.no_grad
     if not os.environ.get("LATE_WARM_UP"):
         # torch.compile(backend="ember") imports ember.backend here, which starts NVRTC's warm-up where CUDA is
         # in use; this script imported it earlier, so it makes that call itself
         ember.backend._warm_up_if_cuda_in_use()
     with grad():
         fn = torch.compile(model, backend=backend)
+        profile = int(os.environ.get("PROFILE", "0"))
+        if profile:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         t0 = time.perf_counter()
         fn(*inputs)
         sync()
         total = time.perf_counter() - t0
+        if profile:
+            profiler.disable()
     ember.report._active.pop()
     report.total_s = spent["backend"]
     tracing = spent["backend"] - spent["ember"]
@@ -93,6 +113,11 @@ def main():
           f"compile {spent['ember']:.3f} + first run {spent['first_run']:.3f} + rest {rest:.3f} ({spent['graphs']} graph(s))")
     line = [x for x in str(report).splitlines() if x.startswith("compile time")]
     print("  ember's compile: " + (line[0][line[0].index("lowering"):] if line else str(report)))
+    if profile:
+        import pstats
+
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(profile)
 
 
 if __name__ == "__main__":

@@ -688,11 +688,11 @@ class LtGemm final : public FastPath {
       if (kernel_wins) best = best_kernel;
     }
     if (log)
-      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %s; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded, t*/s*: ember's kernels):%s\n",
+      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %s after %.1f ms; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded, t*/s*: ember's kernels):%s\n",
                    static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
                    static_cast<int>(s_.epilogue), for_graphs ? " (for graphs)" : "",
                    best.route == Route::Kernel ? kKernelConfigs[best.config].name : std::string(1, "lbapk"[static_cast<int>(best.route)]).c_str(),
-                   seen.c_str());
+                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count(), seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;
