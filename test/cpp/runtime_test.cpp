@@ -248,6 +248,40 @@ TEST(Runtime, BuffersAreReleasedAfterTheirLastUse) {
   EXPECT_EQ(out.size(), 1u);
 }
 
+// A CPU add/sub/mul/div whose operand dies at that step writes into it (plan.cpp, point 5): only where that
+// operand is a step's result of the result's dtype and sizes and, per call, no one else holds it or its storage.
+TEST(Runtime, DyingOperandsTakeTheResultInPlace) {
+  auto g = compile_text(
+      "graph(%x: f32[5, 7]{7, 1}@cpu, %y: f32[7]{1}@cpu, %z: f64[5, 7]{7, 1}@cpu):\n"
+      "  %a: f32[5, 7]{7, 1}@cpu = aten::exp(%x)\n"
+      "  %b: f32[5, 7]{7, 1}@cpu = aten::add.Tensor(%a, %y, alpha=2)\n"        // a dies: in place, y broadcast
+      "  %c: f32[5, 7]{7, 1}@cpu = aten::sin(%x)\n"
+      "  %v: f32[35]{1}@cpu = aten::view(%c, [35])\n"
+      "  %d: f32[5, 7]{7, 1}@cpu = aten::mul.Tensor(%c, %b)\n"                  // c dies, but v shares its storage
+      "  %e: f32[5, 7]{7, 1}@cpu = aten::cos(%x)\n"
+      "  %f: f32[5, 7]{7, 1}@cpu = aten::sub.Tensor(%x, %e)\n"                  // e dies, second: sub does not swap
+      "  %h: f32[5, 7]{7, 1}@cpu = aten::tanh(%x)\n"
+      "  %k: f32[5, 7]{7, 1}@cpu = aten::mul.Tensor(%f, %h)\n"                  // f dies: in place
+      "  %m: f32[5, 7]{7, 1}@cpu = aten::div.Tensor(%d, %k)\n"                  // d dies: in place
+      "  %n: f32[5, 7]{7, 1}@cpu = aten::neg(%x)\n"
+      "  %p: f64[5, 7]{7, 1}@cpu = aten::add.Tensor(%n, %z)\n"                  // promoted to f64: not in place
+      "  return (%m, %v, %p)\n");
+  const std::string listing = g->describe();
+  size_t in_place = 0;
+  for (size_t at = listing.find(" in place"); at != std::string::npos; at = listing.find(" in place", at + 1)) ++in_place;
+  EXPECT_EQ(in_place, 4u) << listing;  // add, mul (c: refused per call), mul (f), div
+  EXPECT_EQ(listing.find("sub.Tensor in place"), std::string::npos) << listing;
+  for (int call = 0; call < 2; ++call) {
+    at::Tensor x = at::randn({5, 7}), y = at::randn({7}), z = at::randn({5, 7}, at::kDouble);
+    auto out = g->run({x, y, z});
+    at::Tensor b = x.exp() + 2 * y, d = x.sin() * b, k = (x - x.cos()) * x.tanh();
+    EXPECT_TRUE(at::allclose(t(out[0]), d / k, 1e-5, 1e-5));
+    EXPECT_TRUE(at::equal(t(out[1]), x.sin().view({35})));  // the view kept c from being written
+    EXPECT_EQ(t(out[2]).scalar_type(), at::kDouble);
+    EXPECT_TRUE(at::allclose(t(out[2]), -x.to(at::kDouble) + z));
+  }
+}
+
 TEST(Runtime, ClearErrorsForBadGraphsAndInputs) {
   EXPECT_THROW(compile_text("graph(%x: f32[2]{1}@cpu):\n  %y: f32[2]{1}@cpu = aten::no_such_op(%x)\n  return (%y)\n"),
                Error);
