@@ -191,7 +191,7 @@ class Rewriter {
     } catch (const std::exception&) {
       return false;
     }
-    if (!info->has(kFusible) || info->has(kCpuOnly) || !contiguous(reader.outputs[0]->type.tensor)) return false;
+    if (!info->has(kFusible) || !contiguous(reader.outputs[0]->type.tensor)) return false;
     if (info->has(kReduction)) return reader.op == "aten::native_layer_norm" && reader.args[0].is_value() && reader.args[0].value == v;
     return reader.outputs[0]->type.tensor.sizes == v->type.tensor.sizes;
   }

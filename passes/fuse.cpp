@@ -185,7 +185,6 @@ class Fuser {
     if (!info->has(kFusible)) return false;
     c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
     if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
-    if (!device.is_cpu() && info->has(kCpuOnly)) return false;
     // ember's programs compute in float registers: bitwise ops only on bool values (0 or 1)
     if (n.op.rfind("aten::bitwise_", 0) == 0) {
       bool all_bool = true;

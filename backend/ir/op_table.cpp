@@ -47,6 +47,9 @@ constexpr const char* kFusibleOps[] = {
     "aten::lt.Scalar", "aten::lt.Tensor", "aten::ge.Scalar", "aten::ge.Tensor", "aten::le.Scalar",
     "aten::le.Tensor", "aten::eq.Scalar", "aten::eq.Tensor", "aten::ne.Scalar", "aten::ne.Tensor",
     "aten::_to_copy", "aten::hardtanh", "aten::logical_not", "aten::logical_and", "aten::logical_or",
+    // the bitwise ones on bool tensors only (the fuse pass checks): hardtanh's (ReLU6's) backward masks by
+    // bitwise_or(x <= 0, x >= 6), which split its kernel in two around an ATen bitwise_or and left the where
+    // to ATen (mobilenet_v2's CPU training step, 2-core host: aten::where 9.7 ms of its 67)
     "aten::logical_xor", "aten::bitwise_and.Tensor", "aten::bitwise_or.Tensor", "aten::bitwise_xor.Tensor",
     // reductions over the last dimension
     "aten::sum.dim_IntList", "aten::mean.dim", "aten::amax", "aten::amin", "aten::_softmax",
@@ -57,15 +60,6 @@ constexpr const char* kFusibleOps[] = {
 // through MKL's VML, about 2x faster per element than the Sleef math ember's interpreter uses
 // (measured on AVX-512, one thread: gelu 1.5 vs 3.0 ms, tanh 1.25 vs 2.3 ms per 1M floats).
 constexpr const char* kCpuKeepAtenOps[] = {"aten::gelu", "aten::gelu_backward", "aten::tanh"};
-
-// Fusible on the CPU only, for now (kCpuOnly). The bitwise ones fuse on bool tensors only (the fuse pass checks):
-// hardtanh's (ReLU6's) backward masks by bitwise_or(x <= 0, x >= 6), which split its kernel in two around an
-// ATen bitwise_or and left the where to ATen (mobilenet_v2's CPU training step, 2-core host: aten::where 9.7 ms
-// of its 67).
-constexpr const char* kCpuOnlyOps[] = {
-    "aten::logical_and", "aten::logical_or", "aten::logical_xor",
-    "aten::bitwise_and.Tensor", "aten::bitwise_or.Tensor", "aten::bitwise_xor.Tensor",
-};
 
 // Ops whose result the host must read before going on.
 constexpr const char* kCpuSyncOps[] = {
@@ -111,7 +105,6 @@ std::unique_ptr<OpInfo> resolve(const std::string& name) {
   if (listed(std::begin(kCpuSyncOps), std::end(kCpuSyncOps), base)) t |= kCpuSync;
   if (listed(std::begin(kFusibleOps), std::end(kFusibleOps), name)) t |= kFusible;
   if (listed(std::begin(kCpuKeepAtenOps), std::end(kCpuKeepAtenOps), name)) t |= kCpuKeepAten;
-  if (listed(std::begin(kCpuOnlyOps), std::end(kCpuOnlyOps), name)) t |= kCpuOnly;
   if (name == "aten::_softmax" || name == "aten::_log_softmax" || name == "aten::native_layer_norm") t |= kReduction;
   if (!(t & (kCpuSync | kDynamicShape)) && !handle->hasTag(at::Tag::cudagraph_unsafe)) t |= kCapturable;
   info->traits = t;

@@ -184,8 +184,8 @@ def test_autocast_region(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bool_logic_and_relu6_backward(device):
     """|, &, ^ on bool tensors and logical_or / and / xor on floats (NaN and 0 are true and false), and
-    relu6's backward, whose mask is bitwise_or(x <= 0, x >= 6): on the CPU the logic fuses into ember's
-    kernel with the compares and the where, leaving no ATen bitwise or where step."""
+    relu6's backward, whose mask is bitwise_or(x <= 0, x >= 6): the logic fuses into ember's kernel with
+    the compares and the where, leaving no ATen bitwise or where step."""
     from helpers import EMBER_GRAPHS
 
     def fn(x, y):
@@ -196,6 +196,5 @@ def test_bool_logic_and_relu6_backward(device):
     x[0, 0], y[1, 1], x[2, 2] = float("nan"), 0.0, 0.0
     check(fn, x, y, grad=False)
     check(lambda x: F.relu6(x * 4).sin(), torch.randn(5, 67, device=device))
-    if device == "cpu":
-        steps = [what for _, g in EMBER_GRAPHS for kind, what in g.steps() if kind == "aten"]
-        assert not any(what.startswith(("aten::bitwise", "aten::logical", "aten::where")) for what in steps), steps
+    steps = [what for _, g in EMBER_GRAPHS for kind, what in g.steps() if kind == "aten"]
+    assert not any(what.startswith(("aten::bitwise", "aten::logical", "aten::where")) for what in steps), steps

@@ -28,7 +28,6 @@ enum OpTrait : uint32_t {
   kPrim = 1u << 9,         // an ember primitive executed by the runtime itself
   kFusible = 1u << 10,     // ember's kernels implement it: pointwise, or a reduction over the last dim
   kCpuKeepAten = 1u << 11, // fusible, but on the CPU ATen's kernel (oneDNN JIT, MKL VML) is faster
-  kCpuOnly = 1u << 12,     // fusible on the CPU; left to ATen on CUDA, where the generator has not been tested with it
 };
 
 struct OpInfo {
