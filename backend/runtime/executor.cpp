@@ -9,10 +9,12 @@
 #include "ember/runtime.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cmath>
 #include <mutex>
+#include <optional>
 
 namespace ember {
 
@@ -221,14 +223,22 @@ void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, siz
 }
 
 void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack) {
-  if (step.kernel) {
-    step.kernel->run(buffers, step.reads, step.writes);
-    for (uint32_t b : step.frees) buffers[b] = c10::IValue();
-    return;
-  }
-  if (step.fast && step.fast->run(buffers)) {
-    for (uint32_t b : step.frees) buffers[b] = c10::IValue();
-    return;
+  if (step.kernel || step.fast) {
+    // Named for torch.profiler while it records (one check of its callbacks otherwise).
+    std::optional<at::RecordFunction> record;
+    if (auto callbacks = at::getStepCallbacksUnlessEmpty(at::RecordScope::USER_SCOPE); C10_UNLIKELY(callbacks.has_value())) {
+      record.emplace(std::move(*callbacks));
+      record->before(step.label.c_str());
+    }
+    if (step.kernel) {
+      step.kernel->run(buffers, step.reads, step.writes);
+      for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+      return;
+    }
+    if (step.fast->run(buffers)) {
+      for (uint32_t b : step.frees) buffers[b] = c10::IValue();
+      return;
+    }
   }
   stack.assign(step.stack.begin(), step.stack.end());
   for (auto [slot, buf] : step.from_buffer) stack[slot] = buffers[buf];

@@ -206,6 +206,8 @@ class PlanBuilder {
       if (step.op && !step.fast && step.node)
         for (FastPathMaker make : fast_path_makers())
           if (!step.fast) step.fast = make(*step.node, step);
+      if (step.kernel) step.label = "ember::" + step.kernel->describe();
+      else if (step.fast && step.node) step.label = "ember::fast path " + step.node->op;
     }
     return std::move(plan_);
   }

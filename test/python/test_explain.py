@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 
 import ember
+from helpers import DEVICES
 
 
 def test_explain_reports_kernels_aten_calls_and_times():
@@ -45,3 +46,20 @@ def test_explain_lists_fallbacks():
         report = ember.explain(fn)(torch.ones(4))
     assert report.fallbacks and "true_graph_0" in report.fallbacks[0][1]
     assert "ran eagerly" in str(report)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_profiler_names_ember_kernels(device):
+    """torch.profiler shows each fused kernel (and each fast path ember runs instead of an ATen call) as an
+    "ember::" event, beside the ATen calls the dispatcher records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.SiLU(), nn.LayerNorm(32), nn.Linear(32, 8)).to(device)
+    x = torch.randn(4, 16, device=device)
+    compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+    compiled(x).sum().backward()  # compiled here, outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        compiled(x).sum().backward()
+    names = [e.name for e in prof.events()]
+    fused = [n for n in names if n.startswith(f"ember::{device} fused group")]
+    assert fused, names  # SiLU and the layer norm: one kernel in the forward

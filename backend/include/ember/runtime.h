@@ -115,6 +115,9 @@ struct Step {
   std::shared_ptr<const FastPath> fast;  // tried before the op (FastPath)
   std::vector<uint32_t> frees;   // buffers whose last use is this step
   const Node* node = nullptr;    // for error messages only; valid while the owning Graph lives
+  // A kernel or fast-path step's name in torch.profiler ("ember::" and what runs), made with the plan; ATen
+  // calls are recorded by the dispatcher.
+  std::string label;
 };
 
 struct PlanOutput {
