@@ -198,3 +198,25 @@ def test_bool_logic_and_relu6_backward(device):
     check(lambda x: F.relu6(x * 4).sin(), torch.randn(5, 67, device=device))
     steps = [what for _, g in EMBER_GRAPHS for kind, what in g.steps() if kind == "aten"]
     assert not any(what.startswith(("aten::bitwise", "aten::logical", "aten::where")) for what in steps), steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_rows_strided_and_broadcast_inputs(device):
+    """Pointwise groups whose inputs are neither dense nor one value, over short last dimensions: the CPU kernel
+    merges dimensions the inputs step through alike, then loads whole rows (several to a tile) with each
+    input's stride, a repeated value or a gather; half and bool inputs go through the same loads."""
+    torch.manual_seed(0)
+    mask = torch.arange(3, device=device).view(-1, 1, 1, 1, 1) == 2
+    g = torch.randn(1, 5, 3, 7, 32, device=device)
+    x = torch.randn(3, 5, 3, 32, 7, device=device).transpose(-1, -2)  # rows of 32, the last two dims transposed
+    check(lambda g, x: torch.where(mask, g.expand(3, 5, 3, 7, 32), 0.0) * 1.5 + x, g, x)
+    a = torch.randn(201, 1, 20, device=device)  # rows of 20, broadcast in the middle
+    check(lambda a, b: torch.sigmoid(a.expand(201, 7, 20) * 2 + b) * a, a, torch.randn(1, 7, 20, device=device))
+    for dtype in (torch.float32, torch.float16):
+        t = torch.randn(41, 17, 23, device=device, dtype=dtype).transpose(1, 2)  # rows of 17, strided
+        check(lambda t, y: (t * y).exp() - t, t, torch.randn(41, 23, 17, device=device, dtype=dtype), grad=False)
+    v = torch.randn(1000, device=device)[::3]  # rank 1, stride 3: one row
+    check(lambda v: torch.tanh(v) * 3 + v, v, grad=False)
+    m = (torch.randn(30, 40, device=device) > 0).t()  # a bool mask, transposed: rows of 30
+    check(lambda m, p, q: torch.where(m, p, q * 2), m, torch.randn(40, 30, device=device),
+          torch.randn(40, 1, device=device), grad=False)
