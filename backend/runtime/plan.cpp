@@ -274,7 +274,7 @@ class PlanBuilder {
   }
 
   // Point 5: an InPlaceBinary for a CPU add/sub/mul/div.Tensor whose operand (a step's result, not a graph
-  // input) is freed by this step and has the result's dtype and sizes; null otherwise.
+  // input) is freed by this step and has the result's dtype, sizes and strides; null otherwise.
   std::shared_ptr<const FastPath> in_place_binary(const Node& n, const Step& step) const {
     static const std::unordered_map<std::string, std::pair<InPlaceBinary::Out, bool>> ops = {
         {"aten::add.Tensor", {&add_into, true}}, {"aten::sub.Tensor", {&sub_into, false}},
@@ -299,7 +299,9 @@ class PlanBuilder {
       return nullptr;
     auto candidate = [&](size_t arg) {
       const Value* v = n.args[arg].value;
-      if (!v->producer || !v->type.is_tensor() || v->type.tensor.dtype != out.dtype || v->type.tensor.sizes != out.sizes)
+      // Same strides too: the result then has the layout the IR gives it (a view after it may rely on that).
+      if (!v->producer || !v->type.is_tensor() || v->type.tensor.dtype != out.dtype || v->type.tensor.sizes != out.sizes ||
+          v->type.tensor.strides != out.strides)
         return false;
       const uint32_t b = arg == 0 ? self : other;
       return std::find(step.frees.begin(), step.frees.end(), b) != step.frees.end();

@@ -252,7 +252,7 @@ TEST(Runtime, BuffersAreReleasedAfterTheirLastUse) {
 // operand is a step's result of the result's dtype and sizes and, per call, no one else holds it or its storage.
 TEST(Runtime, DyingOperandsTakeTheResultInPlace) {
   auto g = compile_text(
-      "graph(%x: f32[5, 7]{7, 1}@cpu, %y: f32[7]{1}@cpu, %z: f64[5, 7]{7, 1}@cpu):\n"
+      "graph(%x: f32[5, 7]{7, 1}@cpu, %y: f32[7]{1}@cpu, %z: f64[5, 7]{7, 1}@cpu, %y5: f32[7, 5]{5, 1}@cpu):\n"
       "  %a: f32[5, 7]{7, 1}@cpu = aten::exp(%x)\n"
       "  %b: f32[5, 7]{7, 1}@cpu = aten::add.Tensor(%a, %y, alpha=2)\n"        // a dies: in place, y broadcast
       "  %c: f32[5, 7]{7, 1}@cpu = aten::sin(%x)\n"
@@ -265,20 +265,26 @@ TEST(Runtime, DyingOperandsTakeTheResultInPlace) {
       "  %m: f32[5, 7]{7, 1}@cpu = aten::div.Tensor(%d, %k)\n"                  // d dies: in place
       "  %n: f32[5, 7]{7, 1}@cpu = aten::neg(%x)\n"
       "  %p: f64[5, 7]{7, 1}@cpu = aten::add.Tensor(%n, %z)\n"                  // promoted to f64: not in place
-      "  return (%m, %v, %p)\n");
+      "  %q: f32[5, 7]{7, 1}@cpu = aten::sigmoid(%x)\n"
+      "  %u: f32[7, 5]{1, 7}@cpu = aten::permute(%q, [1, 0])\n"
+      "  %w: f32[7, 5]{5, 1}@cpu = aten::mul.Tensor(%y5, %u)\n"                 // u dies, but its strides differ
+      "  return (%m, %v, %p, %w)\n");
   const std::string listing = g->describe();
   size_t in_place = 0;
   for (size_t at = listing.find(" in place"); at != std::string::npos; at = listing.find(" in place", at + 1)) ++in_place;
   EXPECT_EQ(in_place, 4u) << listing;  // add, mul (c: refused per call), mul (f), div
   EXPECT_EQ(listing.find("sub.Tensor in place"), std::string::npos) << listing;
   for (int call = 0; call < 2; ++call) {
-    at::Tensor x = at::randn({5, 7}), y = at::randn({7}), z = at::randn({5, 7}, at::kDouble);
-    auto out = g->run({x, y, z});
+    at::Tensor x = at::randn({5, 7}), y = at::randn({7}), z = at::randn({5, 7}, at::kDouble), y5 = at::randn({7, 5});
+    auto out = g->run({x, y, z, y5});
     at::Tensor b = x.exp() + 2 * y, d = x.sin() * b, k = (x - x.cos()) * x.tanh();
     EXPECT_TRUE(at::allclose(t(out[0]), d / k, 1e-5, 1e-5));
     EXPECT_TRUE(at::equal(t(out[1]), x.sin().view({35})));  // the view kept c from being written
     EXPECT_EQ(t(out[2]).scalar_type(), at::kDouble);
     EXPECT_TRUE(at::allclose(t(out[2]), -x.to(at::kDouble) + z));
+    at::Tensor w = y5 * x.sigmoid().t();  // eager's layout: row-major (the first operand's), as the IR says
+    EXPECT_TRUE(at::allclose(t(out[3]), w));
+    EXPECT_EQ(t(out[3]).strides(), w.strides());
   }
 }
 
