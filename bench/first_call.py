@@ -1,7 +1,7 @@
 """Where one workload's first call goes, in this fresh process with a fresh ember kernel cache.
 
     python bench/first_call.py bert_b8_s128 [cuda|cpu]
-    python bench/first_call.py zoo:efficientnet_b0 [cuda|cpu]     # a bench/zoo.py model (batch 8 / 1, seq 128 / 64)
+    python bench/first_call.py zoo:efficientnet_b0 [cuda|cpu]     # a bench/zoo.py model at zoo.py's default batch and seq
 
 Splits the first call of `torch.compile(model, backend="ember")` on a bench/harness.py workload into: Dynamo's
 tracing (call start to the backend's entry), ATen tracing (AOTAutograd or trace.py's one pass: the backend's
@@ -36,8 +36,7 @@ def main():
     if name.startswith("zoo:"):
         import zoo
 
-        cuda = device == "cuda"
-        zoo_args = types.SimpleNamespace(batch=8 if cuda else 1, seq=128 if cuda else 64, dtype="f32")
+        zoo_args = types.SimpleNamespace(batch=zoo.default_batch(device), seq=zoo.default_seq(device), dtype="f32")
         model, inputs = zoo.build(name[4:], device, zoo_args)
         training = False
     else:

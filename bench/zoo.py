@@ -190,6 +190,14 @@ def relative_error(outs, refs):
     return err
 
 
+def default_batch(device):
+    return 8 if device == "cuda" else 1
+
+
+def default_seq(device):
+    return 128 if device == "cuda" else 64
+
+
 def build(name, device, args, batch=None, seq=None):
     model, inputs = MODELS[name][1](device, batch or args.batch, seq or args.seq)
     model = model.to(device).eval()  # eval: dropout off, so ember and eager compute the same function
@@ -360,8 +368,8 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.batch = args.batch or (8 if args.device == "cuda" else 1)
-    args.seq = args.seq or (128 if args.device == "cuda" else 64)
+    args.batch = args.batch or default_batch(args.device)
+    args.seq = args.seq or default_seq(args.device)
     if args.child:
         return child(args.child, args)
     if args.list:
