@@ -15,7 +15,9 @@ CUDA each bracketed by torch.cuda.synchronize(), as the harness times them), in 
 
 so that ember - direct is what Dynamo adds to ember's call, and direct against eager is what ember's plan
 costs against eager's ops. The variants are compiled one after another (torch._dynamo.reset() between), then
-timed round-robin, call by call, so that the machine's noise falls on all alike.
+timed round-robin, call by call, so that the machine's noise falls on all alike. --block N times N consecutive
+calls of one variant before moving to the next (still round-robin): each variant then runs with its own code and
+data warm in the CPU's caches, as in a loop calling one model, where call by call every variant starts cold.
 """
 
 import argparse
@@ -34,7 +36,7 @@ import harness  # noqa: E402
 VARIANTS = ("eager", "dynamo", "dyn-const", "ember", "direct")
 
 
-def split(name, device, calls, warmup):
+def split(name, device, calls, warmup, block=1):
     """{variant: median us} for workload `name`."""
     model, inputs = harness.WORKLOADS[name].build(device)
     held = {}
@@ -64,10 +66,11 @@ def split(name, device, calls, warmup):
         for _ in range(warmup):
             for v in VARIANTS:
                 fns[v](*inputs)
-        for _ in range(calls):
+        for _ in range(max(1, calls // block)):
             for v in VARIANTS:
-                seconds, _ = harness.timed_call(fns[v], inputs, device)
-                times[v].append(seconds)
+                for _ in range(block):
+                    seconds, _ = harness.timed_call(fns[v], inputs, device)
+                    times[v].append(seconds)
     torch._dynamo.reset()
     return {v: statistics.median(t) * 1e6 for v, t in times.items()}
 
@@ -77,6 +80,7 @@ def main(argv=None):
     parser.add_argument("workloads", help="comma-separated bench/harness.py workload names")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--calls", type=int, default=400, help="timed calls per variant (median reported)")
+    parser.add_argument("--block", type=int, default=1, help="consecutive timed calls per variant in each round")
     parser.add_argument("--warmup", type=int, default=20, help="untimed calls per variant before timing")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
@@ -87,7 +91,7 @@ def main(argv=None):
         parser.error("training workloads are not split here (their ember call is AOTAutograd's wrapper)")
     print(f"{'workload':<20}" + "".join(f"{v:>11}" for v in VARIANTS) + "   (us per call, median)")
     for name in names:
-        row = split(name, args.device, args.calls, args.warmup)
+        row = split(name, args.device, args.calls, args.warmup, args.block)
         print(f"{name:<20}" + "".join(f"{row[v]:11.1f}" for v in VARIANTS), flush=True)
     return 0
 

@@ -200,12 +200,12 @@ def test_bool_logic_and_relu6_backward(device):
     assert not any(what.startswith(("aten::bitwise", "aten::logical", "aten::where")) for what in steps), steps
 
 
-def test_short_rows_strided_and_broadcast_inputs():
+@pytest.mark.parametrize("device", DEVICES)
+def test_short_rows_strided_and_broadcast_inputs(device):
     """Pointwise groups whose inputs are neither dense nor one value, over short last dimensions: the CPU kernel
     merges dimensions the inputs step through alike, then loads whole rows (several to a tile) with each
-    input's stride, a repeated value or a gather; half and bool inputs go through the same loads. (CPU only for
-    now: written when no GPU time was left to run it there.)"""
-    device = "cpu"
+    input's stride, a repeated value or a gather; half and bool inputs go through the same loads. On CUDA the
+    same groups take the strided and broadcast index paths."""
     torch.manual_seed(0)
     mask = torch.arange(3, device=device).view(-1, 1, 1, 1, 1) == 2
     g = torch.randn(1, 5, 3, 7, 32, device=device)
