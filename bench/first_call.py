@@ -10,7 +10,8 @@ the backend returned, and the rest (Dynamo's guards and its tail). Prints that l
 split of ember's compile (passes, codegen, NVRTC summed over its threads, modules compiled).
 KEEP_CACHE=1 keeps EMBER_CACHE_DIR as set (a warm kernel cache). LATE_WARM_UP=1 starts NVRTC's warm-up at
 the backend's entry, as where ember.backend was imported before CUDA was in use. PROFILE=<n> prints cProfile's
-top n functions of the first call by own time and by cumulative time.
+top n functions of the first call by own time and by cumulative time; PROFILE_DUMP=<file> also writes its stats there
+(for pstats: print_callees and the like).
 """
 
 import os
@@ -115,6 +116,8 @@ def main():
     if profile:
         import pstats
 
+        if os.environ.get("PROFILE_DUMP"):
+            profiler.dump_stats(os.environ["PROFILE_DUMP"])
         for key in ("tottime", "cumulative"):
             pstats.Stats(profiler, stream=sys.stdout).sort_stats(key).print_stats(profile)
 

@@ -9,6 +9,10 @@ For each workload and backend it records
     first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's and ember's
                     caches off: fresh cache folders per process). Backends share the process: a later one finds
                     Dynamo already imported and warmed, and inductor reuses kernels an earlier workload compiled
+    dynamo_s        the part of first_call_s that was Dynamo's own work: its `_compile.compile_inner` time (bytecode
+                    tracing, guards) less the backend's compile inside it (`OutputGraph.call_user_compiler`), from
+                    torch._dynamo.utils.compilation_time_metrics, summed over graphs. first_call_s - dynamo_s is
+                    what the backend spent (ATen tracing, its compile, the first run, a lazily compiled backward)
     cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
                     runs once first), Dynamo's own first use in the process included
     latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
@@ -361,6 +365,19 @@ def disable_inductor_caches():
     return made
 
 
+# Dynamo's timers (dynamo_timed): its whole work on a frame, and the backend's compile within it.
+_DYNAMO_WHOLE, _DYNAMO_BACKEND = "_compile.compile_inner", "OutputGraph.call_user_compiler"
+
+
+def dynamo_seconds():
+    """Dynamo's own seconds since its timers were last cleared (torch._dynamo.reset() clears them; see dynamo_s
+    above), or None where this torch keeps no such timers."""
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", None)
+    if not isinstance(metrics, dict):
+        return None
+    return sum(metrics.get(_DYNAMO_WHOLE, ())) - sum(metrics.get(_DYNAMO_BACKEND, ()))
+
+
 def compile_with(model, backend):
     """The callable to time for `backend`: the model itself for eager, else torch.compile's wrapper."""
     if backend == "eager":
@@ -433,7 +450,11 @@ def run_workload(w, device, backends, repeat, warmup):
             with grad_mode():
                 fn = compile_with(model, backend)
                 before_call(backend)
+                dynamo_before = dynamo_seconds()
                 row["first_call_s"], out = timed_call(fn, inputs, device)
+                dynamo_after = dynamo_seconds()
+                if backend != "eager" and dynamo_after and dynamo_before is not None:  # 0: the timers are gone
+                    row["dynamo_s"] = dynamo_after - dynamo_before
                 out = snapshot(out)
             if backend == "eager":
                 reference = out
@@ -487,18 +508,18 @@ def fmt(value, spec, width):
 
 def print_table(results):
     cold = any("cold_first_call_s" in row for r in results for row in r.get("backends", {}).values())
-    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} " + (f"{'cold first s':>12} " if cold else "")
+    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'Dynamo s':>8} " + (f"{'cold first s':>12} " if cold else "")
               + f"{'latency ms':>11} {'speedup':>8} {'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
-            print(f"{r['workload']:<20} {'':<11} {'':>12} " + (f"{'':>12} " if cold else "")
+            print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>8} " + (f"{'':>12} " if cold else "")
                   + f"{'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
             speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
-            print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} "
+            print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} {fmt(row.get('dynamo_s'), '.3f', 8)} "
                   + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} " if cold else "")
                   + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
