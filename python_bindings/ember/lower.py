@@ -173,6 +173,8 @@ class _Lowering:
             return self.getitem(node)
         if isinstance(target, torch._ops.OpOverload):
             return self.aten(node)
+        if target is getattr(torch, "sym_sum", None):
+            return self.sym_sum(node)
         if target in _PRIMS:
             args = node.args
             if target is round:
@@ -185,6 +187,18 @@ class _Lowering:
             self.lines.append(line)
             return
         raise EmberError(f"node {node.name}: unsupported call target {getattr(target, '__name__', target)}")
+
+    def sym_sum(self, node):
+        """torch.sym_sum([a, b, ...]) (Hugging Face's cache lengths under dynamic shapes): a chain of prim::add."""
+        (terms,) = node.args
+        terms = list(terms) + [0] * max(0, 2 - len(terms))
+        val = self.val_of(node)
+        total = self.literal(terms[0], node)
+        for i, term in enumerate(terms[1:], start=1):
+            name = node.name if i == len(terms) - 1 else f"{node.name}_part{i}"
+            self.lines.append(f"  {self.decl(name, val)} = prim::add({total}, {self.literal(term, node)})")
+            total = "%" + name
+        self.names[node] = node.name
 
     def aten(self, node):
         schema = node.target._schema

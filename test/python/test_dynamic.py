@@ -71,6 +71,50 @@ def test_automatic_dynamic_recompiles_at_most_once(device):
     assert 1 <= len(forwards) <= 2, kinds()
 
 
+class CachedDecoder(nn.Module):
+    """One attention block with a KV cache, as Hugging Face's causal LMs run it: positions from the cache's
+    length (`sum` over SymInts is torch.sym_sum in Dynamo's graph), keys and values concatenated to the cache."""
+
+    def __init__(self, vocab=40, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.emb, self.pos = nn.Embedding(vocab, dim), nn.Embedding(64, dim)
+        self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, past_k=None, past_v=None):
+        start = 0 if past_k is None else past_k.shape[2]
+        pos = torch.arange(start, sum([start, ids.shape[1]]), device=ids.device)
+        x = self.emb(ids) + self.pos(pos)
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if past_k is not None:
+            k, v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=past_k is None)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return self.head(x)[:, -1], k, v
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_cache_greedy_decoding(device):
+    """A prompt, then one token per call against a cache one position longer each time: the second step
+    recompiles with a symbolic length and every later step reuses that graph. Each step's logits and cache
+    against eager's, the tokens fed back being eager's."""
+    torch.manual_seed(0)
+    model = CachedDecoder().to(device).eval()
+    compiled = compile_ember(copy.deepcopy(model))
+    ids = torch.randint(0, 40, (2, 5), device=device)
+    with torch.no_grad():
+        expected, got = model(ids), compiled(ids)
+        for step in range(8):
+            for e, c in zip(expected, got):
+                torch.testing.assert_close(c, e, **MATMUL_TOL, msg=lambda m: f"step {step}: {m}")
+            token = expected[0].argmax(-1, keepdim=True)
+            expected = model(token, expected[1], expected[2])
+            got = compiled(token, got[1], got[2])
+    assert 2 <= len(EMBER_GRAPHS) <= 3, kinds()  # the prompt, maybe one static step, then the dynamic one
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_view_and_cat_with_symbolic_sizes(device):
     def fn(x):
