@@ -51,11 +51,12 @@ def build(name, device, dtype):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def decode(fn, prompt, steps, device, backend):
-    """(tokens, logits per step, seconds per decode step, total seconds)."""
+def decode(fn, prompt, steps, device, backend, static_cache=None):
+    """(tokens, logits per step, seconds per decode step, total seconds). static_cache: a function making a
+    fresh transformers.StaticCache (fixed-size key and value buffers updated in place) for this decode."""
     start = time.perf_counter()
     harness.before_call(backend)
-    out = fn(prompt, use_cache=True)
+    out = fn(prompt, use_cache=True, past_key_values=static_cache() if static_cache else None)
     past, tokens, logits, step_s = out.past_key_values, [], [], []
     token = out.logits[:, -1:].argmax(-1)
     for _ in range(steps):
@@ -77,6 +78,9 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=("f32", "bf16"), default="f32")
     parser.add_argument("--prompt", type=int, default=32, help="prompt length")
     parser.add_argument("--steps", type=int, default=24, help="tokens generated per decode")
+    parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic",
+                        help="transformers' DynamicCache (grows by concatenation: a new length per step) or "
+                             "StaticCache (buffers of prompt + steps positions written in place: one shape)")
     parser.add_argument("--backends", default=None,
                         help="comma-separated, from eager, inductor, ember, inductor-ro, ember-ro (default: all the "
                              "device runs)")
@@ -89,11 +93,16 @@ def main(argv=None):
                 ["eager", "inductor", "ember"] + (["inductor-ro", "ember-ro"] if args.device == "cuda" else []))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     made = harness.disable_inductor_caches()
-    results = {"machine": harness.machine_info(args.device), "model": args.model, "dtype": args.dtype,
+    results = {"machine": harness.machine_info(args.device), "model": args.model, "dtype": args.dtype, "cache": args.cache,
                "prompt": args.prompt, "steps": args.steps, "backends": {}}
     try:
         model = build(args.model, args.device, dtype)
         prompt = torch.randint(0, 1000, (1, args.prompt), generator=torch.Generator().manual_seed(1)).to(args.device)
+        static_cache = None
+        if args.cache == "static":
+            from transformers import StaticCache
+
+            static_cache = lambda: StaticCache(config=model.config, max_cache_len=args.prompt + args.steps + 1)  # noqa: E731
         reference = None
         print(f"{'backend':<12} {'first s':>8} {'step ms':>8} {'speedup':>8} {'tokens':>7} {'max err':>8} {'graphs':>6}")
         for backend in backends:
@@ -103,9 +112,9 @@ def main(argv=None):
             try:
                 with torch.no_grad():
                     fn = harness.compile_with(model, backend)
-                    tokens, logits, _, row["first_s"] = decode(fn, prompt, args.steps, args.device, backend)
+                    tokens, logits, _, row["first_s"] = decode(fn, prompt, args.steps, args.device, backend, static_cache)
                     for _ in range(2):
-                        _, _, step_s, _ = decode(fn, prompt, args.steps, args.device, backend)
+                        _, _, step_s, _ = decode(fn, prompt, args.steps, args.device, backend, static_cache)
             except Exception as e:
                 row["error"] = harness.error_text(e)
                 print(f"{backend:<12} error: {row['error']}")
