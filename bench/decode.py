@@ -9,7 +9,9 @@ reading a cache one position longer than the last. Dynamo sees a new length on t
 recompiles with symbolic lengths (automatic dynamic shapes); from then on every step is that graph at a new
 size. Under reduce-overhead (the -ro backends) each new size is a new CUDA graph.
 
-Per backend, in one process (bench/harness.py's backends and cold caches):
+Each compiled backend runs in a process of its own beside eager (a crash costs that backend only: inductor's
+reduce-overhead mode died with a segmentation fault under StaticCache on the H100), with bench/harness.py's
+backends and cold caches:
     first_s     the first decode, compiles included: prefill plus --steps tokens
     step_ms     the median time of one decode step in a third decode of the same prompt (each step
                 synchronized on CUDA), every length then seen twice before, as in serving later requests (a
@@ -25,7 +27,9 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -85,12 +89,15 @@ def main(argv=None):
                         help="comma-separated, from eager, inductor, ember, inductor-ro, ember-ro (default: all the "
                              "device runs)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/decode_<device>.json)")
+    parser.add_argument("--here", action="store_true", help="run every backend in this process")
     args = parser.parse_args(argv)
     if importlib_missing("transformers"):
         print("decode.py needs transformers", file=sys.stderr)
         return 1
     backends = (args.backends.split(",") if args.backends else
                 ["eager", "inductor", "ember"] + (["inductor-ro", "ember-ro"] if args.device == "cuda" else []))
+    if not args.here and len([b for b in backends if b != "eager"]) > 1:
+        return in_children(args, [b for b in backends if b != "eager"])
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     made = harness.disable_inductor_caches()
     results = {"machine": harness.machine_info(args.device), "model": args.model, "dtype": args.dtype, "cache": args.cache,
@@ -104,7 +111,7 @@ def main(argv=None):
 
             static_cache = lambda: StaticCache(config=model.config, max_cache_len=args.prompt + args.steps + 1)  # noqa: E731
         reference = None
-        print(f"{'backend':<12} {'first s':>8} {'step ms':>8} {'speedup':>8} {'tokens':>7} {'max err':>8} {'graphs':>6}")
+        print(HEADER)
         for backend in backends:
             row = results["backends"][backend] = {}
             torch._dynamo.reset()
@@ -117,7 +124,7 @@ def main(argv=None):
                         _, _, step_s, _ = decode(fn, prompt, args.steps, args.device, backend, static_cache)
             except Exception as e:
                 row["error"] = harness.error_text(e)
-                print(f"{backend:<12} error: {row['error']}")
+                print_row(backend, row)
                 continue
             row["step_ms"] = 1e3 * statistics.median(step_s)
             if backend != "eager":
@@ -130,15 +137,62 @@ def main(argv=None):
             row["max_err"] = max(((l - r).abs().max() / r.abs().max()).item()
                                  for l, r in zip(logits[:agree + 1], reference[1][:agree + 1]))
             row["speedup"] = reference[2] / row["step_ms"]
-            print(f"{backend:<12} {row['first_s']:8.2f} {row['step_ms']:8.3f} {row['speedup']:7.2f}x "
-                  f"{str(row['tokens_match']):>7} {row['max_err']:8.1e} {row.get('graphs', '-'):>6}", flush=True)
+            print_row(backend, row)
     finally:
         shutil.rmtree(made, ignore_errors=True)
+    write(args, results)
+    return 0
+
+
+HEADER = f"{'backend':<12} {'first s':>8} {'step ms':>8} {'speedup':>8} {'tokens':>7} {'max err':>8} {'graphs':>6}"
+
+
+def print_row(backend, row):
+    if "error" in row:
+        print(f"{backend:<12} error: {row['error']}", flush=True)
+        return
+    print(f"{backend:<12} {row['first_s']:8.2f} {row['step_ms']:8.3f} {row['speedup']:7.2f}x "
+          f"{str(row['tokens_match']):>7} {row['max_err']:8.1e} {row.get('graphs', '-'):>6}", flush=True)
+
+
+def write(args, results):
     out = args.out or os.path.join(harness.RESULTS_DIR, f"decode_{args.device}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {out}")
+
+
+def in_children(args, compiled):
+    """Each compiled backend with eager in a child process (--here); eager's row is the first child's."""
+    results, printed = None, False
+    for backend in compiled:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            cmd = [sys.executable, os.path.abspath(__file__), "--here", "--model", args.model, "--device", args.device,
+                   "--dtype", args.dtype, "--prompt", str(args.prompt), "--steps", str(args.steps), "--cache",
+                   args.cache, "--backends", f"eager,{backend}", "--out", out]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            child = None
+            if os.path.exists(out):
+                with open(out) as f:
+                    child = json.load(f)
+        if child is None:
+            tail = [line for line in (done.stderr or "").strip().splitlines() if line.strip()][-1:]
+            why = f"signal {-done.returncode}" if done.returncode < 0 else f"exit code {done.returncode}"
+            child = {"backends": {backend: {"error": f"the process died ({why}) " + " ".join(tail)[:300]}}}
+        if results is None and "eager" in child["backends"]:
+            results = child
+        elif results is not None:
+            results["backends"][backend] = child["backends"][backend]
+        if results is not None and not printed:
+            print(HEADER)
+            print_row("eager", results["backends"]["eager"])
+            printed = True
+        if printed:
+            print_row(backend, child["backends"][backend])
+    if results is not None:
+        write(args, results)
     return 0
 
 

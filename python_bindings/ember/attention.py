@@ -26,6 +26,7 @@ import operator
 import os
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 
@@ -208,7 +209,10 @@ def _kernel_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
         if torch.cuda.get_device_capability(query.device) >= (8, 0):
             return "flash"
     if attn_mask is not None:
-        if attn_mask.dtype not in (torch.bool, query.dtype) or attn_mask.dim() > 4 or key.shape[2] % 16 != 0:
+        # A symbolic key length (a KV cache under dynamic shapes) is not known to be a multiple of 16: the op
+        # stays as it is rather than guarding on it (a recompile each time the length crosses a multiple).
+        if (attn_mask.dtype not in (torch.bool, query.dtype) or attn_mask.dim() > 4
+                or not statically_known_true(key.shape[2] % 16 == 0)):
             return None
         if attn_mask.device != query.device:
             return None

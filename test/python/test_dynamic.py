@@ -82,7 +82,7 @@ class CachedDecoder(nn.Module):
         self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, ids, past_k=None, past_v=None):
+    def forward(self, ids, past_k=None, past_v=None, mask=None):
         start = 0 if past_k is None else past_k.shape[2]
         pos = torch.arange(start, sum([start, ids.shape[1]]), device=ids.device)
         x = self.emb(ids) + self.pos(pos)
@@ -90,29 +90,34 @@ class CachedDecoder(nn.Module):
         q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         if past_k is not None:
             k, v = torch.cat([past_k, k], 2), torch.cat([past_v, v], 2)
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=past_k is None)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=past_k is None)
         x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
         return self.head(x)[:, -1], k, v
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_kv_cache_greedy_decoding(device):
-    """A prompt, then one token per call against a cache one position longer each time: the second step
-    recompiles with a symbolic length and every later step reuses that graph. Each step's logits and cache
-    against eager's, the tokens fed back being eager's."""
+    """A prompt, then one token per call against a cache one position longer each time, under a mask: the
+    second step recompiles with a symbolic length and every later step reuses that graph (on CUDA ember's
+    attention routing once guarded on the length being a multiple of 16: one more graph there). Each step's
+    logits and cache against eager's, the tokens fed back being eager's."""
     torch.manual_seed(0)
     model = CachedDecoder().to(device).eval()
     compiled = compile_ember(copy.deepcopy(model))
     ids = torch.randint(0, 40, (2, 5), device=device)
     with torch.no_grad():
         expected, got = model(ids), compiled(ids)
-        for step in range(8):
+        for step in range(14):  # cache lengths 6 to 19: past a multiple of 16
             for e, c in zip(expected, got):
                 torch.testing.assert_close(c, e, **MATMUL_TOL, msg=lambda m: f"step {step}: {m}")
             token = expected[0].argmax(-1, keepdim=True)
-            expected = model(token, expected[1], expected[2])
-            got = compiled(token, got[1], got[2])
-    assert 2 <= len(EMBER_GRAPHS) <= 3, kinds()  # the prompt, maybe one static step, then the dynamic one
+            # a padding-style mask over the cache, the new position always kept
+            mask = torch.rand(2, 1, 1, expected[1].shape[2] + 1, device=device) > 0.2
+            mask[..., -1] = True
+            expected = model(token, expected[1], expected[2], mask)
+            got = compiled(token, got[1], got[2], mask)
+    # the prompt, maybe one static step, then the dynamic one: no recompile where the length reaches 16
+    assert 2 <= len(EMBER_GRAPHS) <= 3, kinds()
 
 
 @pytest.mark.parametrize("device", DEVICES)
