@@ -120,6 +120,59 @@ def test_kv_cache_greedy_decoding(device):
     assert 2 <= len(EMBER_GRAPHS) <= 3, kinds()
 
 
+class StaticCacheDecoder(CachedDecoder):
+    """CachedDecoder over fixed-size key and value buffers written in place at positions held in a tensor,
+    the counter advanced in place (transformers' StaticCache): every decode step has the same shapes."""
+
+    def forward(self, ids, cache_k, cache_v, length):
+        pos = torch.arange(ids.shape[1], device=ids.device) + length
+        length.add_(ids.shape[1])
+        x = self.emb(ids) + self.pos(pos)
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        cache_k.index_copy_(2, pos, k)
+        cache_v.index_copy_(2, pos, v)
+        mask = torch.arange(cache_k.shape[2], device=ids.device)[None, :] <= pos[:, None]  # written positions, causal
+        att = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask)
+        return self.head(x + self.proj(att.transpose(1, 2).reshape(b, s, d)))[:, -1]
+
+
+@pytest.mark.parametrize("mode", [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("cuda-graphs", id="cuda-reduce-overhead",
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_static_cache_decoding_writes_the_buffers_in_place(mode):
+    """Prompt and decode steps against buffers the compiled graph writes in place (index_copy_ at positions
+    read from a counter tensor it also advances): each step's logits, both buffers and the counter against
+    eager's own; two graphs in all (the prompt's shape, the steps' shape). Under reduce-overhead the buffers
+    are marked static, as transformers marks them, and every step replays one CUDA graph."""
+    device = "cuda" if mode.startswith("cuda") else "cpu"
+    torch.manual_seed(0)
+    model = StaticCacheDecoder().to(device).eval()
+    compiled = compile_ember(copy.deepcopy(model), options={"cudagraphs": True} if mode == "cuda-graphs" else None)
+
+    def fresh():
+        buffers = [torch.zeros(2, 4, 24, 8, device=device) for _ in range(2)]
+        if mode == "cuda-graphs":
+            for t in buffers:
+                torch._dynamo.mark_static_address(t)
+        return buffers + [torch.zeros((), dtype=torch.long, device=device)]
+
+    ids = torch.randint(0, 40, (2, 5), device=device)
+    mine, theirs = fresh(), fresh()
+    with torch.no_grad():
+        expected, got = model(ids, *mine), compiled(ids, *theirs)
+        for step in range(12):
+            torch.testing.assert_close(got, expected, **MATMUL_TOL, msg=lambda m: f"step {step}: {m}")
+            for e, c in zip(mine, theirs):
+                torch.testing.assert_close(c, e, **MATMUL_TOL, msg=lambda m: f"buffers after step {step}: {m}")
+            token = expected.argmax(-1, keepdim=True)
+            expected, got = model(token, *mine), compiled(token, *theirs)
+    assert len(EMBER_GRAPHS) == 2, kinds()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_view_and_cat_with_symbolic_sizes(device):
     def fn(x):
