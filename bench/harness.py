@@ -14,7 +14,7 @@ For each workload and backend it records
                     torch._dynamo.utils.compilation_time_metrics, summed over graphs. first_call_s - dynamo_s is
                     what the backend spent (ATen tracing, its compile, the first run, a lazily compiled backward)
     cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
-                    runs once first), Dynamo's own first use in the process included
+                    runs once first), Dynamo's own first use in the process included; cold_dynamo_s its Dynamo share
     latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
                     alternating call by call (on CUDA each call is bracketed by torch.cuda.synchronize())
     speedup         eager latency / this backend's latency
@@ -508,19 +508,20 @@ def fmt(value, spec, width):
 
 def print_table(results):
     cold = any("cold_first_call_s" in row for r in results for row in r.get("backends", {}).values())
-    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'Dynamo s':>8} " + (f"{'cold first s':>12} " if cold else "")
+    header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'Dynamo s':>8} "
+              + (f"{'cold first s':>12} {'Dynamo s':>8} " if cold else "")
               + f"{'latency ms':>11} {'speedup':>8} {'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
-            print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>8} " + (f"{'':>12} " if cold else "")
+            print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>8} " + (f"{'':>12} {'':>8} " if cold else "")
                   + f"{'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
             speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
             print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} {fmt(row.get('dynamo_s'), '.3f', 8)} "
-                  + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} " if cold else "")
+                  + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} {fmt(row.get('cold_dynamo_s'), '.3f', 8)} " if cold else "")
                   + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
@@ -589,7 +590,7 @@ def cpu_name():
 def cold_first_call(name, backend, device):
     """The child of --cold: in this fresh process (fresh cache folders), eager runs once (the device, its
     libraries and the model warmed as any program's first eager call would), then `backend`'s first call is
-    timed, Dynamo's own first use in the process included. Prints 'cold <seconds>'."""
+    timed, Dynamo's own first use in the process included. Prints 'cold <seconds> <Dynamo's share or nan>'."""
     torch._dynamo.config.suppress_errors = False
     made = disable_inductor_caches()
     try:
@@ -600,15 +601,19 @@ def cold_first_call(name, backend, device):
             timed_call(model, inputs, device)
             fn = compile_with(model, backend)
             before_call(backend)
+            dynamo_before = dynamo_seconds()
             seconds, _ = timed_call(fn, inputs, device)
-        print(f"cold {seconds:.6f}", flush=True)
+            dynamo_after = dynamo_seconds()
+        dynamo = dynamo_after - dynamo_before if dynamo_after and dynamo_before is not None else float("nan")
+        print(f"cold {seconds:.6f} {dynamo:.6f}", flush=True)
     finally:
         shutil.rmtree(made, ignore_errors=True)
     return 0
 
 
 def cold_first_call_in_child(name, backend, args):
-    """Seconds of `backend`'s first call on workload `name` in a child process (cold_first_call), or None."""
+    """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in a child process
+    (cold_first_call), or None."""
     import subprocess
 
     command = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--cold-one", f"{name}:{backend}"]
@@ -621,7 +626,8 @@ def cold_first_call_in_child(name, backend, args):
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     for line in done.stdout.splitlines():
         if line.startswith("cold "):
-            return float(line.split()[1])
+            seconds, dynamo = (float(x) for x in line.split()[1:3])
+            return seconds, None if math.isnan(dynamo) else dynamo
     print(f"[harness] {name} {backend}: the fresh process failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
     return None
 
@@ -693,7 +699,9 @@ def main(argv=None):
         for r in results:
             for backend, row in r.get("backends", {}).items():
                 if backend != "eager" and "error" not in row:
-                    row["cold_first_call_s"] = cold_first_call_in_child(r["workload"], backend, args)
+                    cold = cold_first_call_in_child(r["workload"], backend, args)
+                    if cold is not None:
+                        row["cold_first_call_s"], row["cold_dynamo_s"] = cold
 
     print_table(results)
     write_json()
