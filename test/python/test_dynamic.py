@@ -147,7 +147,7 @@ def test_static_cache_decoding_writes_the_buffers_in_place(mode):
     """Prompt and decode steps against buffers the compiled graph writes in place (index_copy_ at positions
     read from a counter tensor it also advances): each step's logits, both buffers and the counter against
     eager's own; two graphs in all (the prompt's shape, the steps' shape). Under reduce-overhead the buffers
-    are marked static, as transformers marks them, and every step replays one CUDA graph."""
+    are marked static, as transformers marks them."""
     device = "cuda" if mode.startswith("cuda") else "cpu"
     torch.manual_seed(0)
     model = StaticCacheDecoder().to(device).eval()
