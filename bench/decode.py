@@ -3,11 +3,13 @@
     python bench/decode.py                                  # GPT-2 on CUDA where available, else the CPU
     python bench/decode.py --model hf_llama --device cpu --steps 32   # any bench/zoo.py causal LM
     python bench/decode.py --backends eager,ember,ember-ro --dtype bf16
+    python bench/decode.py --cache static
 
 What users of torch.compile run most: a prompt (prefill), then one call per generated token, each call
 reading a cache one position longer than the last. Dynamo sees a new length on the second decode step and
 recompiles with symbolic lengths (automatic dynamic shapes); from then on every step is that graph at a new
-size. Under reduce-overhead (the -ro backends) each new size is a new CUDA graph.
+size. Under reduce-overhead (the -ro backends) each new size is a new CUDA graph. With --cache static the
+cache is transformers' StaticCache instead: fixed-size buffers written in place, one shape for every step.
 
 Each compiled backend runs in a process of its own beside eager (a crash costs that backend only: inductor's
 reduce-overhead mode died with a segmentation fault under StaticCache on the H100), with bench/harness.py's
