@@ -378,6 +378,14 @@ def dynamo_seconds():
     return sum(metrics.get(_DYNAMO_WHOLE, ())) - sum(metrics.get(_DYNAMO_BACKEND, ()))
 
 
+def timed_first_call(fn, inputs, device):
+    """(seconds, output, Dynamo's share of the seconds or None) of one call: timed_call and dynamo_s."""
+    before = dynamo_seconds()
+    seconds, out = timed_call(fn, inputs, device)
+    after = dynamo_seconds()
+    return seconds, out, (after - before if after and before is not None else None)  # 0: no timers ran
+
+
 def compile_with(model, backend):
     """The callable to time for `backend`: the model itself for eager, else torch.compile's wrapper."""
     if backend == "eager":
@@ -450,11 +458,9 @@ def run_workload(w, device, backends, repeat, warmup):
             with grad_mode():
                 fn = compile_with(model, backend)
                 before_call(backend)
-                dynamo_before = dynamo_seconds()
-                row["first_call_s"], out = timed_call(fn, inputs, device)
-                dynamo_after = dynamo_seconds()
-                if backend != "eager" and dynamo_after and dynamo_before is not None:  # 0: the timers are gone
-                    row["dynamo_s"] = dynamo_after - dynamo_before
+                row["first_call_s"], out, dynamo = timed_first_call(fn, inputs, device)
+                if backend != "eager" and dynamo is not None:
+                    row["dynamo_s"] = dynamo
                 out = snapshot(out)
             if backend == "eager":
                 reference = out
@@ -601,11 +607,8 @@ def cold_first_call(name, backend, device):
             timed_call(model, inputs, device)
             fn = compile_with(model, backend)
             before_call(backend)
-            dynamo_before = dynamo_seconds()
-            seconds, _ = timed_call(fn, inputs, device)
-            dynamo_after = dynamo_seconds()
-        dynamo = dynamo_after - dynamo_before if dynamo_after and dynamo_before is not None else float("nan")
-        print(f"cold {seconds:.6f} {dynamo:.6f}", flush=True)
+            seconds, _, dynamo = timed_first_call(fn, inputs, device)
+        print(f"cold {seconds:.6f} {float('nan') if dynamo is None else dynamo:.6f}", flush=True)
     finally:
         shutil.rmtree(made, ignore_errors=True)
     return 0
