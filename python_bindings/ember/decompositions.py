@@ -12,6 +12,9 @@ Kept whole, and why:
   and ATen's CPU where is not vectorized: 245 vs 27 us for the 64x1024 ReLU gradient of the MLP step.)
 - Activations (silu, hardswish, mish), logsumexp, var/std(_mean), upsampling and pooling: the same
   reason.
+- alias_copy: the core table makes it an alias, and with detach (a no-op there) a scan's backward
+  combine graph then returned an alias of its input, which torch's scan rejects ("scan might be aliasing
+  the input or the output"; inductor fails the same way on torch 2.13). Kept, it is a copy through ATen.
 
 Replaced: on CUDA, embedding_dense_backward becomes ember::embedding_grad (kernels/embedding_grad_op.cpp: a
 zero table and one atomic index_add_) outside deterministic mode and without scale_grad_by_freq;
@@ -59,6 +62,7 @@ KEEP_WHOLE = (
     "adaptive_avg_pool2d.default",
     "max_pool2d.default",
     "_fused_rms_norm.default",
+    "alias_copy.default",
 )
 
 
