@@ -2,7 +2,8 @@
 //
 //   verify -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse                                     (passes)
-//          -> generate_kernels (one kernel per fusion group)                   (codegen)
+//          -> generate_kernels (one kernel per fusion group; a control flow node is a group of its own, its
+//             kernel running the subgraphs compiled before this graph)        (codegen)
 //          -> build_plan                                                       (runtime)
 //
 // Layout and memory planning join the list in their own passes. Each pass can be switched
@@ -10,6 +11,7 @@
 #include "ember/compiler.h"
 
 #include "ember/error.h"
+#include "ember/op_table.h"
 #include "kernels/cuda/driver.h"
 #include "kernels/kernels.h"
 #include "passes/passes.h"
@@ -85,6 +87,11 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   dump(options, "0_input.ir", print(graph));
   PassContext ctx{options};
   auto timings = run_passes(graph, default_passes(), ctx);
+  // Control flow nodes run as kernels of their own (runtime/control_flow.cpp): each a group of one.
+  int next_group = 0;
+  for (const auto& n : graph.nodes()) next_group = std::max(next_group, n->group + 1);
+  for (const auto& n : graph.nodes())
+    if (is_control_flow(n->op)) n->group = next_group++;
   auto t0 = Clock::now();
   std::string listing, declined;
   const cuda::CompileStats before = cuda::compile_stats();

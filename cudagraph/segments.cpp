@@ -108,6 +108,8 @@ class Splitter {
           return "writes " + name_of(value(buf)) + " in place, memory that is new on every call";
       }
     } else {
+      std::string why = step.kernel->why_not_captured();
+      if (!why.empty()) return why;
       *device_work = true;
     }
     for (const auto* list : {&reads, &writes})

@@ -3,6 +3,8 @@
 // call (kernels/cpu: oneDNN). A group a generator declines runs node by node through ATen.
 #include "kernels/kernels.h"
 
+#include "ember/op_table.h"
+
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/epilogue_group.h"
@@ -53,6 +55,13 @@ const Node* fold_batchnorm_node(const Graph& graph, int group) {
   return nullptr;
 }
 
+// The ember::cond / while_loop / scan node that makes up `group` on its own (compiler.cpp), or null.
+const Node* control_flow_node(const Graph& graph, int group) {
+  for (const auto& n : graph.nodes())
+    if (n->group == group) return is_control_flow(n->op) ? n.get() : nullptr;
+  return nullptr;
+}
+
 }  // namespace
 
 std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const CompileOptions& options,
@@ -70,6 +79,11 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
   parallel_for_each(groups.size(), [&](size_t i) {
     Result& r = results[i];
     try {
+      if (const Node* flow = control_flow_node(graph, groups[i])) {
+        r.listing = "group " + std::to_string(groups[i]) + ": " + flow->op + "\n";
+        r.kernel = make_control_flow_kernel(*flow, options.subgraphs);
+        return;
+      }
       if (const Node* fold = fold_batchnorm_node(graph, groups[i])) {
         r.listing = "group " + std::to_string(groups[i]) + ": fold_batchnorm\n";
         fold->for_each_input([&](const Value* v) { r.kernel.reads.push_back(v); });

@@ -16,6 +16,7 @@
 #include "ember/cudagraph.h"
 #include "ember/error.h"
 #include "ember/model.h"
+#include "ember/op_table.h"
 #include "kernels/cuda/driver.h"
 #include "python_bindings/training_graph.h"
 
@@ -234,8 +235,10 @@ py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vec
 
 std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
                                             std::vector<std::string> disabled_passes, std::string debug_dir,
-                                            std::string graph_name, std::vector<bool> cached_inputs) {
+                                            std::string graph_name, std::vector<bool> cached_inputs,
+                                            const std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& subgraphs) {
   CompileOptions options;
+  for (const auto& [name, g] : subgraphs) options.subgraphs.emplace(name, g);
   options.cached_inputs = std::move(cached_inputs);
   options.disabled_passes = std::move(disabled_passes);
   options.debug_dir = std::move(debug_dir);
@@ -287,15 +290,17 @@ PYBIND11_MODULE(_native, m) {
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("steps", [](const CompiledGraph& g) {
         // (kind, what) per step, ("kernel", description) / ("aten" or "prim", op name), an ember op run by its
-        // fast path (ember::linear_chain) as a kernel: the cached steps over parameters first (runtime.h), then
-        // the plan's.
+        // fast path (ember::linear_chain) as a kernel, control flow over subgraphs as ("control", description):
+        // the cached steps over parameters first (runtime.h), then the plan's.
         std::vector<std::pair<std::string, std::string>> out;
         std::vector<const Step*> all;
         for (const Step& s : g.plan().cached_steps) all.push_back(&s);
         for (const Step& s : g.plan().steps) all.push_back(&s);
         for (const Step* step : all) {
           const Step& s = *step;
-          if (s.kernel) out.emplace_back("kernel", s.kernel->describe());
+          if (s.kernel && s.node && is_control_flow(s.node->op))
+            out.emplace_back("control", s.kernel->describe());
+          else if (s.kernel) out.emplace_back("kernel", s.kernel->describe());
           else if (s.fast && s.node->op.rfind("ember::", 0) == 0) out.emplace_back("kernel", s.fast->describe());
           else out.emplace_back(s.op ? "aten" : "prim", s.node->op);
         }
@@ -303,7 +308,8 @@ PYBIND11_MODULE(_native, m) {
       });
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
-        py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{});
+        py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{},
+        py::arg("subgraphs") = std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
         py::arg("guarded") = false, py::arg("bump") = std::vector<uint32_t>{}, py::arg("training") = nullptr,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "

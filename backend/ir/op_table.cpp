@@ -67,6 +67,9 @@ constexpr const char* kCpuSyncOps[] = {
     "aten::unique_consecutive", "aten::_unique2", "aten::equal", "aten::is_nonzero",
 };
 
+// torch.cond, while_loop and scan (torch.ops.higher_order), their subgraphs compiled beside the graph.
+constexpr const char* kSubgraphOps[] = {"ember::cond", "ember::while_loop", "ember::scan"};
+
 bool listed(const char* const* begin, const char* const* end, const std::string& s) {
   for (auto it = begin; it != end; ++it)
     if (s == *it) return true;
@@ -78,6 +81,10 @@ std::unique_ptr<OpInfo> resolve(const std::string& name) {
   info->name = name;
   if (listed(std::begin(kPrimOps), std::end(kPrimOps), name)) {
     info->traits = kPrim | kCapturable;
+    return info;
+  }
+  if (listed(std::begin(kSubgraphOps), std::end(kSubgraphOps), name)) {
+    info->traits = kSubgraphs | kRandom;
     return info;
   }
   auto [base, overload] = split_op_name(name);
@@ -118,6 +125,10 @@ std::pair<std::string, std::string> split_op_name(const std::string& name) {
   size_t dot = name.find('.', ns == std::string::npos ? 0 : ns + 2);
   if (dot == std::string::npos) return {name, ""};
   return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+bool is_control_flow(const std::string& name) {
+  return listed(std::begin(kSubgraphOps), std::end(kSubgraphOps), name);
 }
 
 const OpInfo& op_info(const std::string& name) {

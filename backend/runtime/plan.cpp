@@ -264,6 +264,7 @@ class PlanBuilder {
         }
       }
     } else {
+      if (info.has(kSubgraphs)) fail(n.op + " runs only with the subgraphs it names, compiled with the graph");
       if (info.handle == nullptr) fail("no runtime implementation for " + n.op);
       step.op = info.handle;
       bind_schema(n, step);

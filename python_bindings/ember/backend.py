@@ -124,8 +124,9 @@ def compile_fx_graph(gm, config, kind, pinned=None):
 
     try:
         from . import _C
-        from .lower import lower
+        from .lower import inline_invoke_subgraphs, lower_graph
 
+        gm = inline_invoke_subgraphs(gm)
         if config.debug_dir:
             os.makedirs(config.debug_dir, exist_ok=True)
             with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
@@ -133,7 +134,7 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         if any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes):
             _hint_nvrtc()
         start = time.perf_counter()
-        ir, constants = lower(gm)
+        ir, constants, subgraphs = lower_graph(gm)
         lower_ms = (time.perf_counter() - start) * 1e3
         # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
         # norm's scale and shift) run once, and again only when a parameter changes.
@@ -142,7 +143,8 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         cached = []
         if kind == "inference" and os.environ.get("EMBER_PARAMETER_CACHE", "1") != "0":
             cached = pinned
-        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached)
+        subgraphs = _compile_subgraphs(subgraphs, config, graph_name)
+        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
         compiled._boxed_call = True
         if cached:
             compiled.cache_parameter_steps(cached)
@@ -157,6 +159,28 @@ def compile_fx_graph(gm, config, kind, pinned=None):
             raise EmberError(f"ember could not compile the {kind} graph: {e}") from e
         warnings.warn(f"ember could not compile the {kind} graph and runs it eagerly: {e}", stacklevel=2)
         return make_boxed_func(gm.forward)
+
+
+def _compile_subgraphs(subgraphs, config, prefix):
+    """{name: CompiledGraph} for the subgraphs a graph's control flow names (lower.py), each lowered and
+    compiled as a graph of its own, and its own control flow's subgraphs before it."""
+    from . import _C, report
+    from .lower import inline_invoke_subgraphs, lower_graph
+
+    compiled = {}
+    for name, sub in subgraphs.items():
+        sub = inline_invoke_subgraphs(sub)
+        graph_name = f"{prefix}_{name}"
+        if config.debug_dir:
+            with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
+                f.write(sub.print_readable(print_output=False))
+        start = time.perf_counter()
+        ir, constants, nested = lower_graph(sub)
+        lower_ms = (time.perf_counter() - start) * 1e3
+        nested = _compile_subgraphs(nested, config, graph_name)
+        compiled[name] = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, [], nested)
+        report.record_graph(graph_name, "subgraph", sub, compiled[name], lower_ms, ir)
+    return compiled
 
 
 def _pinned_inputs(gm, kind):

@@ -164,8 +164,13 @@ def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict
     if len(user_placeholders) != len(example_inputs):
         raise EmberError(f"ember.export: the exported program takes {len(user_placeholders)} inputs, "
                          f"example_inputs has {len(example_inputs)} (pass positional tensors only)")
-    lowering = _ExportLowering(gm, _lifted_tensors(ep), _user_outputs(ep))
+    from .lower import inline_invoke_subgraphs
+
+    lowering = _ExportLowering(inline_invoke_subgraphs(gm), _lifted_tensors(ep), _user_outputs(ep))
     ir, constants = lowering.run()
+    if lowering.subgraphs:
+        raise EmberError("ember.export: packages cannot hold control flow (torch.cond, while_loop, scan) yet; "
+                         f"the program has subgraphs {sorted(lowering.subgraphs)}")
     seconds["lower"] = time.perf_counter() - start
 
     meta = [("ember", __import__("ember").__version__), ("torch", torch.__version__),

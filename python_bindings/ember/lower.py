@@ -1,6 +1,10 @@
 """FX -> ember IR text, in one pass over the nodes of an AOTAutograd graph.
 
 Every node becomes one IR line (getitem on a multi-output op becomes a reference to that op's output).
+Control flow (torch.ops.higher_order.cond, while_loop, scan, map_impl) becomes an ember::cond / ember::while_loop /
+ember::scan line naming its subgraphs, which the caller lowers and compiles first (lower_graph returns them;
+backend/runtime/control_flow.cpp runs them); invoke_subgraph calls (torch.compiler.nested_compile_region) are
+inlined beforehand (inline_invoke_subgraphs).
 Every argument kind FX produces has a spelling in the IR text: value references, None, bools, ints,
 floats, strings, dtypes, devices, layouts, memory formats and lists of these. Anything else is an
 EmberError naming the node, so the caller can fall back instead of crashing.
@@ -92,6 +96,87 @@ def string_text(s):
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
+def _higher_order(name):
+    return getattr(torch.ops.higher_order, name, None)
+
+
+def _attribute(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def inline_invoke_subgraphs(gm):
+    """A GraphModule computing what `gm` computes with every invoke_subgraph call (a region marked with
+    torch.compiler.nested_compile_region) replaced by the subgraph's own nodes, nested calls too; `gm`
+    itself where there is none. `gm` is left as it was."""
+    invoke = _higher_order("invoke_subgraph")
+    if invoke is None or not any(n.op == "call_function" and n.target is invoke for n in gm.graph.nodes):
+        return gm
+    graph = torch.fx.Graph()
+    attributes = {}  # new attribute name -> object, for get_attr nodes copied out of subgraphs
+    env = {}
+
+    def copy_nodes(module, nodes, env, inputs):
+        """Copies `module`'s nodes into `graph` (placeholders bound to `inputs`); returns its output args."""
+        placeholders = iter(inputs or ())
+        for node in nodes:
+            if node.op == "placeholder" and inputs is not None:
+                env[node] = next(placeholders)
+            elif node.op == "output" and inputs is not None:
+                return torch.fx.node.map_arg(node.args[0], lambda n: env[n])
+            elif node.op == "get_attr":
+                name = node.target if module is gm else f"_inlined_{len(attributes)}_{node.target.replace('.', '_')}"
+                attributes[name] = _attribute(module, node.target)
+                env[node] = graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+            elif node.op == "call_function" and node.target is invoke:
+                sub = node.args[0]
+                if not (isinstance(sub, torch.fx.Node) and sub.op == "get_attr"):
+                    raise EmberError(f"node {node.name}: invoke_subgraph of something other than an attribute")
+                body = _attribute(module, sub.target)
+                operands = [torch.fx.node.map_arg(a, lambda n: env[n]) for a in node.args[2:]]
+                env[node] = ("inlined", copy_nodes(body, body.graph.nodes, {}, operands))
+            elif node.op == "call_function" and node.target is operator.getitem and isinstance(env.get(node.args[0]), tuple):
+                results = env[node.args[0]][1]
+                env[node] = results[node.args[1]]
+            else:
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        return None
+
+    copy_nodes(gm, gm.graph.nodes, env, None)
+    for node in graph.nodes:  # the subgraphs' own get_attr nodes, now unread
+        if node.op == "get_attr" and not node.users and isinstance(attributes.get(node.target), torch.fx.GraphModule):
+            graph.erase_node(node)
+    root = torch.nn.Module()
+    for name, obj in attributes.items():
+        if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
+            continue
+        module, _, leaf = name.rpartition(".")
+        holder = root
+        for part in module.split(".") if module else []:
+            if not hasattr(holder, part):
+                holder.add_module(part, torch.nn.Module())
+            holder = getattr(holder, part)
+        if isinstance(obj, torch.nn.Module):
+            holder.add_module(leaf, obj)
+        elif isinstance(obj, torch.nn.Parameter):
+            holder.register_parameter(leaf, obj)
+        elif isinstance(obj, torch.Tensor):
+            holder.register_buffer(leaf, obj)
+        else:
+            setattr(holder, leaf, obj)
+    inlined = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    inlined.meta = dict(getattr(gm, "meta", {}))
+    return inlined
+
+
+# Control flow ops (torch.ops.higher_order) lowered here; map_impl (torch._higher_order_ops.map) is a scan
+# without carries.
+_CONTROL_FLOW = ("cond", "while_loop", "scan", "map_impl")
+
+
 class _Lowering:
     def __init__(self, gm):
         self.gm = gm
@@ -99,6 +184,13 @@ class _Lowering:
         self.lines = []
         self.constants = {}
         self.inputs = []
+        self.subgraphs = {}  # attribute name -> GraphModule, for the control flow nodes' subgraphs
+        self.subgraph_nodes = {}  # get_attr fx.Node -> attribute name
+        self.control_flow = {}
+        for name in _CONTROL_FLOW:
+            op = _higher_order(name)
+            if op is not None:
+                self.control_flow[op] = name
 
     def value(self, node, where):
         name = self.names.get(node)
@@ -153,9 +245,10 @@ class _Lowering:
         self.inputs.append(self.decl(node.name, self.val_of(node)))
 
     def get_attr(self, node):
-        obj = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part)
+        obj = _attribute(self.gm, node.target)
+        if isinstance(obj, torch.fx.GraphModule):
+            self.subgraph_nodes[node] = node.target  # a control flow node's subgraph: no IR line of its own
+            return
         if not isinstance(obj, torch.Tensor):
             raise EmberError(f"node {node.name}: attribute {node.target} is a {type(obj).__name__}, not a tensor")
         self.constants[node.target] = obj
@@ -175,6 +268,8 @@ class _Lowering:
             return self.aten(node)
         if target is getattr(torch, "sym_sum", None):
             return self.sym_sum(node)
+        if target in self.control_flow:
+            return self.control_flow_call(node, self.control_flow[target])
         if target in _PRIMS:
             args = node.args
             if target is round:
@@ -200,6 +295,54 @@ class _Lowering:
             total = "%" + name
         self.names[node] = node.name
 
+    def subgraph(self, arg, node):
+        if arg not in self.subgraph_nodes:
+            raise EmberError(f"node {node.name}: a subgraph argument that is not a graph attribute")
+        name = self.subgraph_nodes[arg]
+        self.subgraphs[name] = _attribute(self.gm, name)
+        return string_text(name)
+
+    def control_flow_call(self, node, kind):
+        """ember::cond(pred, "true", "false", [operands]); ember::while_loop("cond", "body", [carried],
+        [additional]); ember::scan("combine", [init], [xs], [additional]); map as ember::scan("body", [], [xs],
+        [additional])."""
+        args = node.args
+        if kind == "cond":
+            pred, true_graph, false_graph, operands = args
+            parts = [self.literal(pred, node), self.subgraph(true_graph, node), self.subgraph(false_graph, node),
+                     self.literal(list(operands), node)]
+        elif kind == "while_loop":
+            if node.kwargs.get("mutated_arg_indices") or len(args) != 4:
+                raise EmberError(f"node {node.name}: a while_loop that writes its inputs is not supported")
+            cond_graph, body_graph, carried, additional = args
+            parts = [self.subgraph(cond_graph, node), self.subgraph(body_graph, node),
+                     self.literal(list(carried), node), self.literal(list(additional), node)]
+        elif kind == "map_impl":
+            if node.kwargs or len(args) != 3:
+                raise EmberError(f"node {node.name}: map with arguments {list(node.kwargs)} is not supported")
+            body, xs, additional = args
+            kind = "scan"
+            parts = [self.subgraph(body, node), "[]", self.literal(list(xs), node), self.literal(list(additional), node)]
+        else:
+            if node.kwargs or len(args) != 4:
+                raise EmberError(f"node {node.name}: scan with arguments {list(node.kwargs)} is not supported")
+            combine, init, xs, additional = args
+            parts = [self.subgraph(combine, node), self.literal(list(init), node), self.literal(list(xs), node),
+                     self.literal(list(additional), node)]
+        vals = self.val_of(node)
+        vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
+        self.declare_outputs(node, vals, f"ember::{kind}({', '.join(parts)})")
+
+    def declare_outputs(self, node, vals, call):
+        """One line defining a value per output, named after the getitem that reads it, if any."""
+        names = [f"{node.name}_{i}" for i in range(len(vals))]
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+                names[user.args[1]] = user.name
+        self.names[node] = names
+        decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
+        self.lines.append(f"  {decls} = {call}")
+
     def aten(self, node):
         schema = node.target._schema
         returns = schema.returns
@@ -216,14 +359,7 @@ class _Lowering:
             self.lines.append(f"  {self.decl(node.name, val)} = {call}")
             return
         # Several outputs (or one list): name each after the getitem that reads it, if any.
-        vals = list(val)
-        names = [f"{node.name}_{i}" for i in range(len(vals))]
-        for user in node.users:
-            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
-                names[user.args[1]] = user.name
-        self.names[node] = names
-        decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
-        self.lines.append(f"  {decls} = {call}")
+        self.declare_outputs(node, list(val), call)
 
     def getitem(self, node):
         source, index = node.args
@@ -249,6 +385,17 @@ class _Lowering:
         return "\n".join([header, *self.lines]) + "\n", self.constants
 
 
+def lower_graph(gm):
+    """Returns (IR text, {constant name: tensor}, {subgraph name: GraphModule}) for an AOTAutograd FX graph
+    module: the subgraphs its control flow nodes name, each to be lowered and compiled before it."""
+    lowering = _Lowering(gm)
+    ir, constants = lowering.run()
+    return ir, constants, lowering.subgraphs
+
+
 def lower(gm):
-    """Returns (IR text, {constant name: tensor}) for an AOTAutograd FX graph module."""
-    return _Lowering(gm).run()
+    """Returns (IR text, {constant name: tensor}) for an AOTAutograd FX graph module without control flow."""
+    ir, constants, subgraphs = lower_graph(gm)
+    if subgraphs:
+        raise EmberError(f"the graph has control flow over subgraphs {sorted(subgraphs)}: use lower_graph")
+    return ir, constants

@@ -56,6 +56,11 @@ class GraphReport:
     def aten_ops(self):
         return collections.Counter(what for kind, what in self.steps if kind == "aten")
 
+    @property
+    def control_flow(self):
+        """torch.cond / while_loop / scan steps, each running subgraphs compiled as graphs of their own."""
+        return [what for kind, what in self.steps if kind == "control"]
+
 
 class ExplainReport:
     def __init__(self):
@@ -67,12 +72,18 @@ class ExplainReport:
         self.backend_s = 0.0  # inside ember's compilers
 
     def __str__(self):
-        lines = [f"ember.explain: {len(self.graphs)} graph(s) compiled, {len(self.fallbacks)} fell back to eager"]
+        subgraphs = sum(1 for g in self.graphs if g.kind == "subgraph")
+        lines = [f"ember.explain: {len(self.graphs) - subgraphs} graph(s) compiled"
+                 + (f" (and {subgraphs} control flow subgraph(s))" if subgraphs else "")
+                 + f", {len(self.fallbacks)} fell back to eager"]
         for g in self.graphs:
             aten = g.aten_ops
             onednn = f"{len(g.onednn)} oneDNN call(s), " if g.onednn else ""
+            control = f"{len(g.control_flow)} control flow step(s), " if g.control_flow else ""
             lines.append(f"- {g.name}: {g.fx_nodes} FX nodes -> {len(g.steps)} steps: {len(g.kernels)} fused kernel(s), "
-                         f"{onednn}{sum(aten.values())} ATen call(s)")
+                         f"{control}{onednn}{sum(aten.values())} ATen call(s)")
+            for k in g.control_flow:
+                lines.append(f"    control {k}")
             for k in g.kernels:
                 lines.append(f"    kernel  {k}")
             for k in g.onednn:

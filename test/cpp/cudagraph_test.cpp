@@ -160,5 +160,29 @@ TEST(CudaGraphSegments, DescribeNamesEveryPart) {
   EXPECT_NE(text.find("steps 1-1: eager: step 1 aten::_local_scalar_dense"), std::string::npos) << text;
 }
 
+TEST(CudaGraphSegments, ControlFlowRunsBetweenCapturedParts) {
+  // The cond's predicate is read on the host: its step runs eagerly, the work around it is captured.
+  CompileOptions sub;
+  sub.disabled_passes = {"fuse"};
+  const char* branch =
+      "graph(%a: f32[8, 16]{16, 1}@cuda:0):\n"
+      "  %y: f32[8, 16]{16, 1}@cuda:0 = aten::sin(%a)\n"
+      "  return (%y)\n";
+  CompileOptions options;
+  options.disabled_passes = {"fuse"};
+  options.subgraphs = {{"t", compile(parse(branch), {}, sub)}, {"f", compile(parse(branch), {}, sub)}};
+  auto graph = compile(parse("graph(%x: f32[8, 16]{16, 1}@cuda:0):\n"
+                             "  %a: f32[8, 16]{16, 1}@cuda:0 = aten::exp(%x)\n"
+                             "  %s: f32[]{}@cuda:0 = aten::sum(%a)\n"
+                             "  %p: b8[]{}@cuda:0 = aten::gt.Scalar(%s, 1)\n"
+                             "  %c: f32[8, 16]{16, 1}@cuda:0 = ember::cond(%p, \"t\", \"f\", [%a])\n"
+                             "  %r: f32[8, 16]{16, 1}@cuda:0 = aten::relu(%c)\n"
+                             "  return (%r)\n"),
+                       {}, options);
+  Segmentation seg = split_plan(graph->plan(), std::vector<bool>(1, false));
+  EXPECT_EQ(shape(seg), "C0-2 E3-3 C4-4");
+  EXPECT_NE(seg.parts[1].why.find("control flow (cond)"), std::string::npos) << seg.parts[1].why;
+}
+
 }  // namespace
 }  // namespace ember::cudagraph

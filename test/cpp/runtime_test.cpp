@@ -312,6 +312,92 @@ TEST(Runtime, ClearErrorsForBadGraphsAndInputs) {
   }
 }
 
+// torch.cond / while_loop / scan: subgraphs compiled first, named by the control flow node (with fusion on,
+// as the backend compiles them), run by its kernel step on each call's values.
+std::shared_ptr<CompiledGraph> compile_with(const std::string& text, const Subgraphs& subgraphs) {
+  CompileOptions options;
+  options.subgraphs = subgraphs;
+  return compile(parse(text), {}, options);
+}
+
+TEST(Runtime, CondRunsTheBranchItsPredicatePicks) {
+  Subgraphs subs = {
+      {"t", compile_with("graph(%a: f32[5, 7]{7, 1}@cpu, %b: f32[7]{1}@cpu):\n"
+                         "  %s: f32[5, 7]{7, 1}@cpu = aten::sin(%a)\n"
+                         "  %y: f32[5, 7]{7, 1}@cpu = aten::add.Tensor(%s, %b)\n"
+                         "  return (%y)\n", {})},
+      {"f", compile_with("graph(%a: f32[5, 7]{7, 1}@cpu, %b: f32[7]{1}@cpu):\n"
+                         "  %y: f32[5, 7]{7, 1}@cpu = aten::mul.Tensor(%a, %b)\n"
+                         "  return (%y)\n", {})}};
+  auto g = compile_with(
+      "graph(%x: f32[5, 7]{7, 1}@cpu, %b: f32[7]{1}@cpu):\n"
+      "  %s: f32[]{}@cpu = aten::sum(%x)\n"
+      "  %p: b8[]{}@cpu = aten::gt.Scalar(%s, 0)\n"
+      "  %c: f32[5, 7]{7, 1}@cpu = ember::cond(%p, \"t\", \"f\", [%x, %b])\n"
+      "  %r: f32[5, 7]{7, 1}@cpu = aten::mul.Tensor(%c, 2)\n"
+      "  return (%r)\n",
+      subs);
+  for (double sign : {1.0, -1.0}) {
+    at::Tensor x = (at::rand({5, 7}) + 0.1) * sign, b = at::randn({7});
+    at::Tensor want = sign > 0 ? (x.sin() + b) * 2 : x * b * 2;
+    EXPECT_TRUE(at::allclose(t(g->run({x, b})[0]), want, 1e-5, 1e-6)) << "sign " << sign;
+  }
+  // Without its subgraphs the node cannot run: a clear error at compile time, naming the op.
+  try {
+    compile_with("graph(%p: b8[]{}@cpu, %x: f32[3]{1}@cpu):\n"
+                 "  %y: f32[3]{1}@cpu = ember::cond(%p, \"t\", \"f\", [%x])\n"
+                 "  return (%y)\n", {});
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ember::cond runs only with the subgraphs"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Runtime, WhileLoopAndScanRunTheirBodiesOnTheHost) {
+  Subgraphs loop = {
+      {"c", compile_with("graph(%i: i64[]{}@cpu, %y: f32[4]{1}@cpu, %n: i64[]{}@cpu):\n"
+                         "  %p: b8[]{}@cpu = aten::lt.Tensor(%i, %n)\n"
+                         "  return (%p)\n", {})},
+      {"b", compile_with("graph(%i: i64[]{}@cpu, %y: f32[4]{1}@cpu, %n: i64[]{}@cpu):\n"
+                         "  %j: i64[]{}@cpu = aten::add.Tensor(%i, 1)\n"
+                         "  %z: f32[4]{1}@cpu = aten::cos(%y)\n"
+                         "  return (%j, %z)\n", {})}};
+  auto w = compile_with(
+      "graph(%i: i64[]{}@cpu, %y: f32[4]{1}@cpu, %n: i64[]{}@cpu):\n"
+      "  %k: i64[]{}@cpu, %z: f32[4]{1}@cpu = ember::while_loop(\"c\", \"b\", [%i, %y], [%n])\n"
+      "  return (%k, %z)\n",
+      loop);
+  at::Tensor y = at::randn({4});
+  for (int64_t n : {0, 1, 5}) {
+    auto out = w->run({at::zeros({}, at::kLong), y, at::full({}, n, at::kLong)});
+    at::Tensor want = y;
+    for (int64_t k = 0; k < n; ++k) want = want.cos();
+    EXPECT_EQ(t(out[0]).item<int64_t>(), n);
+    EXPECT_TRUE(at::allclose(t(out[1]), want, 1e-6, 1e-6)) << n << " steps";
+  }
+
+  Subgraphs combine = {{"f", compile_with("graph(%h: f32[3]{1}@cpu, %x: f32[3]{1}@cpu, %w: f32[3]{1}@cpu):\n"
+                                          "  %m: f32[3]{1}@cpu = aten::mul.Tensor(%h, %w)\n"
+                                          "  %n: f32[3]{1}@cpu = aten::add.Tensor(%m, %x)\n"
+                                          "  %s: f32[]{}@cpu = aten::sum(%n)\n"
+                                          "  return (%n, %s)\n", {})}};
+  auto s = compile_with(
+      "graph(%h: f32[3]{1}@cpu, %xs: f32[6, 3]{3, 1}@cpu, %w: f32[3]{1}@cpu):\n"
+      "  %last: f32[3]{1}@cpu, %ys: f32[6]{1}@cpu = ember::scan(\"f\", [%h], [%xs], [%w])\n"
+      "  return (%last, %ys)\n",
+      combine);
+  at::Tensor h = at::randn({3}), xs = at::randn({6, 3}), wv = at::randn({3});
+  auto out = s->run({h, xs, wv});
+  at::Tensor carry = h;
+  std::vector<at::Tensor> ys;
+  for (int64_t i = 0; i < 6; ++i) {
+    carry = carry * wv + xs[i];
+    ys.push_back(carry.sum());
+  }
+  EXPECT_TRUE(at::allclose(t(out[0]), carry, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(t(out[1]), at::stack(ys), 1e-5, 1e-6));
+}
+
 TEST(Runtime, RandomOpsDrawFreshNumbersEachCall) {
   auto g = compile_text(
       "graph(%x: f32[1000]{1}@cpu):\n"

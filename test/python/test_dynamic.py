@@ -248,24 +248,27 @@ def test_dynamic_python_math_supported(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_cond_falls_back_to_eager_with_one_warning(device):
-    """Higher-order ops (torch.cond) are not lowered yet: the graph runs eagerly, with a warning that
+def test_unsupported_higher_order_op_falls_back_to_eager_with_one_warning(device):
+    """A higher-order op ember does not lower (flex_attention) makes the graph run eagerly, with a warning that
     names the node, and gives eager's results; fallback="raise" raises EmberError instead."""
-    def fn(x):
-        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,)) * 2
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (qi - ki)) * 2
 
     compiled = torch.compile(fn, backend="ember")
-    for x in (torch.ones(4, device=device), -torch.ones(4, device=device)):
+    for _ in range(2):
+        q, k, v = (torch.randn(1, 2, 16, 8, device=device) for _ in range(3))
         with pytest.warns(UserWarning, match="ember could not compile"):
-            out = compiled(x)
-        torch.testing.assert_close(out, fn(x))
+            out = compiled(q, k, v)
+        torch.testing.assert_close(out, fn(q, k, v))
         torch._dynamo.reset()
     with pytest.raises(Exception) as info:  # Dynamo wraps it in BackendCompilerFailed
-        compile_ember(fn)(torch.ones(4, device=device))
+        compile_ember(fn)(q, k, v)
     cause = info.value
     while cause is not None and not isinstance(cause, ember.EmberError):
         cause = cause.__cause__ or getattr(cause, "inner_exception", None)
-    assert isinstance(cause, ember.EmberError) and "true_graph_0" in str(cause), info.value
+    assert isinstance(cause, ember.EmberError) and "flex_attention" in str(cause), info.value
 
 
 # ---------------------------------------------------------------------------------------------------

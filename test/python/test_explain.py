@@ -1,5 +1,7 @@
 """ember.explain reports graphs, fused kernels, ATen calls, fallbacks and the compile-time split."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -39,13 +41,25 @@ def test_explain_training_graphs_and_fused_kernels():
 
 
 def test_explain_lists_fallbacks():
-    def fn(x):
-        return torch.cond(x.sum() > 0, lambda x: x.sin(), lambda x: x.cos(), (x,)) * 2
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def fn(q):
+        return flex_attention(q, q, q) * 2
 
     with pytest.warns(UserWarning, match="ember could not compile"):
-        report = ember.explain(fn)(torch.ones(4))
-    assert report.fallbacks and "true_graph_0" in report.fallbacks[0][1]
+        report = ember.explain(fn)(torch.randn(1, 2, 16, 8))
+    assert report.fallbacks and "flex_attention" in report.fallbacks[0][1]
     assert "ran eagerly" in str(report)
+
+
+def test_explain_lists_control_flow_and_its_subgraphs():
+    def fn(x):
+        return torch.cond(x.sum() > 0, lambda x: (x.sin() * 2).exp(), lambda x: x.cos(), (x,)) * 2
+
+    text = str(ember.explain(fn, options={"fallback": "raise"})(torch.randn(4, 8)))
+    assert "1 graph(s) compiled (and 2 control flow subgraph(s))" in text, text
+    assert "control cond (true: 1 step, false: 1 step)" in text, text
+    assert re.search(r"g\d+_inference_true_graph_0: ", text) and "cpu fused group" in text, text
 
 
 @pytest.mark.parametrize("device", DEVICES)

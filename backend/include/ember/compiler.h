@@ -27,6 +27,9 @@ struct CompileOptions {
   // CompiledGraph::cache_parameter_steps, which the caller applies after compiling). Passes may then move
   // work on those inputs into steps of their own (bn_pointwise: a batch norm's per-channel scale and shift).
   std::vector<bool> cached_inputs;
+  // The subgraphs this graph's control flow nodes name (torch.cond's branches, a while_loop's condition and
+  // body, a scan's combine function), each compiled before this graph, by the name the node gives.
+  Subgraphs subgraphs;
 };
 
 struct PassContext {

@@ -28,6 +28,9 @@ enum OpTrait : uint32_t {
   kPrim = 1u << 9,         // an ember primitive executed by the runtime itself
   kFusible = 1u << 10,     // ember's kernels implement it: pointwise, or a reduction over the last dim
   kCpuKeepAten = 1u << 11, // fusible, but on the CPU ATen's kernel (oneDNN JIT, MKL VML) is faster
+  kSubgraphs = 1u << 12,   // control flow over compiled subgraphs (ember::cond, while_loop, scan): runs
+                           // as its own kernel step (runtime/control_flow.cpp), never captured, never
+                           // merged or folded (its branches may draw random numbers: kRandom too)
 };
 
 struct OpInfo {
@@ -46,6 +49,9 @@ struct OpInfo {
 
 // Throws ember::Error naming the op when neither the dispatcher nor ember knows it.
 const OpInfo& op_info(const std::string& name);
+
+// Whether `name` is control flow over subgraphs (kSubgraphs: ember::cond, ember::while_loop, ember::scan).
+bool is_control_flow(const std::string& name);
 
 // Splits "aten::add.Tensor" into ("aten::add", "Tensor"); a missing overload is "".
 std::pair<std::string, std::string> split_op_name(const std::string& name);

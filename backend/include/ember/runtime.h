@@ -51,6 +51,8 @@ class Kernel {
   virtual void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
                    const std::vector<uint32_t>& writes) const = 0;
   virtual std::string describe() const = 0;
+  // Why reduce-overhead mode must run this kernel's step outside CUDA graphs; empty: it may be captured.
+  virtual std::string why_not_captured() const { return {}; }
 };
 
 // What code generation hands the plan for one fusion group: the kernel and the values it reads and writes.
@@ -235,6 +237,13 @@ size_t fold_constant_steps(Plan& plan);
 size_t hoist_parameter_steps(Plan& plan, const std::vector<bool>& pinned);
 // One step over the buffer table, as CompiledGraph::execute runs it; `stack` is scratch.
 void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack);
+
+// The compiled subgraphs a graph's control flow nodes name (CompileOptions::subgraphs).
+using Subgraphs = std::unordered_map<std::string, std::shared_ptr<const CompiledGraph>>;
+// The kernel of one ember::cond / ember::while_loop / ember::scan node (runtime/control_flow.cpp): reads
+// its operands, runs the subgraphs it names from `subgraphs`, writes its outputs. Throws ember::Error where
+// a subgraph is missing or does not fit the call.
+GroupKernel make_control_flow_kernel(const Node& n, const Subgraphs& subgraphs);
 
 // Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind
 // (unknown op, argument that does not fit the schema, missing constant).
