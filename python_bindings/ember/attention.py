@@ -22,6 +22,7 @@ eager passes none and is_causal; a mask costs the kernel its mask-free path (H10
 attention 131 us per layer with BERT's mask as a bias, 71 without).
 """
 
+import math
 import operator
 import os
 
@@ -267,3 +268,89 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
                                                         scale=scale)[0]
     return aten._scaled_dot_product_efficient_attention(query, key, value, bias, needs_grad, 0.0, is_causal,
                                                         scale=scale)[0]
+
+
+# ---- flex_attention (torch.nn.attention.flex_attention) ---------------------------------------------------------
+#
+# Dynamo keeps a flex_attention call whole, as the higher-order op with its score_mod and mask_mod graphs, for
+# inductor to turn into one kernel. ember has no such kernel: each call becomes `dense_flex_attention` in the
+# Dynamo graph, which AOTAutograd then traces into ATen ops (forward and backward): the scores materialized as
+# eager's flex_attention does outside torch.compile, score_mod and mask_mod applied over every (batch, head,
+# query, key) position through torch.vmap, fully masked rows giving zeros. The pointwise score_mod, the mask and
+# the softmax land in ember's fused kernels; the two matmuls stay library calls. Block sparsity is not used: the
+# mask_mod is evaluated everywhere, which gives the same result for every BlockMask made by create_block_mask.
+
+
+def _flex_hop():
+    return getattr(torch.ops.higher_order, "flex_attention", None)
+
+
+def _over_bhmn(fn, leading, trailing):
+    """fn(*leading_args, b, h, m, n, *trailing_args) mapped over every (b, h, m, n) index: one vmap per index,
+    the innermost over n. `leading` / `trailing`: the vmap in_dims of the other arguments (0: mapped with the
+    indices, as the scores are; None: passed whole, as captured buffers are)."""
+    for axis in (3, 2, 1, 0):
+        indices = tuple(0 if i == axis else None for i in range(4))
+        fn = torch.vmap(fn, in_dims=(*leading, *indices, *trailing))
+    return fn
+
+
+def _like_strides(out, like):
+    """`out` ([B, H, L, E], contiguous) laid out in memory in the dimension order of `like`'s strides, as
+    flex_attention returns it: a query made by transposing [B, L, H, E] gives an output whose transpose back
+    is a view."""
+    order = sorted(range(out.dim()), key=lambda d: -like.stride(d))
+    if order == list(range(out.dim())):
+        return out
+    inverse = [order.index(d) for d in range(out.dim())]
+    return out.permute(order).contiguous().permute(inverse)
+
+
+def dense_flex_attention(query, key, value, score_mod, block_mask, scale, kernel_options,
+                         score_mod_other_buffers=(), mask_mod_other_buffers=(), outputs=3):
+    """The flex_attention higher-order op's results from ATen ops: (output, logsumexp / ln 2[, max / ln 2]) (the
+    op reports base-2 statistics, which its Python wrapper scales back)."""
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+
+    groups = query.size(1) // key.size(1)
+    if groups > 1:  # grouped-query attention: each key / value head serves `groups` query heads
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    key = key.expand(query.size(0), *key.shape[1:])
+    value = value.expand(query.size(0), *value.shape[1:])
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = (query.to(work) @ key.to(work).transpose(-2, -1)) * scale
+    b, h, m, n = (torch.arange(size, device=scores.device) for size in scores.shape)
+    mask_mod = block_mask[-1]
+    with TransformGetItemToIndex():  # score_mod's bias[h] indexing with a batched index
+        keep = _over_bhmn(mask_mod, (), (None,) * len(mask_mod_other_buffers))(b, h, m, n, *mask_mod_other_buffers)
+        modded = _over_bhmn(score_mod, (0,), (None,) * len(score_mod_other_buffers))(
+            scores, b, h, m, n, *score_mod_other_buffers)
+    scores = torch.where(keep, modded, torch.tensor(float("-inf"), dtype=work, device=scores.device))
+    empty = (scores == float("-inf")).all(dim=-1)  # rows the mask removes whole: zeros out, -inf statistics
+    lse = torch.where(empty, float("-inf"), scores.logsumexp(dim=-1))
+    out = torch._safe_softmax(scores, dim=-1).to(query.dtype) @ value.to(query.dtype)
+    results = (_like_strides(out, query), lse / math.log(2))
+    if outputs > 2:
+        results += (scores.amax(dim=-1) / math.log(2),)
+    return results
+
+
+def densify_flex_attention(gm):
+    """Replaces each flex_attention call of a Dynamo graph by dense_flex_attention; returns how many."""
+    hop = _flex_hop()
+    replaced = 0
+    for node in list(gm.graph.nodes):
+        if hop is None or node.op != "call_function" or node.target is not hop:
+            continue
+        value = node.meta.get("example_value")
+        outputs = len(value) if isinstance(value, (tuple, list)) else 3
+        with gm.graph.inserting_before(node):
+            dense = gm.graph.call_function(dense_flex_attention, node.args, {**node.kwargs, "outputs": outputs})
+        dense.meta = dict(node.meta)
+        node.replace_all_uses_with(dense)
+        gm.graph.erase_node(node)
+        replaced += 1
+    if replaced:
+        gm.recompile()
+    return replaced

@@ -547,6 +547,11 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         from .attention import simplify_masks
 
         report.record_masks(*simplify_masks(gm))  # constant masks that mask nothing, or are causal (attention.py)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None and any(n.target is flex for n in gm.graph.nodes):
+        from .attention import densify_flex_attention
+
+        densify_flex_attention(gm)  # flex_attention as ATen ops AOTAutograd traces (see attention.py)
     if os.environ.get("EMBER_FUSED_ATTENTION", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from .attention import route_attention
 
