@@ -514,7 +514,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
     from .decompositions import decomposition_table
 
-    if any(getattr(x, "is_cuda", False) for x in example_inputs):
+    if _NVRTC_WARM_UP and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
@@ -579,6 +579,11 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
     return direct if direct is not None else compiled_fn
 
 
+# EMBER_NVRTC_WARMUP=0: NVRTC starts at the first kernel compile instead (for measuring what the warm-up's
+# overlap with the tracing gains).
+_NVRTC_WARM_UP = os.environ.get("EMBER_NVRTC_WARMUP", "1") != "0"
+
+
 def _warm_up_if_cuda_in_use():
     """torch.compile(..., backend="ember") imports this module (the entry point) before the first call is
     traced. Where the process already uses CUDA, NVRTC's first use starts now, on a thread of its own, and
@@ -586,7 +591,7 @@ def _warm_up_if_cuda_in_use():
     import sys
 
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    if _NVRTC_WARM_UP and torch is not None and torch.cuda.is_initialized():
         from . import _C
 
         _C.warm_up_cuda_compiler()
