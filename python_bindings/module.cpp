@@ -352,14 +352,15 @@ PYBIND11_MODULE(_native, m) {
   // ---- deployment packages (ember.export / ember.load): the same C++ a deployed app calls.
   m.def("export_package",
         [](const std::string& path, const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
-           std::vector<std::pair<std::string, std::string>> meta, std::vector<std::string> disabled_passes) {
+           std::vector<std::pair<std::string, std::string>> meta, std::vector<std::string> disabled_passes,
+           const package::GraphTexts& subgraphs) {
           CompileOptions options;
           options.disabled_passes = std::move(disabled_passes);
           options.graph_name = "export";
           package::ExportResult r;
           {
             py::gil_scoped_release no_gil;
-            r = package::export_package(path, ir, constants, std::move(meta), options);
+            r = package::export_package(path, ir, constants, std::move(meta), options, subgraphs);
           }
           py::dict info;
           info["bytes"] = r.bytes;
@@ -368,7 +369,8 @@ PYBIND11_MODULE(_native, m) {
           info["num_steps"] = r.compiled->plan().steps.size();
           return info;
         },
-        py::arg("path"), py::arg("ir"), py::arg("constants"), py::arg("meta"), py::arg("disabled_passes"));
+        py::arg("path"), py::arg("ir"), py::arg("constants"), py::arg("meta"), py::arg("disabled_passes"),
+        py::arg("subgraphs") = package::GraphTexts{});
   py::class_<Model>(m, "Model")
       .def("run",
            [](const Model& model, const std::vector<at::Tensor>& inputs) {

@@ -9,6 +9,7 @@
 
 #include "ember/cudagraph.h"
 
+#include "backend/package/export.h"
 #include "backend/package/format.h"
 #include "ember/compiler.h"
 #include "kernels/cuda/driver.h"
@@ -205,17 +206,28 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
   }
   state->device = device;
 
-  Graph graph = parse(std::string(view.ir));
-  if (exported != device && exported.is_cuda()) retarget(graph, exported, device);
+  // The graph, then the control flow subgraphs its IR section carries (package/export.h).
+  auto [graph_text, subgraph_texts] = package::split_graphs(std::string(view.ir));
+  Graph graph = parse(graph_text);
+  std::vector<std::pair<std::string, Graph>> subgraphs;
+  for (const auto& [path, text] : subgraph_texts) subgraphs.emplace_back(path, parse(text));
+  if (exported != device && exported.is_cuda()) {
+    retarget(graph, exported, device);
+    for (auto& [path, sub] : subgraphs) retarget(sub, exported, device);
+  }
 
   // Each weight goes where the IR declares it: CPU ones (and CPU scalars in a CUDA graph) are read in
   // place from the mapping, which each of them keeps alive; the others are copied to the device once,
   // and the mapping goes when load() returns unless a CPU weight still reads from it.
   std::unordered_map<std::string, c10::Device> declared;
-  for (const auto& n : graph.nodes())
-    if (n->op == "prim::constant" && n->args.size() == 1 && n->args[0].kind == Arg::Kind::String &&
-        n->outputs.size() == 1 && n->outputs[0]->type.is_tensor())
-      declared.emplace(n->args[0].s, n->outputs[0]->type.tensor.device);
+  auto declare = [&](const Graph& g) {
+    for (const auto& n : g.nodes())
+      if (n->op == "prim::constant" && n->args.size() == 1 && n->args[0].kind == Arg::Kind::String &&
+          n->outputs.size() == 1 && n->outputs[0]->type.is_tensor())
+        declared.emplace(n->args[0].s, n->outputs[0]->type.tensor.device);
+  };
+  declare(graph);
+  for (const auto& [path, sub] : subgraphs) declare(sub);
   std::unordered_map<std::string, at::Tensor> constants;
   for (const package::ConstantEntry& e : view.constants) {
     void* ptr = const_cast<uint8_t*>(view.data + e.offset);
@@ -289,6 +301,7 @@ std::shared_ptr<Model::State> load_state(std::shared_ptr<const void> owner, size
   compile_options.kernel_images = std::make_shared<cuda::ImageStore>();
   for (cuda::KernelImage& k : view.kernels) compile_options.kernel_images->add(std::move(k));
   try {
+    compile_options.subgraphs = package::compile_subgraphs(std::move(subgraphs), constants, compile_options);
     state->graph = compile(std::move(graph), constants, compile_options);
   } catch (const Error& e) {
     throw Error(std::string("ember::load: the package's graph does not compile here: ") + e.what());

@@ -17,7 +17,7 @@ import time
 import warnings
 
 from .errors import EmberError
-from .lower import _Lowering, string_text, type_text
+from .lower import _Lowering, inline_invoke_subgraphs, string_text, type_text
 
 
 class _ExportLowering(_Lowering):
@@ -51,6 +51,21 @@ class _ExportLowering(_Lowering):
             if not (hasattr(o, "meta") and isinstance(o.meta.get("val"), torch.Tensor)):
                 raise EmberError(f"output {o} is not a tensor; ember.export returns tensors only")
         self.lines.append("  return (" + ", ".join(self.literal(o, node) for o in outs) + ")")
+
+
+def _lower_subgraphs(subgraphs, prefix, constants):
+    """[(path, IR text)] for the control flow subgraphs of a lowered graph and theirs (backend/package/export.h:
+    a subgraph's path is its name, a nested one's its parent's path, '/', its name); their constants are added
+    to `constants` under "<path>/" names."""
+    lowered = []
+    for name, sub in subgraphs.items():
+        path = prefix + name
+        lowering = _Lowering(inline_invoke_subgraphs(sub), constant_prefix=path + "/")
+        ir, sub_constants = lowering.run()
+        constants.update(sub_constants)
+        lowered.append((path, ir))
+        lowered += _lower_subgraphs(lowering.subgraphs, path + "/", constants)
+    return lowered
 
 
 def _device_of(example_inputs, device):
@@ -164,13 +179,9 @@ def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict
     if len(user_placeholders) != len(example_inputs):
         raise EmberError(f"ember.export: the exported program takes {len(user_placeholders)} inputs, "
                          f"example_inputs has {len(example_inputs)} (pass positional tensors only)")
-    from .lower import inline_invoke_subgraphs
-
     lowering = _ExportLowering(inline_invoke_subgraphs(gm), _lifted_tensors(ep), _user_outputs(ep))
     ir, constants = lowering.run()
-    if lowering.subgraphs:
-        raise EmberError("ember.export: packages cannot hold control flow (torch.cond, while_loop, scan) yet; "
-                         f"the program has subgraphs {sorted(lowering.subgraphs)}")
+    subgraphs = _lower_subgraphs(lowering.subgraphs, "", constants)
     seconds["lower"] = time.perf_counter() - start
 
     meta = [("ember", __import__("ember").__version__), ("torch", torch.__version__),
@@ -180,7 +191,7 @@ def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict
     if device.type == "cuda":
         _hint_nvrtc()
     start = time.perf_counter()
-    info = _C.export_package(str(path), ir, constants, meta, list(disable_passes))
+    info = _C.export_package(str(path), ir, constants, meta, list(disable_passes), subgraphs)
     seconds["compile+write"] = time.perf_counter() - start
     info["seconds"] = seconds
     return info

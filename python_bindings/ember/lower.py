@@ -178,8 +178,9 @@ _CONTROL_FLOW = ("cond", "while_loop", "scan", "map_impl")
 
 
 class _Lowering:
-    def __init__(self, gm):
+    def __init__(self, gm, constant_prefix=""):
         self.gm = gm
+        self.constant_prefix = constant_prefix  # before constant names: a package's subgraph path and '/'
         self.names = {}  # fx.Node -> IR value name, or list of names for multi-output nodes
         self.lines = []
         self.constants = {}
@@ -251,9 +252,10 @@ class _Lowering:
             return
         if not isinstance(obj, torch.Tensor):
             raise EmberError(f"node {node.name}: attribute {node.target} is a {type(obj).__name__}, not a tensor")
-        self.constants[node.target] = obj
+        key = self.constant_prefix + node.target
+        self.constants[key] = obj
         self.names[node] = node.name
-        self.lines.append(f"  {self.decl(node.name, obj)} = prim::constant({string_text(node.target)})")
+        self.lines.append(f"  {self.decl(node.name, obj)} = prim::constant({string_text(key)})")
 
     def call_args(self, node):
         parts = [self.literal(a, node) for a in node.args]

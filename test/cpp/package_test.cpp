@@ -3,6 +3,7 @@
 // format version, another device or GPU architecture): each must give ember::Error, never a crash.
 // Then the packages that test/python/write_test_packages.py exported (EMBER_PACKAGE_TEST_DIR) are
 // loaded and compared with the eager outputs saved next to them.
+#include "backend/package/export.h"
 #include "backend/package/format.h"
 #include "backend/package/xxhash.h"
 #include "ember/model.h"
@@ -296,6 +297,20 @@ TEST(Package, ExportedPackagesMatchEager) {
     ++checked;
   }
   EXPECT_GT(checked, 0);
+}
+
+TEST(Package, SubgraphsTravelInTheIrSection) {
+  // The graph's text, then each subgraph's after its marker line; split_graphs gives back what join_graphs took.
+  using package::GraphTexts;
+  const std::string top = "graph(%x: f32[2]{1}@cpu):\n  return (%x)\n";
+  const GraphTexts subs = {{"t", "graph(%a: f32[2]{1}@cpu):\n  return (%a)\n"},
+                           {"t/inner", "graph(%b: f32[2]{1}@cpu):\n  return (%b)\n"}};
+  const std::string section = package::join_graphs(top, subs);
+  auto [graph, subgraphs] = package::split_graphs(section);
+  EXPECT_EQ(graph, top);
+  EXPECT_EQ(subgraphs, subs);
+  EXPECT_THROW(package::split_graphs(top + "subgraph \"\n"), Error);
+  EXPECT_THROW(package::join_graphs(top, {{"a\"b", "graph():\n  return ()\n"}}), Error);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 """Control flow in compiled graphs: torch.cond, while_loop, scan and map run as ember::cond / while_loop / scan steps
 over subgraphs ember compiled itself (backend/runtime/control_flow.cpp), and regions marked with
 torch.compiler.nested_compile_region are inlined (lower.py). Each test compares with eager on fresh random
-inputs, and checks that ember compiled the graph (fallback="raise") with the control flow in its IR."""
+inputs, and checks that ember compiled the graph (fallback="raise") with the control flow in its IR; packages
+(ember.export) carry the subgraphs to ember.load."""
 
 import pytest
 import torch
@@ -151,10 +152,33 @@ def test_graph_naming_missing_subgraph_is_a_clear_error():
         ember._C.compile(text, {}, [], "", "g")
 
 
-def test_export_rejects_control_flow(tmp_path):
-    class M(torch.nn.Module):
-        def forward(self, x):
-            return torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,))
+class Gate(torch.nn.Module):
+    """torch.cond between two linear paths, one holding a while_loop of its own: nested subgraphs in a package."""
 
-    with pytest.raises(ember.EmberError, match="control flow"):
-        ember.export(M(), (torch.randn(4),), tmp_path / "m.ember")
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(12, 12), torch.nn.Linear(12, 12)
+        self.register_buffer("scale", torch.randn(12))
+
+    def forward(self, x):
+        def yes(x):
+            return torch.relu(self.a(x)) * self.scale
+
+        def no(x):
+            _, y = while_loop(lambda i, y: i < 3, lambda i, y: (i + 1, torch.tanh(self.b(y))), (x.new_zeros((), dtype=torch.int64), x))
+            return y
+
+        return torch.cond(x.sum() > 0, yes, no, (x,)) + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_and_load_run_both_branches(tmp_path, device):
+    model = Gate().eval().to(device)
+    path = tmp_path / "gate.ember"
+    ember.export(model, (torch.randn(5, 12, device=device).abs(),), path, device=device)
+    loaded = ember.load(path, device)
+    for sign in (1, -1, 1):
+        x = (torch.randn(5, 12, device=device).abs() + 0.1) * sign
+        with torch.no_grad():
+            expected = model(x)
+        torch.testing.assert_close(loaded.run([x])[0], expected, **MATMUL_TOL)
