@@ -127,10 +127,7 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         from .lower import inline_invoke_subgraphs, lower_graph
 
         gm = inline_invoke_subgraphs(gm)
-        if config.debug_dir:
-            os.makedirs(config.debug_dir, exist_ok=True)
-            with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
-                f.write(gm.print_readable(print_output=False))
+        _dump_fx(config, graph_name, gm)
         if any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes):
             _hint_nvrtc()
         start = time.perf_counter()
@@ -161,6 +158,14 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         return make_boxed_func(gm.forward)
 
 
+def _dump_fx(config, graph_name, gm):
+    """EMBER_DEBUG: the readable FX graph ember lowers, as <graph_name>.fx.py."""
+    if config.debug_dir:
+        os.makedirs(config.debug_dir, exist_ok=True)
+        with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
+            f.write(gm.print_readable(print_output=False))
+
+
 def _compile_subgraphs(subgraphs, config, prefix):
     """{name: CompiledGraph} for the subgraphs a graph's control flow names (lower.py), each lowered and
     compiled as a graph of its own, and its own control flow's subgraphs before it."""
@@ -171,9 +176,7 @@ def _compile_subgraphs(subgraphs, config, prefix):
     for name, sub in subgraphs.items():
         sub = inline_invoke_subgraphs(sub)
         graph_name = f"{prefix}_{name}"
-        if config.debug_dir:
-            with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
-                f.write(sub.print_readable(print_output=False))
+        _dump_fx(config, graph_name, sub)
         start = time.perf_counter()
         ir, constants, nested = lower_graph(sub)
         lower_ms = (time.perf_counter() - start) * 1e3

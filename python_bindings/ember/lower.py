@@ -149,25 +149,8 @@ def inline_invoke_subgraphs(gm):
     for node in graph.nodes:  # the subgraphs' own get_attr nodes, now unread
         if node.op == "get_attr" and not node.users and isinstance(attributes.get(node.target), torch.fx.GraphModule):
             graph.erase_node(node)
-    root = torch.nn.Module()
-    for name, obj in attributes.items():
-        if not any(n.op == "get_attr" and n.target == name for n in graph.nodes):
-            continue
-        module, _, leaf = name.rpartition(".")
-        holder = root
-        for part in module.split(".") if module else []:
-            if not hasattr(holder, part):
-                holder.add_module(part, torch.nn.Module())
-            holder = getattr(holder, part)
-        if isinstance(obj, torch.nn.Module):
-            holder.add_module(leaf, obj)
-        elif isinstance(obj, torch.nn.Parameter):
-            holder.register_parameter(leaf, obj)
-        elif isinstance(obj, torch.Tensor):
-            holder.register_buffer(leaf, obj)
-        else:
-            setattr(holder, leaf, obj)
-    inlined = torch.fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    # A dict root: GraphModule takes from it just the attributes the graph's get_attr nodes read.
+    inlined = torch.fx.GraphModule(attributes, graph, class_name=type(gm).__name__)
     inlined.meta = dict(getattr(gm, "meta", {}))
     return inlined
 
