@@ -8,8 +8,11 @@ compiler cleared): the first call in seconds (compiles included), then the media
 calls in ms, and the largest difference from eager's output. Inference only (torch.no_grad).
 
     flex        flex_attention with a causal block mask and a per-head bias in score_mod (B 4, H 16, L 1024,
-                E 64, bf16 on CUDA; B 1, H 4, L 256 in f32 on the CPU): ember runs it dense (attention.py),
-                inductor as one generated kernel, eager dense as well (flex_attention without compile)
+                E 64, bf16 on CUDA; B 1, H 4, L 256 in f32 on the CPU): ember runs it as one NVRTC kernel on
+                CUDA (flex.py) and dense on the CPU (attention.py), inductor as one generated kernel, eager
+                dense (flex_attention without compile)
+    flex_long   packed documents under a causal mask with a tanh soft cap (B 2, H 16, L 4096 bf16 on CUDA;
+                B 1, H 2, L 512 f32 on the CPU): most key blocks are skipped
     cond        an MLP block whose second half is torch.cond on the batch's mean (both branches taken)
     nested      12 transformer-like blocks (LayerNorm, Linear, GELU, Linear, residual) marked with
                 torch.compiler.nested_compile_region, batch 8 x 128 x 512
@@ -38,6 +41,19 @@ def flex(device):
 
     def fn(q, k, v):
         return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], block_mask=mask)
+
+    return fn, [torch.randn(B, H, L, E, device=device, dtype=dtype) for _ in range(3)]
+
+
+def flex_long(device):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, L, E, dtype = (2, 16, 4096, 64, torch.bfloat16) if device == "cuda" else (1, 2, 512, 64, torch.float32)
+    doc = (torch.arange(L, device=device) * 5 // L).to(torch.int32)  # five documents packed in one sequence
+    mask = create_block_mask(lambda b, h, qi, ki: (doc[qi] == doc[ki]) & (ki <= qi), None, None, L, L, device=device)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(s / 20) * 20, block_mask=mask)
 
     return fn, [torch.randn(B, H, L, E, device=device, dtype=dtype) for _ in range(3)]
 
@@ -74,7 +90,7 @@ def nested(device):
     return Stack().to(device), [torch.randn(8, 128, 512, device=device)]
 
 
-WORKLOADS = {"flex": flex, "cond": cond, "nested": nested}
+WORKLOADS = {"flex": flex, "flex_long": flex_long, "cond": cond, "nested": nested}
 
 
 def run(name, device, repeat):

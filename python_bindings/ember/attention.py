@@ -344,10 +344,16 @@ def dense_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
 def densify_flex_attention(gm):
     """Replaces each flex_attention call of a Dynamo graph by dense_flex_attention; returns how many."""
     hop = _flex_hop()
+    nodes = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
+    if nodes and os.environ.get("EMBER_FLEX_KERNEL", "1") != "0":
+        from .flex import fuse_flex_attention
+
+        left = fuse_flex_attention(gm, nodes)  # the CUDA kernel where it runs (flex.py)
+        if len(left) < len(nodes):
+            gm.recompile()
+        nodes = left
     replaced = 0
-    for node in list(gm.graph.nodes):
-        if hop is None or node.op != "call_function" or node.target is not hop:
-            continue
+    for node in nodes:
         value = node.meta.get("example_value")
         outputs = len(value) if isinstance(value, (tuple, list)) else 3
         with gm.graph.inserting_before(node):

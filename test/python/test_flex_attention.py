@@ -3,6 +3,8 @@ AOTAutograd differentiates, compared with eager's flex_attention (its own dense 
 score_mods with captured buffers, block masks, grouped-query heads, the log-sum-exp output, gradients (CUDA),
 16-bit inputs and queries laid out as transposes."""
 
+import re
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -78,3 +80,130 @@ def test_sixteen_bit_inputs(device):
 
     check(fn, *qkv(device, dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
 
+
+
+# ---- the fused CUDA kernel (flex.py, kernels/cuda/flex_attention.cpp) -----------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def kernel_ran():
+    """True when a plan of this test ran ember::flex_attention through the NVRTC kernel (not its dense fallback)."""
+    return any("flex attention kernel" in g.describe() for _, g in EMBER_GRAPHS)
+
+
+def against_float32(fn, q, k, v, atol, rtol):
+    """fn compiled by ember on 16-bit inputs against eager's flex_attention on their float32 copies: the kernel
+    should be as close to the exact result as 16-bit inputs allow, not merely to eager's 16-bit rounding."""
+    with torch.no_grad():
+        ours = torch.compile(fn, backend="ember", options={"fallback": "raise"})(q, k, v)
+        ref = fn(q.float(), k.float(), v.float())
+    ours, ref = (ours, ref) if isinstance(ours, tuple) else ((ours,), (ref,))
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.shape == b.shape and a.stride() == b.stride(), (i, a.shape, a.stride(), b.shape, b.stride())
+        finite = torch.isfinite(b)
+        assert torch.equal(torch.isfinite(a), finite), f"output {i}: -inf where eager has none, or the reverse"
+        torch.testing.assert_close(a.float()[finite], b.float()[finite], atol=atol, rtol=rtol, msg=lambda m: f"output {i}: {m}")
+    return ours
+
+
+FUSED_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_fused_kernel_causal_bias_grouped_heads(dtype, dim):
+    length = 200  # three full tiles of 64 and a tail
+    bias = torch.randn(8, device="cuda")
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h], block_mask=mask,
+                              enable_gqa=True, return_lse=True)
+
+    q, k, v = qkv("cuda", heads=8, kv_heads=2, q_len=length, kv_len=length, dim=dim, dtype=dtype,
+                  transposed=dim == 64)
+    against_float32(fn, q, k, v, **FUSED_TOL[dtype])
+    assert "ember::flex_attention" in ir_text() and kernel_ran()
+
+
+@needs_cuda
+def test_fused_kernel_without_block_mask_other_lengths_and_value_width():
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(s / 4) * 4 - (qi - ki).abs() * 0.01,
+                              return_lse=True)
+
+    q = torch.randn(3, 4, 37, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(3, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(3, 4, 300, 32, device="cuda", dtype=torch.bfloat16)
+    against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran()
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype):
+    length = 333
+    doc = torch.randint(0, 4, (length,), device="cuda").sort().values  # int64 document ids
+    window = 70
+
+    def mask_mod(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi - ki <= window) & (ki <= qi) & (qi % 7 != 3)
+
+    mask = create_block_mask(mask_mod, None, None, length, length, device="cuda")
+    scale = torch.rand(2, length, device="cuda")  # a [B, L] table read per (b, q)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * scale[b, qi], block_mask=mask,
+                              return_lse=True)
+
+    q, k, v = qkv("cuda", batch=2, heads=3, kv_heads=3, q_len=length, kv_len=length, dim=64, dtype=dtype)
+    out, lse = against_float32(fn, q, k, v, **FUSED_TOL[dtype])
+    assert kernel_ran()
+    assert torch.equal(out[:, :, 3::7], torch.zeros_like(out[:, :, 3::7]))  # rows the mask removes whole
+    assert bool((lse[:, :, 3::7] == float("-inf")).all())
+
+
+@needs_cuda
+def test_fused_kernel_left_out_where_gradients_are_needed():
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5)
+
+    check(fn, *qkv("cuda", dim=64, dtype=torch.bfloat16), atol=2e-2, rtol=2e-2)
+    assert "ember::flex_attention" not in ir_text()  # the dense form AOTAutograd differentiates
+
+
+def test_mods_become_cuda_statements():
+    """The translation of score_mod / mask_mod graphs (flex.py) on the CPU: what the kernel is compiled with,
+    and the mods it leaves to the dense form."""
+    from ember.flex import Unsupported, mod_program
+
+    graphs = {}
+
+    def capture(gm, example_inputs):
+        graphs.update({name: m for name, m in gm.named_children()})
+        return gm.forward
+
+    bias, doc = torch.randn(4), torch.arange(16)
+    mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 3 != 1), None, None, 16, 16,
+                             device="cpu")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.where(doc[qi] == doc[ki], s / 2, -s)
+                              + bias[h] * (qi // 3), block_mask=mask)
+
+    torch.compile(fn, backend=capture)(*qkv("cpu", q_len=16, kv_len=16))
+    score = mod_program(graphs["score_mod_0"], 5, 0)
+    masked = mod_program(graphs["mask_fn_0"], 4, 2)
+    assert "ld_i64(p.buf[0], (long long)(q) * p.bs[0][0])" in score
+    assert "ld_f32(p.buf[1], (long long)(h) * p.bs[1][0])" in score
+    assert "py_floordiv(" in score and re.search(r"return \(float\)\(v\d+\);$", score)
+    assert "py_mod(" in masked and "(q >= kv)" in masked and masked.startswith("const bool v0")
+
+    graphs.clear()
+    torch._dynamo.reset()
+    torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s.round()),
+                  backend=capture)(*qkv("cpu", q_len=16, kv_len=16))
+    with pytest.raises(Unsupported):  # round() has no statement: the call stays dense
+        mod_program(graphs["score_mod_0"], 5, 0)

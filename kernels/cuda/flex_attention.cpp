@@ -1,0 +1,443 @@
+// ember::flex_attention (made by python_bindings/ember/flex.py from a flex_attention call) as one NVRTC kernel:
+// flash attention with the call's score_mod and mask_mod compiled in, visiting only the key blocks its
+// BlockMask lists.
+//  1. A block of 4 warps owns 64 query rows of one (batch, head); each warp 16 rows. Per step of 64 keys the
+//     block stages K and V in shared memory (cp.async, two stages: the next step's tiles load while this one
+//     computes; V's fragments read transposed by ldmatrix); each warp computes its 16 x 64 scores
+//     with m16n8k16 tensor-core MMAs (f16/bf16 operands, f32 sums), applies scale, mask_mod (partial blocks
+//     only) and score_mod in registers, and folds them into a running max and sum (online softmax, base 2).
+//     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
+//     score registers into the A operand of the P @ V MMAs. No score reaches memory.
+//  2. Key blocks come from the BlockMask: its partial blocks (kv_num_blocks / kv_indices) with mask_mod, then
+//     its full blocks without it. Keys past the sequence and positions no block lists are masked.
+//  3. Outputs match the higher-order op: the attention in the query's dimension order, the log-sum-exp and
+//     the row maximum in base 2 ([B, H, L] float32), fully masked rows giving zeros and -inf.
+//  4. A fast path of the plan (runtime.h), compiled when the plan is built; where it cannot be (NVRTC missing,
+//     a GPU before sm_80) the op's own CUDA implementation (flex.py: the dense form) runs instead.
+#include "ember/error.h"
+#include "ember/ir.h"
+#include "ember/runtime.h"
+#include "kernels/cuda/driver.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <algorithm>
+#include <array>
+#include <limits>
+#include <atomic>
+#include <numeric>
+
+namespace ember::cuda {
+namespace {
+
+constexpr int kTile = 64;        // query rows per block, keys per step
+constexpr int kThreads = 128;    // 4 warps of 16 rows
+constexpr int kBuffers = 8;      // captured buffers the mods may read
+
+// The kernel's by-value argument, written once for the host and once (as text) for the device.
+#define EMBER_FLEX_PARAMS                                                                                    \
+  const unsigned short* q; const unsigned short* k; const unsigned short* v; unsigned short* out;             \
+  float* lse; float* mx; long long qs[3]; long long ks[3]; long long vs[3]; long long os[4];                  \
+  const int* kvn; const int* kvi; const int* fkvn; const int* fkvi;                                           \
+  long long kvns[3]; long long kvis[4]; long long fkvns[3]; long long fkvis[4];                               \
+  const void* buf[8]; long long bs[8][4];                                                                      \
+  long long qblock; long long kvblock; int B; int H; int HKV; int L; int S; float scale;
+#define EMBER_FLEX_TEXT2(...) #__VA_ARGS__
+#define EMBER_FLEX_TEXT(x) EMBER_FLEX_TEXT2(x)
+
+struct Params {
+  EMBER_FLEX_PARAMS
+};
+
+std::string flex_source(bool bf16, int ek, int ev, const std::string& score_mod, const std::string& mask_mod) {
+  std::string s;
+  s += "typedef long long i64; typedef unsigned short u16;\n";
+  s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
+  s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n";
+  s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
+            : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
+  s += R"(
+__device__ __forceinline__ float ld_f32(const void* p, i64 i) { return ((const float*)p)[i]; }
+__device__ __forceinline__ float ld_bf16(const void* p, i64 i) { return __uint_as_float(((unsigned)((const u16*)p)[i]) << 16); }
+__device__ __forceinline__ float ld_f16(const void* p, i64 i) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(((const u16*)p)[i])); return f; }
+__device__ __forceinline__ int ld_i32(const void* p, i64 i) { return ((const int*)p)[i]; }
+__device__ __forceinline__ i64 ld_i64(const void* p, i64 i) { return ((const i64*)p)[i]; }
+__device__ __forceinline__ int ld_i16(const void* p, i64 i) { return ((const short*)p)[i]; }
+__device__ __forceinline__ int ld_i8(const void* p, i64 i) { return ((const signed char*)p)[i]; }
+__device__ __forceinline__ int ld_u8(const void* p, i64 i) { return ((const unsigned char*)p)[i]; }
+__device__ __forceinline__ i64 py_floordiv(i64 a, i64 b) { i64 q = a / b; return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q; }
+__device__ __forceinline__ i64 py_mod(i64 a, i64 b) { i64 r = a % b; return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r; }
+__device__ __forceinline__ float py_fmod(float a, float b) { float r = fmodf(a, b); return (r != 0.0f && ((r < 0.0f) != (b < 0.0f))) ? r + b : r; }
+template <class T> __device__ __forceinline__ T py_abs(T a) { return a < 0 ? -a : a; }
+)";
+  s += "__device__ __forceinline__ float score_mod(float score, int b, int h, int q, int kv, const Params& p) { " +
+       score_mod + " }\n";
+  s += "__device__ __forceinline__ bool mask_mod(int b, int h, int q, int kv, const Params& p) { " + mask_mod + " }\n";
+  s += R"(
+#define NEG_INF __int_as_float(0xff800000)
+__device__ __forceinline__ unsigned pack2(float lo, float hi) { unsigned r; asm(CVT_X2 " %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r; }
+__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_TYPE "." MMA_TYPE ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  unsigned a; asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p)); return a;
+}
+// 16 bytes global -> shared without passing through registers; `valid` false writes zeros.
+__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+
+// The key tiles a query tile visits, in order: each partial block of its BlockMask row (mask_mod applies),
+// then each full block, 64 keys at a time.
+struct Tiles {
+  const Params* p; int b, h; i64 qb;
+  int pass, j, blocks; i64 kv0, end;
+  __device__ void open_pass() {
+    for (; pass < 2; ++pass) {
+      const int* nump = pass == 0 ? p->kvn : p->fkvn;
+      if (!nump) continue;
+      const i64* ns = pass == 0 ? p->kvns : p->fkvns;
+      blocks = nump[b * ns[0] + h * ns[1] + qb * ns[2]];
+      j = -1;
+      if (next_block()) return;
+    }
+  }
+  __device__ bool next_block() {
+    const int* idxp = pass == 0 ? p->kvi : p->fkvi;
+    const i64* is = pass == 0 ? p->kvis : p->fkvis;
+    while (++j < blocks) {
+      const i64 block = idxp[b * is[0] + h * is[1] + qb * is[2] + j * is[3]];
+      kv0 = block * p->kvblock;
+      end = min((i64)p->S, kv0 + p->kvblock);
+      if (kv0 < end) return true;
+    }
+    return false;
+  }
+  __device__ bool valid() const { return pass < 2; }
+  __device__ void advance() {
+    kv0 += 64;
+    if (kv0 < end || next_block()) return;
+    ++pass;
+    open_pass();
+  }
+};
+
+extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p) {
+  const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
+  extern __shared__ __align__(16) u16 smem[];
+  u16* const ks0 = smem;                    // 2 stages of K [64][KP], then 2 of V [64][VP]
+  u16* const vs0 = smem + 2 * 64 * KP;
+  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.HKV);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int q0 = blockIdx.x * 64;
+  const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+  const u16* qp = p.q + b * p.qs[0] + h * p.qs[1];
+  const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
+  const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
+  unsigned qa[EK / 16][4];
+#pragma unroll
+  for (int kt = 0; kt < EK / 16; ++kt) {
+    const int c = kt * 16 + t * 2;
+    qa[kt][0] = r0 < p.L ? *(const unsigned*)(qp + r0 * p.qs[2] + c) : 0u;
+    qa[kt][1] = r1 < p.L ? *(const unsigned*)(qp + r1 * p.qs[2] + c) : 0u;
+    qa[kt][2] = r0 < p.L ? *(const unsigned*)(qp + r0 * p.qs[2] + c + 8) : 0u;
+    qa[kt][3] = r1 < p.L ? *(const unsigned*)(qp + r1 * p.qs[2] + c + 8) : 0u;
+  }
+  float o[EV / 8][4];
+#pragma unroll
+  for (int d = 0; d < EV / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+  const float LOG2E = 1.4426950408889634f;
+  Tiles it{&p, b, h, q0 / p.qblock, 0, -1, 0, 0, 0};
+  it.open_pass();
+  auto load = [&](int stage, i64 kv0) {
+    u16* ks = ks0 + stage * 64 * KP;
+    u16* vs = vs0 + stage * 64 * VP;
+    for (int i = threadIdx.x; i < 64 * EK / 8; i += 128) {
+      const int row = i / (EK / 8), col = (i % (EK / 8)) * 8;
+      const bool ok = kv0 + row < p.S;
+      copy16(ks + row * KP + col, kp + (ok ? (kv0 + row) * p.ks[2] + col : 0), ok);
+    }
+    for (int i = threadIdx.x; i < 64 * EV / 8; i += 128) {
+      const int row = i / (EV / 8), col = (i % (EV / 8)) * 8;
+      const bool ok = kv0 + row < p.S;
+      copy16(vs + row * VP + col, vp + (ok ? (kv0 + row) * p.vs[2] + col : 0), ok);
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  int stage = 0;
+  if (it.valid()) load(0, it.kv0);
+  while (it.valid()) {
+    const i64 kv0 = it.kv0, end = it.end;
+    const int pass = it.pass;
+    it.advance();
+    if (it.valid()) {
+      load(stage ^ 1, it.kv0);
+      asm volatile("cp.async.wait_group 1;");
+    } else {
+      asm volatile("cp.async.wait_group 0;");
+    }
+    __syncthreads();
+    const u16* ks = ks0 + stage * 64 * KP;
+    const u16* vs = vs0 + stage * 64 * VP;
+    float sc[8][4];
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+      for (int kt = 0; kt < EK / 16; ++kt) {
+        const u16* kr = ks + (nt * 8 + g) * KP + kt * 16 + t * 2;
+        mma(sc[nt], qa[kt], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+      }
+    }
+    float tile0 = m0, tile1 = m1;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = e < 2 ? r0 : r1;
+        const i64 col = kv0 + nt * 8 + t * 2 + (e & 1);
+        bool keep = col < end && row < p.L;
+        if (keep && pass == 0) keep = mask_mod(b, h, row, (int)col, p);
+        sc[nt][e] = keep ? score_mod(sc[nt][e] * p.scale, b, h, row, (int)col, p) * LOG2E : NEG_INF;
+      }
+      tile0 = fmaxf(tile0, fmaxf(sc[nt][0], sc[nt][1]));
+      tile1 = fmaxf(tile1, fmaxf(sc[nt][2], sc[nt][3]));
+    }
+    tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffffu, tile0, 1));
+    tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffffu, tile0, 2));
+    tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffffu, tile1, 1));
+    tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffffu, tile1, 2));
+    // A row with no key yet keeps base 0 (2^(-inf - 0) = 0) and scale 1.
+    const float base0 = tile0 == NEG_INF ? 0.0f : tile0, base1 = tile1 == NEG_INF ? 0.0f : tile1;
+    const float a0 = ex2(m0 - base0), a1 = ex2(m1 - base1);
+    m0 = tile0, m1 = tile1;
+    l0 *= a0, l1 *= a1;
+#pragma unroll
+    for (int d = 0; d < EV / 8; ++d) o[d][0] *= a0, o[d][1] *= a0, o[d][2] *= a1, o[d][3] *= a1;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      sc[nt][0] = ex2(sc[nt][0] - base0), sc[nt][1] = ex2(sc[nt][1] - base0);
+      sc[nt][2] = ex2(sc[nt][2] - base1), sc[nt][3] = ex2(sc[nt][3] - base1);
+      l0 += sc[nt][0] + sc[nt][1], l1 += sc[nt][2] + sc[nt][3];
+    }
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const unsigned pa[4] = {pack2(sc[2 * kt][0], sc[2 * kt][1]), pack2(sc[2 * kt][2], sc[2 * kt][3]),
+                              pack2(sc[2 * kt + 1][0], sc[2 * kt + 1][1]), pack2(sc[2 * kt + 1][2], sc[2 * kt + 1][3])};
+#pragma unroll
+      for (int d = 0; d < EV / 8; d += 2) {  // V^T fragments of two 8-wide column tiles by one ldmatrix
+        unsigned vb[4];
+        ldmatrix_x4_trans(vb, vs + (kt * 16 + (lane & 15)) * VP + (d + (lane >> 4)) * 8);
+        mma(o[d], pa, vb[0], vb[1]);
+        mma(o[d + 1], pa, vb[2], vb[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with this stage before the next load overwrites it
+    stage ^= 1;
+  }
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+  u16* op = p.out + b * p.os[0] + h * p.os[1];
+#pragma unroll
+  for (int d = 0; d < EV / 8; ++d) {
+    const i64 c = (d * 8 + t * 2) * p.os[3];
+    if (r0 < p.L) {
+      const unsigned w = pack2(o[d][0] * inv0, o[d][1] * inv0);
+      op[r0 * p.os[2] + c] = (u16)(w & 0xffffu);
+      op[r0 * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+    }
+    if (r1 < p.L) {
+      const unsigned w = pack2(o[d][2] * inv1, o[d][3] * inv1);
+      op[r1 * p.os[2] + c] = (u16)(w & 0xffffu);
+      op[r1 * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+    }
+  }
+  if (t == 0) {
+    const i64 base = (i64)bh * p.L;
+    if (r0 < p.L) p.lse[base + r0] = l0 > 0.0f ? m0 + log2f(l0) : NEG_INF, p.mx[base + r0] = m0;
+    if (r1 < p.L) p.lse[base + r1] = l1 > 0.0f ? m1 + log2f(l1) : NEG_INF, p.mx[base + r1] = m1;
+  }
+}
+)";
+  return s;
+}
+
+// A 16-bit operand as the kernel reads it: last dimension contiguous, 16-byte rows and aligned base.
+at::Tensor readable(const at::Tensor& x) {
+  bool ok = x.stride(3) == 1 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) ok = ok && (x.stride(d) % 8 == 0 || x.size(d) == 1);
+  return ok ? x : x.contiguous();
+}
+
+// Strides of a block-mask tensor with its size-1 (broadcast) dimensions at stride 0.
+void mask_strides(const at::Tensor& t, long long* out) {
+  for (int64_t d = 0; d < t.dim(); ++d) out[d] = t.size(d) == 1 ? 0 : t.stride(d);
+}
+
+class FlexAttention final : public FastPath {
+ public:
+  FlexAttention(void* function, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
+                float scale, int64_t q_block, int64_t kv_block, int ev, unsigned shared_bytes)
+      : function_(function), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
+        q_block_(q_block), kv_block_(kv_block), ev_(ev), shared_bytes_(shared_bytes) {
+    if (buffers) buffers_ = *buffers;
+  }
+
+  bool run(std::vector<c10::IValue>& buffers) const override {
+    const at::Tensor* in[7] = {};
+    for (int i = 0; i < 7; ++i)
+      if (inputs_[i] >= 0) in[i] = buffer_tensor(buffers, static_cast<uint32_t>(inputs_[i]));
+    if (!in[0] || !in[1] || !in[2] || !in[3] || !in[4] || in[0]->dim() != 4) return false;
+    const at::Tensor& query = *in[0];
+    const at::Tensor q = readable(query), k = readable(*in[1]), v = readable(*in[2]);
+    const int64_t B = q.size(0), H = q.size(1), L = q.size(2), HKV = k.size(1), S = k.size(2);
+    if (HKV == 0 || H % HKV != 0 || v.size(3) != ev_) return false;
+    // The output in the query's dimension order (as flex_attention and the op's fake give it).
+    std::array<int64_t, 4> order{0, 1, 2, 3};
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return query.stride(a) > query.stride(b); });
+    std::array<int64_t, 4> sizes{B, H, L, ev_}, permuted{};
+    for (int d = 0; d < 4; ++d) permuted[d] = sizes[order[d]];
+    at::Tensor raw = at::empty(permuted, q.options());
+    std::array<int64_t, 4> inverse{};
+    for (int d = 0; d < 4; ++d) inverse[order[d]] = d;
+    at::Tensor out = raw.permute(inverse);
+    at::Tensor lse = at::empty({B, H, L}, q.options().dtype(at::kFloat));
+    at::Tensor mx = at::empty({B, H, L}, q.options().dtype(at::kFloat));
+    if (out.numel() > 0) {
+      Params p{};
+      p.q = static_cast<const unsigned short*>(q.data_ptr());
+      p.k = static_cast<const unsigned short*>(k.data_ptr());
+      p.v = static_cast<const unsigned short*>(v.data_ptr());
+      p.out = static_cast<unsigned short*>(out.data_ptr());
+      p.lse = lse.data_ptr<float>();
+      p.mx = mx.data_ptr<float>();
+      for (int d = 0; d < 3; ++d) p.qs[d] = q.stride(d), p.ks[d] = k.stride(d), p.vs[d] = v.stride(d);
+      for (int d = 0; d < 4; ++d) p.os[d] = out.stride(d);
+      p.kvn = in[3]->data_ptr<int>();
+      p.kvi = in[4]->data_ptr<int>();
+      mask_strides(*in[3], p.kvns);
+      mask_strides(*in[4], p.kvis);
+      if (in[5] && in[6]) {
+        p.fkvn = in[5]->data_ptr<int>();
+        p.fkvi = in[6]->data_ptr<int>();
+        mask_strides(*in[5], p.fkvns);
+        mask_strides(*in[6], p.fkvis);
+      }
+      for (size_t i = 0; i < buffers_.items.size() && i < kBuffers; ++i) {
+        const int32_t b = buffers_.item_buffer[i];
+        const at::Tensor* t = b >= 0 ? buffer_tensor(buffers, static_cast<uint32_t>(b))
+                                     : (buffers_.items[i].isTensor() ? &buffers_.items[i].toTensor() : nullptr);
+        if (!t) return false;
+        p.buf[i] = t->data_ptr();
+        for (int64_t d = 0; d < t->dim() && d < 4; ++d) p.bs[i][d] = t->stride(d);
+      }
+      p.qblock = q_block_, p.kvblock = kv_block_;
+      p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.HKV = static_cast<int>(HKV);
+      p.L = static_cast<int>(L), p.S = static_cast<int>(S);
+      p.scale = scale_;
+      const int device = q.get_device();
+      c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+      c10::DeviceGuard guard(dev);
+      void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
+      launch(function_, static_cast<unsigned>((L + kTile - 1) / kTile), kThreads, stream, &p, device,
+             static_cast<unsigned>(B * H), shared_bytes_);
+    } else if (lse.numel() > 0) {
+      lse.fill_(-std::numeric_limits<float>::infinity());
+      mx.fill_(-std::numeric_limits<float>::infinity());
+    }
+    const at::Tensor* results[3] = {&out, &lse, &mx};
+    for (int i = 0; i < 3; ++i)
+      if (outputs_[i] >= 0) buffers[outputs_[i]] = *results[i];
+    calls_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+
+  std::string describe() const override {
+    return "cuda flex attention kernel (" + std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
+  }
+
+ private:
+  void* function_;
+  std::vector<int32_t> inputs_;  // query, key, value, kv_num_blocks, kv_indices, full ones: buffer or -1
+  ListSlot buffers_;
+  std::vector<int32_t> outputs_;
+  float scale_;
+  int64_t q_block_, kv_block_;
+  int ev_;
+  unsigned shared_bytes_;  // two stages of K and V tiles
+  mutable std::atomic<uint64_t> calls_{0};
+};
+
+const std::string* string_arg(const Node& n, size_t i, const char* name) {
+  const Arg* a = n.arg(i, name);
+  return a && a->kind == Arg::Kind::String ? &a->s : nullptr;
+}
+
+std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& step) {
+  if (n.op != "ember::flex_attention" || step.outputs.size() != 3) return nullptr;
+  const std::string* score_mod = string_arg(n, 12, "score_mod");
+  const std::string* mask_mod = string_arg(n, 13, "mask_mod");
+  const Arg* scale = n.arg(9, "scale");
+  const Arg* q_block = n.arg(10, "q_block");
+  const Arg* kv_block = n.arg(11, "kv_block");
+  if (!score_mod || !mask_mod || !scale || !q_block || !kv_block || q_block->kind != Arg::Kind::Int ||
+      kv_block->kind != Arg::Kind::Int || (q_block->i % kTile) || (kv_block->i % kTile))
+    return nullptr;
+  const Value* query = n.args[0].is_value() ? n.args[0].value : nullptr;
+  const Value* value = n.args[2].is_value() ? n.args[2].value : nullptr;
+  if (!query || !value || !query->type.is_tensor() || !value->type.is_tensor()) return nullptr;
+  const TensorType& qt = query->type.tensor;
+  const TensorType& vt = value->type.tensor;
+  if (!qt.device.is_cuda() || qt.sizes.size() != 4 || !qt.sizes[3].is_constant() || !vt.sizes[3].is_constant() ||
+      (qt.dtype != c10::kHalf && qt.dtype != c10::kBFloat16))
+    return nullptr;
+  const int ek = static_cast<int>(qt.sizes[3].value), ev = static_cast<int>(vt.sizes[3].value);
+  auto head_dim = [](int e) { return e == 16 || e == 32 || e == 64 || e == 128; };
+  if (!head_dim(ek) || !head_dim(ev)) return nullptr;
+  std::vector<int32_t> inputs(7, -1);
+  for (uint32_t slot = 0; slot < 7; ++slot)
+    if (std::optional<uint32_t> b = slot_buffer(step, slot)) inputs[slot] = static_cast<int32_t>(*b);
+  const ListSlot* list = nullptr;
+  for (const ListSlot& l : step.lists)
+    if (l.slot == 7) list = &l;
+  if (list && list->items.size() > static_cast<size_t>(kBuffers)) return nullptr;
+  const Arg* buffers = n.arg(7, "buffers");
+  if (!list && buffers && buffers->kind == Arg::Kind::List && !buffers->list.empty()) return nullptr;
+  const int device = qt.device.has_index() ? qt.device.index() : 0;
+  try {
+    std::string why;
+    if (!available(&why)) return nullptr;
+    if (std::stoi(arch(device).substr(3)) < 80) return nullptr;  // m16n8k16 16-bit MMAs
+    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, *score_mod, *mask_mod),
+                             "ember_flex_attention", device);
+    const unsigned shared_bytes = 2 * kTile * (ek + 8 + ev + 8) * 2;
+    if (shared_bytes > 48 * 1024) {
+      if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
+      set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
+    }
+    const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
+    return std::make_shared<FlexAttention>(function, std::move(inputs), list, step.outputs, static_cast<float>(s),
+                                           q_block->i, kv_block->i, ev, shared_bytes);
+  } catch (const std::exception&) {
+    return nullptr;  // the op's dense implementation runs
+  }
+}
+
+const bool registered = (register_fast_path(&make_flex_attention), true);
+
+}  // namespace
+}  // namespace ember::cuda
