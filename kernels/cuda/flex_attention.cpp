@@ -1,7 +1,7 @@
 // ember::flex_attention (made by python_bindings/ember/flex.py from a flex_attention call) as one NVRTC kernel:
 // flash attention with the call's score_mod and mask_mod compiled in, visiting only the key blocks its
 // BlockMask lists.
-//  1. A block of 4 warps owns 64 query rows of one (batch, head); each warp 16 rows. Per step of 64 keys the
+//  1. A block of 4 warps owns 64 or 128 query rows of one (batch, head); each warp 16 or 32 (MT tiles of 16). Per step of 64 keys the
 //     block stages K and V in shared memory (cp.async, two stages: the next step's tiles load while this one
 //     computes; V's fragments read transposed by ldmatrix); each warp computes its 16 x 64 scores
 //     with m16n8k16 tensor-core MMAs (f16/bf16 operands, f32 sums), applies scale, mask_mod (partial blocks
@@ -28,12 +28,13 @@
 #include <array>
 #include <limits>
 #include <atomic>
+#include <cstdlib>
 #include <numeric>
 
 namespace ember::cuda {
 namespace {
 
-constexpr int kTile = 64;        // query rows per block, keys per step
+constexpr int kTile = 64;        // query rows per row tile of the warps, keys per step
 constexpr int kThreads = 128;    // 4 warps of 16 rows
 constexpr int kBuffers = 8;      // captured buffers the mods may read
 
@@ -52,11 +53,11 @@ struct Params {
   EMBER_FLEX_PARAMS
 };
 
-std::string flex_source(bool bf16, int ek, int ev, const std::string& score_mod, const std::string& mask_mod) {
+std::string flex_source(bool bf16, int ek, int ev, int mt, const std::string& score_mod, const std::string& mask_mod) {
   std::string s;
   s += "typedef long long i64; typedef unsigned short u16;\n";
   s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
-  s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n";
+  s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n";
   s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
             : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
   s += R"(
@@ -132,6 +133,7 @@ struct Tiles {
   }
 };
 
+// Each warp owns MT tiles of 16 query rows; a thread holds rows g and g + 8 of each (half 2m and 2m + 1).
 extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p) {
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
@@ -139,24 +141,36 @@ extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p)
   u16* const vs0 = smem + 2 * 64 * KP;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int q0 = blockIdx.x * 64;
-  const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+  // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
+  // would leave the GPU waiting on a few blocks at the end.
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * (64 * MT);
+  int rows[2 * MT];
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) rows[r] = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
   const u16* qp = p.q + b * p.qs[0] + h * p.qs[1];
   const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
   const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
-  unsigned qa[EK / 16][4];
+  unsigned qa[MT][EK / 16][4];
 #pragma unroll
-  for (int kt = 0; kt < EK / 16; ++kt) {
-    const int c = kt * 16 + t * 2;
-    qa[kt][0] = r0 < p.L ? *(const unsigned*)(qp + r0 * p.qs[2] + c) : 0u;
-    qa[kt][1] = r1 < p.L ? *(const unsigned*)(qp + r1 * p.qs[2] + c) : 0u;
-    qa[kt][2] = r0 < p.L ? *(const unsigned*)(qp + r0 * p.qs[2] + c + 8) : 0u;
-    qa[kt][3] = r1 < p.L ? *(const unsigned*)(qp + r1 * p.qs[2] + c + 8) : 0u;
+  for (int m = 0; m < MT; ++m) {
+    const int ra = rows[2 * m], rb = rows[2 * m + 1];
+#pragma unroll
+    for (int kt = 0; kt < EK / 16; ++kt) {
+      const int c = kt * 16 + t * 2;
+      qa[m][kt][0] = ra < p.L ? *(const unsigned*)(qp + ra * p.qs[2] + c) : 0u;
+      qa[m][kt][1] = rb < p.L ? *(const unsigned*)(qp + rb * p.qs[2] + c) : 0u;
+      qa[m][kt][2] = ra < p.L ? *(const unsigned*)(qp + ra * p.qs[2] + c + 8) : 0u;
+      qa[m][kt][3] = rb < p.L ? *(const unsigned*)(qp + rb * p.qs[2] + c + 8) : 0u;
+    }
   }
-  float o[EV / 8][4];
+  float o[MT][EV / 8][4];
+  float mx[2 * MT], sum[2 * MT];
 #pragma unroll
-  for (int d = 0; d < EV / 8; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
-  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int d = 0; d < EV / 8; ++d) o[m][d][0] = o[m][d][1] = o[m][d][2] = o[m][d][3] = 0.0f;
+#pragma unroll
+  for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
   Tiles it{&p, b, h, q0 / p.qblock, 0, -1, 0, 0, 0};
   it.open_pass();
@@ -190,86 +204,99 @@ extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p)
     __syncthreads();
     const u16* ks = ks0 + stage * 64 * KP;
     const u16* vs = vs0 + stage * 64 * VP;
-    float sc[8][4];
+    float sc[MT][8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.0f;
+#pragma unroll
+      for (int m = 0; m < MT; ++m) sc[m][nt][0] = sc[m][nt][1] = sc[m][nt][2] = sc[m][nt][3] = 0.0f;
 #pragma unroll
       for (int kt = 0; kt < EK / 16; ++kt) {
         const u16* kr = ks + (nt * 8 + g) * KP + kt * 16 + t * 2;
-        mma(sc[nt], qa[kt], *(const unsigned*)kr, *(const unsigned*)(kr + 8));
+        const unsigned b0 = *(const unsigned*)kr, b1 = *(const unsigned*)(kr + 8);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mma(sc[m][nt], qa[m][kt], b0, b1);
       }
     }
-    float tile0 = m0, tile1 = m1;
+    float tile[2 * MT];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
+    for (int r = 0; r < 2 * MT; ++r) tile[r] = mx[r];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = e < 2 ? r0 : r1;
-        const i64 col = kv0 + nt * 8 + t * 2 + (e & 1);
-        bool keep = col < end && row < p.L;
-        if (keep && pass == 0) keep = mask_mod(b, h, row, (int)col, p);
-        sc[nt][e] = keep ? score_mod(sc[nt][e] * p.scale, b, h, row, (int)col, p) * LOG2E : NEG_INF;
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = rows[2 * m + (e >> 1)];
+          const i64 col = kv0 + nt * 8 + t * 2 + (e & 1);
+          bool keep = col < end && row < p.L;
+          if (keep && pass == 0) keep = mask_mod(b, h, row, (int)col, p);
+          sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, h, row, (int)col, p) * LOG2E : NEG_INF;
+        }
+        tile[2 * m] = fmaxf(tile[2 * m], fmaxf(sc[m][nt][0], sc[m][nt][1]));
+        tile[2 * m + 1] = fmaxf(tile[2 * m + 1], fmaxf(sc[m][nt][2], sc[m][nt][3]));
       }
-      tile0 = fmaxf(tile0, fmaxf(sc[nt][0], sc[nt][1]));
-      tile1 = fmaxf(tile1, fmaxf(sc[nt][2], sc[nt][3]));
-    }
-    tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffffu, tile0, 1));
-    tile0 = fmaxf(tile0, __shfl_xor_sync(0xffffffffu, tile0, 2));
-    tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffffu, tile1, 1));
-    tile1 = fmaxf(tile1, __shfl_xor_sync(0xffffffffu, tile1, 2));
-    // A row with no key yet keeps base 0 (2^(-inf - 0) = 0) and scale 1.
-    const float base0 = tile0 == NEG_INF ? 0.0f : tile0, base1 = tile1 == NEG_INF ? 0.0f : tile1;
-    const float a0 = ex2(m0 - base0), a1 = ex2(m1 - base1);
-    m0 = tile0, m1 = tile1;
-    l0 *= a0, l1 *= a1;
+    float base[2 * MT];
 #pragma unroll
-    for (int d = 0; d < EV / 8; ++d) o[d][0] *= a0, o[d][1] *= a0, o[d][2] *= a1, o[d][3] *= a1;
+    for (int r = 0; r < 2 * MT; ++r) {
+      tile[r] = fmaxf(tile[r], __shfl_xor_sync(0xffffffffu, tile[r], 1));
+      tile[r] = fmaxf(tile[r], __shfl_xor_sync(0xffffffffu, tile[r], 2));
+      base[r] = tile[r] == NEG_INF ? 0.0f : tile[r];  // a row with no key yet: 2^(-inf - 0) = 0, scale 1
+      const float scale = ex2(mx[r] - base[r]);
+      mx[r] = tile[r];
+      sum[r] *= scale;
+      const int m = r >> 1, e = (r & 1) * 2;
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      sc[nt][0] = ex2(sc[nt][0] - base0), sc[nt][1] = ex2(sc[nt][1] - base0);
-      sc[nt][2] = ex2(sc[nt][2] - base1), sc[nt][3] = ex2(sc[nt][3] - base1);
-      l0 += sc[nt][0] + sc[nt][1], l1 += sc[nt][2] + sc[nt][3];
+      for (int d = 0; d < EV / 8; ++d) o[m][d][e] *= scale, o[m][d][e + 1] *= scale;
     }
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        sc[m][nt][0] = ex2(sc[m][nt][0] - base[2 * m]), sc[m][nt][1] = ex2(sc[m][nt][1] - base[2 * m]);
+        sc[m][nt][2] = ex2(sc[m][nt][2] - base[2 * m + 1]), sc[m][nt][3] = ex2(sc[m][nt][3] - base[2 * m + 1]);
+        sum[2 * m] += sc[m][nt][0] + sc[m][nt][1], sum[2 * m + 1] += sc[m][nt][2] + sc[m][nt][3];
+      }
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
-      const unsigned pa[4] = {pack2(sc[2 * kt][0], sc[2 * kt][1]), pack2(sc[2 * kt][2], sc[2 * kt][3]),
-                              pack2(sc[2 * kt + 1][0], sc[2 * kt + 1][1]), pack2(sc[2 * kt + 1][2], sc[2 * kt + 1][3])};
+      unsigned pa[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        pa[m][0] = pack2(sc[m][2 * kt][0], sc[m][2 * kt][1]), pa[m][1] = pack2(sc[m][2 * kt][2], sc[m][2 * kt][3]);
+        pa[m][2] = pack2(sc[m][2 * kt + 1][0], sc[m][2 * kt + 1][1]);
+        pa[m][3] = pack2(sc[m][2 * kt + 1][2], sc[m][2 * kt + 1][3]);
+      }
 #pragma unroll
       for (int d = 0; d < EV / 8; d += 2) {  // V^T fragments of two 8-wide column tiles by one ldmatrix
         unsigned vb[4];
         ldmatrix_x4_trans(vb, vs + (kt * 16 + (lane & 15)) * VP + (d + (lane >> 4)) * 8);
-        mma(o[d], pa, vb[0], vb[1]);
-        mma(o[d + 1], pa, vb[2], vb[3]);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mma(o[m][d], pa[m], vb[0], vb[1]), mma(o[m][d + 1], pa[m], vb[2], vb[3]);
       }
     }
     __syncthreads();  // every warp is done with this stage before the next load overwrites it
     stage ^= 1;
   }
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
   u16* op = p.out + b * p.os[0] + h * p.os[1];
 #pragma unroll
-  for (int d = 0; d < EV / 8; ++d) {
-    const i64 c = (d * 8 + t * 2) * p.os[3];
-    if (r0 < p.L) {
-      const unsigned w = pack2(o[d][0] * inv0, o[d][1] * inv0);
-      op[r0 * p.os[2] + c] = (u16)(w & 0xffffu);
-      op[r0 * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+  for (int r = 0; r < 2 * MT; ++r) {
+    float l = sum[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int row = rows[r], m = r >> 1, e = (r & 1) * 2;
+    if (row >= p.L) continue;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+#pragma unroll
+    for (int d = 0; d < EV / 8; ++d) {
+      const i64 c = (d * 8 + t * 2) * p.os[3];
+      const unsigned w = pack2(o[m][d][e] * inv, o[m][d][e + 1] * inv);
+      op[row * p.os[2] + c] = (u16)(w & 0xffffu);
+      op[row * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
     }
-    if (r1 < p.L) {
-      const unsigned w = pack2(o[d][2] * inv1, o[d][3] * inv1);
-      op[r1 * p.os[2] + c] = (u16)(w & 0xffffu);
-      op[r1 * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+    if (t == 0) {
+      const i64 at = (i64)bh * p.L + row;
+      p.lse[at] = l > 0.0f ? mx[r] + log2f(l) : NEG_INF;
+      p.mx[at] = mx[r];
     }
-  }
-  if (t == 0) {
-    const i64 base = (i64)bh * p.L;
-    if (r0 < p.L) p.lse[base + r0] = l0 > 0.0f ? m0 + log2f(l0) : NEG_INF, p.mx[base + r0] = m0;
-    if (r1 < p.L) p.lse[base + r1] = l1 > 0.0f ? m1 + log2f(l1) : NEG_INF, p.mx[base + r1] = m1;
   }
 }
 )";
@@ -291,9 +318,9 @@ void mask_strides(const at::Tensor& t, long long* out) {
 class FlexAttention final : public FastPath {
  public:
   FlexAttention(void* function, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
-                float scale, int64_t q_block, int64_t kv_block, int ev, unsigned shared_bytes)
+                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, unsigned shared_bytes)
       : function_(function), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
-        q_block_(q_block), kv_block_(kv_block), ev_(ev), shared_bytes_(shared_bytes) {
+        q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), shared_bytes_(shared_bytes) {
     if (buffers) buffers_ = *buffers;
   }
 
@@ -353,7 +380,7 @@ class FlexAttention final : public FastPath {
       c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       c10::DeviceGuard guard(dev);
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
-      launch(function_, static_cast<unsigned>((L + kTile - 1) / kTile), kThreads, stream, &p, device,
+      launch(function_, static_cast<unsigned>((L + rows_ - 1) / rows_), kThreads, stream, &p, device,
              static_cast<unsigned>(B * H), shared_bytes_);
     } else if (lse.numel() > 0) {
       lse.fill_(-std::numeric_limits<float>::infinity());
@@ -378,6 +405,7 @@ class FlexAttention final : public FastPath {
   float scale_;
   int64_t q_block_, kv_block_;
   int ev_;
+  int rows_;  // query rows per block: 64 per row tile of a warp
   unsigned shared_bytes_;  // two stages of K and V tiles
   mutable std::atomic<uint64_t> calls_{0};
 };
@@ -422,7 +450,12 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     std::string why;
     if (!available(&why)) return nullptr;
     if (std::stoi(arch(device).substr(3)) < 80) return nullptr;  // m16n8k16 16-bit MMAs
-    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, *score_mod, *mask_mod),
+    // One 16-row tile per warp. Two (EMBER_FLEX_ROWS=128, for measuring; head dims up to 64) let each K and V
+    // fragment feed two MMAs but spill and halve the blocks per SM: on the H100, bench/hops.py's flex
+    // 0.195 -> 0.189 ms, flex_long 0.474 -> 0.712 ms.
+    static const char* forced = std::getenv("EMBER_FLEX_ROWS");
+    const int mt = forced && std::string(forced) == "128" && ek <= 64 && ev <= 64 && q_block->i % (2 * kTile) == 0 ? 2 : 1;
+    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, *score_mod, *mask_mod),
                              "ember_flex_attention", device);
     const unsigned shared_bytes = 2 * kTile * (ek + 8 + ev + 8) * 2;
     if (shared_bytes > 48 * 1024) {
@@ -431,7 +464,7 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     }
     const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
     return std::make_shared<FlexAttention>(function, std::move(inputs), list, step.outputs, static_cast<float>(s),
-                                           q_block->i, kv_block->i, ev, shared_bytes);
+                                           q_block->i, kv_block->i, ev, kTile * mt, shared_bytes);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs
   }

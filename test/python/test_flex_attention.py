@@ -1,7 +1,10 @@
-"""flex_attention under ember: each call becomes dense ATen ops (attention.py, dense_flex_attention) that
-AOTAutograd differentiates, compared with eager's flex_attention (its own dense path) on fresh random inputs:
-score_mods with captured buffers, block masks, grouped-query heads, the log-sum-exp output, gradients (CUDA),
-16-bit inputs and queries laid out as transposes."""
+"""flex_attention under ember, compared with eager's flex_attention on fresh random inputs. Calls that need
+gradients, float32 and CPU calls become dense ATen ops (attention.py, dense_flex_attention) that AOTAutograd
+differentiates; 16-bit CUDA inference calls run the fused kernel (flex.py, kernels/cuda/flex_attention.cpp),
+checked against eager on float32 copies. Covered: score_mods with captured buffers, block masks (partial and
+full blocks, rows masked whole), documents in an int64 buffer, grouped-query heads, the log-sum-exp output,
+lengths off the 64-row tile, other key and value lengths and widths, gradients (CUDA), CUDA graphs, queries
+laid out as transposes, and the translation of the mods itself (on the CPU)."""
 
 import re
 
@@ -163,6 +166,23 @@ def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype):
     assert kernel_ran()
     assert torch.equal(out[:, :, 3::7], torch.zeros_like(out[:, :, 3::7]))  # rows the mask removes whole
     assert bool((lse[:, :, 3::7] == float("-inf")).all())
+
+
+@needs_cuda
+def test_fused_kernel_replayed_by_cuda_graphs():
+    """reduce-overhead captures the kernel's launch: each replay must read the new inputs."""
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s - (qi - ki) * 0.05, block_mask=mask)
+
+    compiled = torch.compile(fn, backend="ember", options={"fallback": "raise", "cudagraphs": True})
+    with torch.no_grad():
+        for _ in range(4):
+            q, k, v = qkv("cuda", q_len=256, kv_len=256, dim=64, dtype=torch.bfloat16)
+            out = compiled(q, k, v).clone()
+            torch.testing.assert_close(out.float(), fn(q.float(), k.float(), v.float()), **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran()
 
 
 @needs_cuda
