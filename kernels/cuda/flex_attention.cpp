@@ -1,7 +1,7 @@
 // ember::flex_attention (made by python_bindings/ember/flex.py from a flex_attention call) as one NVRTC kernel:
 // flash attention with the call's score_mod and mask_mod compiled in, visiting only the key blocks its
 // BlockMask lists.
-//  1. A block of 4 warps owns 64 or 128 query rows of one (batch, head); each warp 16 or 32 (MT tiles of 16). Per step of 64 keys the
+//  1. A block of 4 or 8 warps owns 64 or 128 query rows of one (batch, head); each warp 16 (MT tiles of 16). Per step of 64 keys the
 //     block stages K and V in shared memory (cp.async, two stages: the next step's tiles load while this one
 //     computes; V's fragments read transposed by ldmatrix); each warp computes its 16 x 64 scores
 //     with m16n8k16 tensor-core MMAs (f16/bf16 operands, f32 sums), applies scale, mask_mod (partial blocks
@@ -35,7 +35,6 @@ namespace ember::cuda {
 namespace {
 
 constexpr int kTile = 64;        // query rows per row tile of the warps, keys per step
-constexpr int kThreads = 128;    // 4 warps of 16 rows
 constexpr int kBuffers = 8;      // captured buffers the mods may read
 
 // The kernel's by-value argument, written once for the host and once (as text) for the device.
@@ -53,11 +52,13 @@ struct Params {
   EMBER_FLEX_PARAMS
 };
 
-std::string flex_source(bool bf16, int ek, int ev, int mt, const std::string& score_mod, const std::string& mask_mod) {
+std::string flex_source(bool bf16, int ek, int ev, int mt, int min_blocks, int warps, const std::string& score_mod,
+                        const std::string& mask_mod) {
   std::string s;
   s += "typedef long long i64; typedef unsigned short u16;\n";
   s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
-  s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n";
+  s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n#define MIN_BLOCKS " + std::to_string(min_blocks) +
+       "\n#define WARPS " + std::to_string(warps) + "\n";
   s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
             : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
   s += R"(
@@ -92,6 +93,13 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 // 16 bytes global -> shared without passing through registers; `valid` false writes zeros.
 __device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(smem_addr(p)));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -134,7 +142,7 @@ struct Tiles {
 };
 
 // Each warp owns MT tiles of 16 query rows; a thread holds rows g and g + 8 of each (half 2m and 2m + 1).
-extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(Params p) {
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
   u16* const ks0 = smem;                    // 2 stages of K [64][KP], then 2 of V [64][VP]
@@ -143,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
   // would leave the GPU waiting on a few blocks at the end.
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * (64 * MT);
+  const int q0 = (gridDim.x - 1 - blockIdx.x) * (16 * WARPS * MT);
   int rows[2 * MT];
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) rows[r] = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
@@ -177,12 +185,12 @@ extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p)
   auto load = [&](int stage, i64 kv0) {
     u16* ks = ks0 + stage * 64 * KP;
     u16* vs = vs0 + stage * 64 * VP;
-    for (int i = threadIdx.x; i < 64 * EK / 8; i += 128) {
+    for (int i = threadIdx.x; i < 64 * EK / 8; i += WARPS * 32) {
       const int row = i / (EK / 8), col = (i % (EK / 8)) * 8;
       const bool ok = kv0 + row < p.S;
       copy16(ks + row * KP + col, kp + (ok ? (kv0 + row) * p.ks[2] + col : 0), ok);
     }
-    for (int i = threadIdx.x; i < 64 * EV / 8; i += 128) {
+    for (int i = threadIdx.x; i < 64 * EV / 8; i += WARPS * 32) {
       const int row = i / (EV / 8), col = (i % (EV / 8)) * 8;
       const bool ok = kv0 + row < p.S;
       copy16(vs + row * VP + col, vp + (ok ? (kv0 + row) * p.vs[2] + col : 0), ok);
@@ -210,11 +218,16 @@ extern "C" __global__ void __launch_bounds__(128) ember_flex_attention(Params p)
 #pragma unroll
       for (int m = 0; m < MT; ++m) sc[m][nt][0] = sc[m][nt][1] = sc[m][nt][2] = sc[m][nt][3] = 0.0f;
 #pragma unroll
-      for (int kt = 0; kt < EK / 16; ++kt) {
-        const u16* kr = ks + (nt * 8 + g) * KP + kt * 16 + t * 2;
-        const unsigned b0 = *(const unsigned*)kr, b1 = *(const unsigned*)(kr + 8);
+      for (int kt = 0; kt < EK / 16; kt += 2) {  // K fragments of two 16-wide steps by one ldmatrix
+        const u16* kr = ks + (nt * 8 + (lane & 7)) * KP + kt * 16 + (lane >> 3) * 8;
+        unsigned kb[4];
+        if (kt + 1 < EK / 16) ldmatrix_x4(kb, kr);
+        else ldmatrix_x2(kb, kr);
 #pragma unroll
-        for (int m = 0; m < MT; ++m) mma(sc[m][nt], qa[m][kt], b0, b1);
+        for (int m = 0; m < MT; ++m) {
+          mma(sc[m][nt], qa[m][kt], kb[0], kb[1]);
+          if (kt + 1 < EK / 16) mma(sc[m][nt], qa[m][kt + 1], kb[2], kb[3]);
+        }
       }
     }
     float tile[2 * MT];
@@ -318,9 +331,9 @@ void mask_strides(const at::Tensor& t, long long* out) {
 class FlexAttention final : public FastPath {
  public:
   FlexAttention(void* function, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
-                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, unsigned shared_bytes)
+                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes)
       : function_(function), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
-        q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), shared_bytes_(shared_bytes) {
+        q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), threads_(threads), shared_bytes_(shared_bytes) {
     if (buffers) buffers_ = *buffers;
   }
 
@@ -380,7 +393,7 @@ class FlexAttention final : public FastPath {
       c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       c10::DeviceGuard guard(dev);
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
-      launch(function_, static_cast<unsigned>((L + rows_ - 1) / rows_), kThreads, stream, &p, device,
+      launch(function_, static_cast<unsigned>((L + rows_ - 1) / rows_), static_cast<unsigned>(threads_), stream, &p, device,
              static_cast<unsigned>(B * H), shared_bytes_);
     } else if (lse.numel() > 0) {
       lse.fill_(-std::numeric_limits<float>::infinity());
@@ -405,7 +418,8 @@ class FlexAttention final : public FastPath {
   float scale_;
   int64_t q_block_, kv_block_;
   int ev_;
-  int rows_;  // query rows per block: 64 per row tile of a warp
+  int rows_;     // query rows per block: 16 per row tile of each warp
+  int threads_;  // per block, 32 per warp
   unsigned shared_bytes_;  // two stages of K and V tiles
   mutable std::atomic<uint64_t> calls_{0};
 };
@@ -434,7 +448,7 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
       (qt.dtype != c10::kHalf && qt.dtype != c10::kBFloat16))
     return nullptr;
   const int ek = static_cast<int>(qt.sizes[3].value), ev = static_cast<int>(vt.sizes[3].value);
-  auto head_dim = [](int e) { return e == 16 || e == 32 || e == 64 || e == 128; };
+  auto head_dim = [](int e) { return e > 0 && e <= 128 && e % 16 == 0; };  // 16-wide MMA steps, registers
   if (!head_dim(ek) || !head_dim(ev)) return nullptr;
   std::vector<int32_t> inputs(7, -1);
   for (uint32_t slot = 0; slot < 7; ++slot)
@@ -455,7 +469,17 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     // 0.195 -> 0.189 ms, flex_long 0.474 -> 0.712 ms.
     static const char* forced = std::getenv("EMBER_FLEX_ROWS");
     const int mt = forced && std::string(forced) == "128" && ek <= 64 && ev <= 64 && q_block->i % (2 * kTile) == 0 ? 2 : 1;
-    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, *score_mod, *mask_mod),
+    // Head dims up to 64: 4 warps, registers for 3 blocks per SM. Wider: 2 blocks per SM (3 spill), and 8
+    // warps where the BlockMask's query blocks hold 128 rows, so that each K and V tile serves twice the rows.
+    // EMBER_FLEX_MIN_BLOCKS and EMBER_FLEX_WARPS override these, for measuring.
+    static const char* min_forced = std::getenv("EMBER_FLEX_MIN_BLOCKS");
+    static const char* warps_forced = std::getenv("EMBER_FLEX_WARPS");
+    const bool narrow = ek <= 64 && ev <= 64;
+    int warps = !narrow && q_block->i % (8 * 16 * mt) == 0 ? 8 : 4;
+    if (warps_forced && (std::string(warps_forced) == "4" || q_block->i % (8 * 16 * mt) == 0))
+      warps = std::string(warps_forced) == "8" ? 8 : 4;
+    const int min_blocks = min_forced ? std::max(1, std::atoi(min_forced)) : (narrow ? 3 : (warps == 8 ? 1 : 2));
+    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod),
                              "ember_flex_attention", device);
     const unsigned shared_bytes = 2 * kTile * (ek + 8 + ev + 8) * 2;
     if (shared_bytes > 48 * 1024) {
@@ -464,7 +488,7 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     }
     const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
     return std::make_shared<FlexAttention>(function, std::move(inputs), list, step.outputs, static_cast<float>(s),
-                                           q_block->i, kv_block->i, ev, kTile * mt, shared_bytes);
+                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs
   }

@@ -21,7 +21,7 @@ import torch
 from .attention import _like_strides, dense_flex_attention
 
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
-HEAD_DIMS = (16, 32, 64, 128)
+MAX_HEAD_DIM = 128  # head dims: multiples of 16 up to this (registers hold a warp's queries and outputs)
 TILE = 64  # query rows of one thread block, and key columns of one step (kernels/cuda/flex_attention.cpp)
 
 # Mods of the programs defined so far, for the op's fallback implementation: (score, mask) text -> callables.
@@ -267,8 +267,9 @@ def fused_call(gm, node):
         return None, "inputs without example values"
     if not (q.is_cuda and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype):
         return None, "not 16-bit CUDA inputs"
-    if q.dim() != 4 or q.size(-1) not in HEAD_DIMS or k.size(-1) != q.size(-1) or v.size(-1) not in HEAD_DIMS:
-        return None, f"head dims {q.size(-1)} / {v.size(-1)} (the kernel takes {HEAD_DIMS})"
+    dims = (q.size(-1), v.size(-1)) if q.dim() == 4 else (0, 0)
+    if any(not isinstance(e, int) or e % 16 or not 0 < e <= MAX_HEAD_DIM for e in dims) or k.size(-1) != dims[0]:
+        return None, f"head dims {dims} (the kernel takes multiples of 16 up to {MAX_HEAD_DIM})"
     if q.size(1) % k.size(1) or k.size(1) != v.size(1) or k.size(0) != q.size(0) or v.size(0) != q.size(0):
         return None, "batch or head counts the kernel does not pair"
     tensors = [q, k, v] + [_val(b) for b in score_buffers + mask_buffers]

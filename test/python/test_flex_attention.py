@@ -115,7 +115,7 @@ FUSED_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(ato
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("dim", [16, 64, 128])
+@pytest.mark.parametrize("dim", [16, 64, 96, 128])
 def test_fused_kernel_causal_bias_grouped_heads(dtype, dim):
     length = 200  # three full tiles of 64 and a tail
     bias = torch.randn(8, device="cuda")
@@ -166,6 +166,23 @@ def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype):
     assert kernel_ran()
     assert torch.equal(out[:, :, 3::7], torch.zeros_like(out[:, :, 3::7]))  # rows the mask removes whole
     assert bool((lse[:, :, 3::7] == float("-inf")).all())
+
+
+@needs_cuda
+def test_fused_kernel_over_new_lengths():
+    """A prompt length per call, each with its own BlockMask: the graph recompiled with symbolic lengths keeps the
+    kernel, the sizes read per call."""
+    def fn(q, k, v, mask):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + (qi - ki) * 0.02, block_mask=mask)
+
+    compiled = torch.compile(fn, backend="ember", options={"fallback": "raise"})
+    with torch.no_grad():
+        for length in (128, 200, 333, 517):
+            mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
+            q, k, v = qkv("cuda", q_len=length, kv_len=length, dim=64, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(q, k, v, mask).float(), fn(q.float(), k.float(), v.float(), mask),
+                                       **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran()
 
 
 @needs_cuda
