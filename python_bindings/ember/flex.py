@@ -7,7 +7,7 @@ plan runs it through kernels/cuda/flex_attention.cpp: a flash-attention kernel (
 softmax, no scores in memory) that visits only the key blocks the BlockMask lists, evaluating mask_mod only in
 its partial blocks, as inductor's generated kernel does.
 
-1. The mods become C++ statements here, one per FX node (`FlexProgram`): index arithmetic, comparisons,
+1. The mods become C++ statements here, one per FX node (`mod_program`): index arithmetic, comparisons,
    logic, `where`, float math and loads from captured buffers. Anything else leaves the call dense.
 2. Where the plan cannot run the kernel (an architecture before sm_80, NVRTC missing), the op's CUDA
    implementation below runs the dense form with the original mods, so the result never depends on it.
@@ -20,7 +20,7 @@ import torch
 
 from .attention import _like_strides, dense_flex_attention
 
-_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16"}
+_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128  # head dims: multiples of 16 up to this (registers hold a warp's queries and outputs)
 TILE = 64  # query rows of one thread block, and key columns of one step (kernels/cuda/flex_attention.cpp)
 
@@ -52,8 +52,7 @@ _DUNDER = {"and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "true
            "mod": "remainder", "invert": "bitwise_not"}
 _REFLECTED = {"radd": "add", "rsub": "sub", "rmul": "mul", "rtruediv": "truediv", "rfloordiv": "floordiv",
               "rmod": "mod", "rand": "and", "ror": "or", "rxor": "xor"}
-_CASTS = {"float": torch.float32, "int": torch.int32, "long": torch.int64, "bool": torch.bool,
-          "half": torch.float16, "bfloat16": torch.bfloat16}
+_CASTS = ("float", "int", "long", "bool", "half", "bfloat16", "double")
 
 
 def _ctype(dtype):
@@ -289,7 +288,7 @@ def fused_call(gm, node):
     try:
         score_text = mod_program(getattr(gm, score_mod.target), 5, 0)
         mask_text = mod_program(getattr(gm, mask_fn.target), 4, len(score_buffers))
-    except (Unsupported, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 (a mod the translation does not know stays dense, whatever it holds)
         return None, f"mods: {e}"
     _MODS.setdefault((score_text, mask_text), (getattr(gm, score_mod.target), getattr(gm, mask_fn.target)))
     return (query, key, value, kv_num, kv_idx, full_num, full_idx, score_buffers + mask_buffers,
@@ -299,9 +298,12 @@ def fused_call(gm, node):
 def fuse_flex_attention(gm, nodes):
     """Replaces each of `nodes` (flex_attention calls) that the kernel runs by ember::flex_attention; returns
     the nodes left for the dense form."""
+    from . import report
+
     left = []
     for node in nodes:
-        args, _why = fused_call(gm, node)
+        args, why = fused_call(gm, node)
+        report.record_flex(why)
         if args is None:
             left.append(node)
             continue

@@ -68,6 +68,7 @@ class ExplainReport:
         self.fallbacks = []  # (kind, reason)
         self.as_is = []  # what graphs with nothing to compile did (views, detach): they run as Dynamo traced them
         self.masks = [0, 0]  # attention masks read at compile time: dropped, made is_causal (attention.py)
+        self.flex = []  # per flex_attention call: None (ember's CUDA kernel) or why it runs dense (flex.py)
         self.total_s = 0.0
         self.backend_s = 0.0  # inside ember's compilers
 
@@ -103,6 +104,10 @@ class ExplainReport:
         if any(self.masks):
             lines.append(f"- attention masks computed from constants: {self.masks[0]} dropped (they mask nothing), "
                          f"{self.masks[1]} replaced by is_causal")
+        if self.flex:
+            dense = [why for why in self.flex if why is not None]
+            lines.append(f"- flex_attention: {len(self.flex) - len(dense)} call(s) as ember's CUDA kernel, "
+                         f"{len(dense)} as dense ATen ops" + (f" ({'; '.join(sorted(set(dense)))})" if dense else ""))
         passes = collections.defaultdict(float)
         lower = 0.0
         for g in self.graphs:
@@ -144,6 +149,11 @@ def record_masks(dropped, causal):
     if _active:
         _active[-1].masks[0] += dropped
         _active[-1].masks[1] += causal
+
+
+def record_flex(why):
+    if _active:
+        _active[-1].flex.append(why)
 
 
 def record_fallback(kind, reason):

@@ -244,3 +244,18 @@ def test_mods_become_cuda_statements():
                   backend=capture)(*qkv("cpu", q_len=16, kv_len=16))
     with pytest.raises(Unsupported):  # round() has no statement: the call stays dense
         mod_program(graphs["score_mod_0"], 5, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_explain_says_how_each_call_runs(device):
+    import ember
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s * 0.5)
+
+    with torch.no_grad():
+        text = str(ember.explain(fn)(*qkv(device, dim=64, dtype=torch.bfloat16 if device == "cuda" else torch.float32)))
+    if device == "cuda":
+        assert "flex_attention: 1 call(s) as ember's CUDA kernel, 0 as dense ATen ops" in text, text
+    else:
+        assert "flex_attention: 0 call(s) as ember's CUDA kernel, 1 as dense ATen ops (not 16-bit CUDA inputs)" in text, text
