@@ -13,6 +13,7 @@ the inputs. Each backend compiles in a fresh Dynamo state; the caches of neither
     documents_4k  B 2, H 16, L 4096, E 64, five packed documents under a causal mask, tanh soft cap
     sliding_4k    B 2, H 16, L 4096, E 64, a 256-token causal sliding window, ALiBi slopes per head
     gqa_2k        B 2, H 32 query / 8 key-value heads, L 2048, E 128, causal, enable_gqa
+    decode_8k     B 4, H 32 query / 8 key-value heads, 1 query row against 8192 cached keys, E 128 (a decode step)
 """
 
 import argparse
@@ -44,18 +45,23 @@ def case(name):
     elif name == "gqa_2k":
         B, H, HKV, L, E = 2, 32, 8, 2048, 128
         mask_mod, score_mod = (lambda b, h, qi, ki: qi >= ki), None
+    elif name == "decode_8k":
+        B, H, HKV, L, E = 4, 32, 8, 8192, 128
+        position = torch.tensor(L - 1, device=dev)
+        mask_mod, score_mod = (lambda b, h, qi, ki: ki <= position + qi), None
     else:
         raise SystemExit(f"unknown case {name}")
-    mask = create_block_mask(mask_mod, None, None, L, L, device=dev)
+    q_len = 1 if name.startswith("decode") else L
+    mask = create_block_mask(mask_mod, None, None, q_len, L, device=dev)
 
     def fn(q, k, v):
         return flex_attention(q, k, v, score_mod=score_mod, block_mask=mask, enable_gqa=HKV != H)
 
-    inputs = [torch.randn(B, h, L, E, device=dev, dtype=dt) for h in (H, HKV, HKV)]
+    inputs = [torch.randn(B, h, length, E, device=dev, dtype=dt) for h, length in ((H, q_len), (HKV, L), (HKV, L))]
     return fn, inputs
 
 
-CASES = ("causal_1k", "causal_8k", "documents_4k", "sliding_4k", "gqa_2k")
+CASES = ("causal_1k", "causal_8k", "documents_4k", "sliding_4k", "gqa_2k", "decode_8k")
 
 
 def run(name, backend, repeat):

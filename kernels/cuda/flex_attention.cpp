@@ -1,18 +1,20 @@
 // ember::flex_attention (made by python_bindings/ember/flex.py from a flex_attention call) as one NVRTC kernel:
 // flash attention with the call's score_mod and mask_mod compiled in, visiting only the key blocks its
 // BlockMask lists.
-//  1. A block of 4 or 8 warps owns 64 or 128 query rows of one (batch, head); each warp 16 (MT tiles of 16). Per step of 64 keys the
-//     block stages K and V in shared memory (cp.async, two stages: the next step's tiles load while this one
-//     computes; V's fragments read transposed by ldmatrix); each warp computes its 16 x 64 scores
-//     with m16n8k16 tensor-core MMAs (f16/bf16 operands, f32 sums), applies scale, mask_mod (partial blocks
-//     only) and score_mod in registers, and folds them into a running max and sum (online softmax, base 2).
+//  1. A block of 4 or 8 warps owns 64 or 128 query rows of one (batch, head), 16 per warp. Per step of 64 keys
+//     the block stages K and V in shared memory (cp.async, two stages: the next step's tiles load while this
+//     one computes; fragments read by ldmatrix); each warp computes its 16 x 64 scores with m16n8k16 MMAs
+//     (f16/bf16 operands, f32 sums), applies scale, mask_mod (partial blocks only) and score_mod in registers,
+//     and folds them into a running max and sum (online softmax, base 2).
 //     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
 //     score registers into the A operand of the P @ V MMAs. No score reaches memory.
-//  2. Key blocks come from the BlockMask: its partial blocks (kv_num_blocks / kv_indices) with mask_mod, then
+//  2. Where the query tiles are fewer than the SMs (decoding), each tile's keys are dealt out to up to 16 blocks
+//     that write unnormalized partial results; a second kernel merges them (split-KV).
+//  3. Key blocks come from the BlockMask: its partial blocks (kv_num_blocks / kv_indices) with mask_mod, then
 //     its full blocks without it. Keys past the sequence and positions no block lists are masked.
-//  3. Outputs match the higher-order op: the attention in the query's dimension order, the log-sum-exp and
+//  4. Outputs match the higher-order op: the attention in the query's dimension order, the log-sum-exp and
 //     the row maximum in base 2 ([B, H, L] float32), fully masked rows giving zeros and -inf.
-//  4. A fast path of the plan (runtime.h), compiled when the plan is built; where it cannot be (NVRTC missing,
+//  5. A fast path of the plan (runtime.h), compiled when the plan is built; where it cannot be (NVRTC missing,
 //     a GPU before sm_80) the op's own CUDA implementation (flex.py: the dense form) runs instead.
 #include "ember/error.h"
 #include "ember/ir.h"
@@ -44,7 +46,8 @@ constexpr int kBuffers = 8;      // captured buffers the mods may read
   const int* kvn; const int* kvi; const int* fkvn; const int* fkvi;                                           \
   long long kvns[3]; long long kvis[4]; long long fkvns[3]; long long fkvis[4];                               \
   const void* buf[8]; long long bs[8][4];                                                                      \
-  long long qblock; long long kvblock; int B; int H; int HKV; int L; int S; float scale;
+  long long qblock; long long kvblock; int B; int H; int HKV; int L; int S; float scale;                       \
+  int splits; float* part_o; float* part_ml;
 #define EMBER_FLEX_TEXT2(...) #__VA_ARGS__
 #define EMBER_FLEX_TEXT(x) EMBER_FLEX_TEXT2(x)
 
@@ -111,6 +114,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
 struct Tiles {
   const Params* p; int b, h; i64 qb;
   int pass, j, blocks; i64 kv0, end;
+  int n;  // the current tile's position in the whole sequence
   __device__ void open_pass() {
     for (; pass < 2; ++pass) {
       const int* nump = pass == 0 ? p->kvn : p->fkvn;
@@ -133,7 +137,12 @@ struct Tiles {
     return false;
   }
   __device__ bool valid() const { return pass < 2; }
+  // The next tile of split `split` of `splits` (tiles dealt out in turn), or past the end.
+  __device__ void advance_to(int split, int splits) {
+    while (valid() && n % splits != split) advance();
+  }
   __device__ void advance() {
+    ++n;
     kv0 += 64;
     if (kv0 < end || next_block()) return;
     ++pass;
@@ -151,7 +160,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
   // would leave the GPU waiting on a few blocks at the end.
-  const int q0 = (gridDim.x - 1 - blockIdx.x) * (16 * WARPS * MT);
+  // With splits > 1 (few blocks for the SMs: decoding), blocks x = tile * splits + split share a query tile's
+  // keys, each writing unnormalized partial results that ember_flex_combine merges.
+  const int split = blockIdx.x % p.splits, tiles = gridDim.x / p.splits;
+  const int q0 = (tiles - 1 - (int)(blockIdx.x / p.splits)) * (16 * WARPS * MT);
   int rows[2 * MT];
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) rows[r] = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
@@ -180,8 +192,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
-  Tiles it{&p, b, h, q0 / p.qblock, 0, -1, 0, 0, 0};
+  Tiles it{&p, b, h, q0 / p.qblock, 0, -1, 0, 0, 0, 0};
   it.open_pass();
+  it.advance_to(split, p.splits);
   auto load = [&](int stage, i64 kv0) {
     u16* ks = ks0 + stage * 64 * KP;
     u16* vs = vs0 + stage * 64 * VP;
@@ -203,6 +216,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     const i64 kv0 = it.kv0, end = it.end;
     const int pass = it.pass;
     it.advance();
+    it.advance_to(split, p.splits);
     if (it.valid()) {
       load(stage ^ 1, it.kv0);
       asm volatile("cp.async.wait_group 1;");
@@ -297,6 +311,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int row = rows[r], m = r >> 1, e = (r & 1) * 2;
     if (row >= p.L) continue;
+    if (p.splits > 1) {
+      const i64 at = ((i64)split * p.B * p.H + bh) * p.L + row;
+#pragma unroll
+      for (int d = 0; d < EV / 8; ++d) {
+        p.part_o[at * EV + d * 8 + t * 2] = o[m][d][e];
+        p.part_o[at * EV + d * 8 + t * 2 + 1] = o[m][d][e + 1];
+      }
+      if (t == 0) p.part_ml[at * 2] = mx[r], p.part_ml[at * 2 + 1] = l;
+      continue;
+    }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
 #pragma unroll
     for (int d = 0; d < EV / 8; ++d) {
@@ -310,6 +334,28 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
       p.lse[at] = l > 0.0f ? mx[r] + log2f(l) : NEG_INF;
       p.mx[at] = mx[r];
     }
+  }
+}
+
+// Merges the splits' partial results: one thread per output element.
+extern "C" __global__ void ember_flex_combine(Params p) {
+  const i64 rows = (i64)p.B * p.H * p.L;
+  for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < rows * EV; i += (i64)gridDim.x * blockDim.x) {
+    const i64 row = i / EV;
+    const int d = (int)(i % EV);
+    float top = NEG_INF;
+    for (int s = 0; s < p.splits; ++s) top = fmaxf(top, p.part_ml[(s * rows + row) * 2]);
+    const float base = top == NEG_INF ? 0.0f : top;
+    float l = 0.0f, acc = 0.0f;
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = ex2(p.part_ml[(s * rows + row) * 2] - base);
+      l += w * p.part_ml[(s * rows + row) * 2 + 1];
+      acc += w * p.part_o[(s * rows + row) * EV + d];
+    }
+    const int bh = (int)(row / p.L), r = (int)(row % p.L), b = bh / p.H, h = bh % p.H;
+    const float value = l > 0.0f ? acc / l : 0.0f;
+    p.out[b * p.os[0] + h * p.os[1] + r * p.os[2] + d * p.os[3]] = (u16)(pack2(value, 0.0f) & 0xffffu);
+    if (d == 0) p.lse[row] = l > 0.0f ? top + log2f(l) : NEG_INF, p.mx[row] = top;
   }
 }
 )";
@@ -330,9 +376,9 @@ void mask_strides(const at::Tensor& t, long long* out) {
 
 class FlexAttention final : public FastPath {
  public:
-  FlexAttention(void* function, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
+  FlexAttention(void* function, void* combine, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
                 float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes)
-      : function_(function), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
+      : function_(function), combine_(combine), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
         q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), threads_(threads), shared_bytes_(shared_bytes) {
     if (buffers) buffers_ = *buffers;
   }
@@ -345,7 +391,7 @@ class FlexAttention final : public FastPath {
     const at::Tensor& query = *in[0];
     const at::Tensor q = readable(query), k = readable(*in[1]), v = readable(*in[2]);
     const int64_t B = q.size(0), H = q.size(1), L = q.size(2), HKV = k.size(1), S = k.size(2);
-    if (HKV == 0 || H % HKV != 0 || v.size(3) != ev_) return false;
+    if (HKV == 0 || H % HKV != 0 || v.size(3) != ev_ || B * H > 65535) return false;  // grid.y holds B * H
     // The output in the query's dimension order (as flex_attention and the op's fake give it).
     std::array<int64_t, 4> order{0, 1, 2, 3};
     std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return query.stride(a) > query.stride(b); });
@@ -393,8 +439,28 @@ class FlexAttention final : public FastPath {
       c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       c10::DeviceGuard guard(dev);
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
-      launch(function_, static_cast<unsigned>((L + rows_ - 1) / rows_), static_cast<unsigned>(threads_), stream, &p, device,
+      // Fewer query tiles than SMs (decoding: one query row, a long cache): split each tile's keys over up to
+      // 16 blocks, about 8 blocks per SM in all, whose partial results ember_flex_combine merges.
+      const int64_t tiles = (L + rows_ - 1) / rows_;
+      const int64_t sms = multiprocessor_count(device);
+      int64_t splits = 1;
+      if (tiles * B * H < sms && S >= 4 * kTile)
+        splits = std::min<int64_t>({16, (8 * sms) / (tiles * B * H), (S + kTile - 1) / kTile});
+      at::Tensor part_o, part_ml;
+      p.splits = static_cast<int>(std::max<int64_t>(1, splits));
+      if (p.splits > 1) {
+        part_o = at::empty({p.splits, B * H, L, ev_}, q.options().dtype(at::kFloat));
+        part_ml = at::empty({p.splits, B * H, L, 2}, q.options().dtype(at::kFloat));
+        p.part_o = part_o.data_ptr<float>();
+        p.part_ml = part_ml.data_ptr<float>();
+      }
+      launch(function_, static_cast<unsigned>(tiles * p.splits), static_cast<unsigned>(threads_), stream, &p, device,
              static_cast<unsigned>(B * H), shared_bytes_);
+      if (p.splits > 1) {
+        const int64_t total = B * H * L * ev_;
+        const int64_t blocks = std::min<int64_t>((total + 255) / 256, sms * 8);
+        launch(combine_, static_cast<unsigned>(blocks), 256, stream, &p, device);
+      }
     } else if (lse.numel() > 0) {
       lse.fill_(-std::numeric_limits<float>::infinity());
       mx.fill_(-std::numeric_limits<float>::infinity());
@@ -412,6 +478,7 @@ class FlexAttention final : public FastPath {
 
  private:
   void* function_;
+  void* combine_;  // merges split blocks' partial results
   std::vector<int32_t> inputs_;  // query, key, value, kv_num_blocks, kv_indices, full ones: buffer or -1
   ListSlot buffers_;
   std::vector<int32_t> outputs_;
@@ -475,19 +542,23 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     static const char* min_forced = std::getenv("EMBER_FLEX_MIN_BLOCKS");
     static const char* warps_forced = std::getenv("EMBER_FLEX_WARPS");
     const bool narrow = ek <= 64 && ev <= 64;
-    int warps = !narrow && q_block->i % (8 * 16 * mt) == 0 ? 8 : 4;
+    // A few query rows (decoding) take 4 warps: the rows past them are computed and dropped.
+    const bool few_rows = qt.sizes[2].is_constant() && qt.sizes[2].value <= 4 * 16;
+    int warps = !narrow && !few_rows && q_block->i % (8 * 16 * mt) == 0 ? 8 : 4;
     if (warps_forced && (std::string(warps_forced) == "4" || q_block->i % (8 * 16 * mt) == 0))
       warps = std::string(warps_forced) == "8" ? 8 : 4;
     const int min_blocks = min_forced ? std::max(1, std::atoi(min_forced)) : (narrow ? 3 : (warps == 8 ? 1 : 2));
-    void* function = compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod),
-                             "ember_flex_attention", device);
+    const std::vector<void*> functions =
+        compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod),
+                std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device);
+    void* function = functions.at(0);
     const unsigned shared_bytes = 2 * kTile * (ek + 8 + ev + 8) * 2;
     if (shared_bytes > 48 * 1024) {
       if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
     }
     const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
-    return std::make_shared<FlexAttention>(function, std::move(inputs), list, step.outputs, static_cast<float>(s),
+    return std::make_shared<FlexAttention>(function, functions.at(1), std::move(inputs), list, step.outputs, static_cast<float>(s),
                                            q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs

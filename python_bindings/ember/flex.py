@@ -111,6 +111,8 @@ def mod_program(gm, indices, buffer_offset):
             if not isinstance(val, torch.Tensor) or val.dtype not in _LOADS or val.dim() > 4:
                 raise Unsupported(f"captured buffer {node.name}")
             buffers[node] = (buffer_offset + i - indices, val)
+            if val.dim() == 0:  # a captured scalar tensor (a cache position) read as a value
+                expr[node] = f"{_LOADS[val.dtype]}(p.buf[{buffer_offset + i - indices}], 0)"
 
     def arg(a):
         if isinstance(a, torch.fx.Node):
@@ -272,7 +274,12 @@ def fused_call(gm, node):
     if q.size(1) % k.size(1) or k.size(1) != v.size(1) or k.size(0) != q.size(0) or v.size(0) != q.size(0):
         return None, "batch or head counts the kernel does not pair"
     tensors = [q, k, v] + [_val(b) for b in score_buffers + mask_buffers]
-    if any(not isinstance(t, torch.Tensor) or t.requires_grad for t in tensors):
+    if any(not isinstance(t, torch.Tensor) for t in tensors):
+        return None, "inputs without example values"
+    # Gradients flow where an output requires one: a parameter read by score_mod under torch.no_grad does not.
+    outputs = node.meta.get("example_value")
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    if any(not isinstance(t, torch.Tensor) or t.requires_grad for t in outputs):
         return None, "gradients (the kernel is forward only)"
     if not isinstance(scale, float):
         return None, "a scale that is not a constant"

@@ -3,6 +3,7 @@ gradients, float32 and CPU calls become dense ATen ops (attention.py, dense_flex
 differentiates; 16-bit CUDA inference calls run the fused kernel (flex.py, kernels/cuda/flex_attention.cpp),
 checked against eager on float32 copies. Covered: score_mods with captured buffers, block masks (partial and
 full blocks, rows masked whole), documents in an int64 buffer, grouped-query heads, the log-sum-exp output,
+decoding (keys split over blocks),
 lengths off the 64-row tile, other key and value lengths and widths, gradients (CUDA), CUDA graphs, queries
 laid out as transposes, and the translation of the mods itself (on the CPU)."""
 
@@ -186,6 +187,28 @@ def test_fused_kernel_over_new_lengths():
 
 
 @needs_cuda
+@pytest.mark.parametrize("q_len, kv_len, heads, kv_heads", [(1, 2000, 4, 4), (1, 300, 2, 1), (5, 4100, 8, 2)])
+def test_fused_kernel_decoding_splits_the_keys(q_len, kv_len, heads, kv_heads):
+    """A few query rows against a long cache: too few query tiles for the SMs, so blocks share a tile's keys and a
+    second kernel merges them. The mask reads the cache position from a tensor and keeps a sliding window."""
+    position = torch.tensor(kv_len - 7, device="cuda")
+
+    def mask_mod(b, h, qi, ki):
+        return (ki <= position + qi) & (position + qi - ki < 1500)
+
+    mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + h * 0.1, block_mask=mask,
+                              enable_gqa=True, return_lse=True)
+
+    q, k, v = qkv("cuda", batch=1, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, dim=64,
+                  dtype=torch.bfloat16)
+    against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran()
+
+
+@needs_cuda
 def test_fused_kernel_replayed_by_cuda_graphs():
     """reduce-overhead captures the kernel's launch: each replay must read the new inputs."""
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device="cuda")
@@ -199,6 +222,26 @@ def test_fused_kernel_replayed_by_cuda_graphs():
             q, k, v = qkv("cuda", q_len=256, kv_len=256, dim=64, dtype=torch.bfloat16)
             out = compiled(q, k, v).clone()
             torch.testing.assert_close(out.float(), fn(q.float(), k.float(), v.float()), **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran()
+
+
+@needs_cuda
+def test_fused_kernel_reads_a_parameter_under_no_grad():
+    """A learned per-head bias (a parameter, requires_grad) in inference: no gradient flows, so the kernel runs."""
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.randn(4, device="cuda"))
+
+        def forward(self, q, k, v):
+            return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + self.bias[h])
+
+    model = Attention()
+    q, k, v = qkv("cuda", dim=64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ours = torch.compile(model, backend="ember", options={"fallback": "raise"})(q, k, v)
+        ref = model(q.float(), k.float(), v.float())
+    torch.testing.assert_close(ours.float(), ref, **FUSED_TOL[torch.bfloat16])
     assert kernel_ran()
 
 
@@ -222,8 +265,8 @@ def test_mods_become_cuda_statements():
         graphs.update({name: m for name, m in gm.named_children()})
         return gm.forward
 
-    bias, doc = torch.randn(4), torch.arange(16)
-    mask = create_block_mask(lambda b, h, qi, ki: (qi >= ki) & ((qi - ki) % 3 != 1), None, None, 16, 16,
+    bias, doc, offset = torch.randn(4), torch.arange(16), torch.tensor(3)
+    mask = create_block_mask(lambda b, h, qi, ki: (qi + offset >= ki) & ((qi - ki) % 3 != 1), None, None, 16, 16,
                              device="cpu")
 
     def fn(q, k, v):
@@ -236,7 +279,7 @@ def test_mods_become_cuda_statements():
     assert "ld_i64(p.buf[0], (long long)(q) * p.bs[0][0])" in score
     assert "ld_f32(p.buf[1], (long long)(h) * p.bs[1][0])" in score
     assert "py_floordiv(" in score and re.search(r"return \(float\)\(v\d+\);$", score)
-    assert "py_mod(" in masked and "(q >= kv)" in masked and masked.startswith("const bool v0")
+    assert "py_mod(" in masked and "(q + ld_i64(p.buf[2], 0))" in masked and ">= kv" in masked
 
     graphs.clear()
     torch._dynamo.reset()
