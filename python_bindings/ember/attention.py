@@ -273,8 +273,8 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 # ---- flex_attention (torch.nn.attention.flex_attention) ---------------------------------------------------------
 #
 # Dynamo keeps a flex_attention call whole, as the higher-order op with its score_mod and mask_mod graphs, for
-# inductor to turn into one kernel. ember has no such kernel: each call becomes `dense_flex_attention` in the
-# Dynamo graph, which AOTAutograd then traces into ATen ops (forward and backward): the scores materialized as
+# inductor to turn into one kernel. ember's own kernel (flex.py: 16-bit CUDA inference with mods it can write as
+# CUDA) takes the calls it can; each other call becomes `dense_flex_attention` in the Dynamo graph, which AOTAutograd then traces into ATen ops (forward and backward): the scores materialized as
 # eager's flex_attention does outside torch.compile, score_mod and mask_mod applied over every (batch, head,
 # query, key) position through torch.vmap, fully masked rows giving zeros. The pointwise score_mod, the mask and
 # the softmax land in ember's fused kernels; the two matmuls stay library calls. Block sparsity is not used: the
@@ -342,7 +342,8 @@ def dense_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
 
 
 def densify_flex_attention(gm):
-    """Replaces each flex_attention call of a Dynamo graph by dense_flex_attention; returns how many."""
+    """Replaces each flex_attention call of a Dynamo graph by ember::flex_attention (flex.py) where the kernel runs
+    it, else by dense_flex_attention; returns how many became dense."""
     hop = _flex_hop()
     nodes = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
     if nodes and os.environ.get("EMBER_FLEX_KERNEL", "1") != "0":
