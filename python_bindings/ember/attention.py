@@ -274,8 +274,9 @@ def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
 #
 # Dynamo keeps a flex_attention call whole, as the higher-order op with its score_mod and mask_mod graphs, for
 # inductor to turn into one kernel. ember's own kernel (flex.py: 16-bit CUDA inference with mods it can write as
-# CUDA) takes the calls it can; each other call becomes `dense_flex_attention` in the Dynamo graph, which AOTAutograd then traces into ATen ops (forward and backward): the scores materialized as
-# eager's flex_attention does outside torch.compile, score_mod and mask_mod applied over every (batch, head,
+# CUDA) takes the calls it can; each other call becomes `dense_flex_attention` in the Dynamo graph, which
+# AOTAutograd then traces into ATen ops (forward and backward): the scores materialized as eager's
+# flex_attention does outside torch.compile, score_mod and mask_mod applied over every (batch, head,
 # query, key) position through torch.vmap, fully masked rows giving zeros. The pointwise score_mod, the mask and
 # the softmax land in ember's fused kernels; the two matmuls stay library calls. Block sparsity is not used: the
 # mask_mod is evaluated everywhere, which gives the same result for every BlockMask made by create_block_mask.
