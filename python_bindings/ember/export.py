@@ -136,6 +136,33 @@ def _symbol_lines(ep, user_placeholders, example_inputs):
     return lines
 
 
+def _densify_flex_attention(ep, example_inputs, dynamic_shapes):
+    """`ep` with each flex_attention call as the dense ATen ops of attention.py, exported again: a package runs
+    anywhere libember does, with no kernel of its own for the higher-order op (ember::flex_attention, the fused
+    CUDA kernel of torch.compile, is an op registered from Python, which a C++ program has not)."""
+    from .attention import _flex_hop, dense_flex_attention
+
+    hop = _flex_hop()
+    module = None
+    for node in ep.graph_module.graph.nodes if hop is not None else ():
+        if node.op == "call_function" and node.target is hop:
+            module = module or ep.module()
+            break
+    if module is None:
+        return ep
+    import torch
+
+    for node in list(module.graph.nodes):
+        if node.op == "call_function" and node.target is hop:
+            with module.graph.inserting_before(node):
+                dense = module.graph.call_function(dense_flex_attention, node.args, {**node.kwargs, "outputs": 3})
+            dense.meta = dict(node.meta)
+            node.replace_all_uses_with(dense)
+            module.graph.erase_node(node)
+    module.recompile()
+    return torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
+
+
 def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict=False, disable_passes=()):
     """Exports `model` (an nn.Module, or a torch.export.ExportedProgram) to the package file `path`.
 
@@ -164,6 +191,7 @@ def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict
             model = copy.deepcopy(model).to(device)
         example_inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in example_inputs)
         ep = torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=strict)
+    ep = _densify_flex_attention(ep, example_inputs, dynamic_shapes)
     seconds["torch.export"] = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -302,3 +302,32 @@ def test_explain_says_how_each_call_runs(device):
         assert "flex_attention: 1 call(s) as ember's CUDA kernel, 0 as dense ATen ops" in text, text
     else:
         assert "flex_attention: 0 call(s) as ember's CUDA kernel, 1 as dense ATen ops (not 16-bit CUDA inputs)" in text, text
+
+
+def test_exported_package_runs_flex_attention(tmp_path):
+    """ember.export of a model calling flex_attention (a learned bias, a causal BlockMask, a projection after it):
+    the package holds the dense form and, loaded through the C++ loader, matches eager on new inputs. CPU only
+    here: the CUDA export of it was not run on a GPU yet."""
+    import ember
+
+    length = 40
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cpu")
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.randn(4))
+            self.proj = torch.nn.Linear(16, 16)
+
+        def forward(self, q, k, v):
+            out = flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + self.bias[h], block_mask=mask)
+            return self.proj(out)
+
+    model = Model()
+    path = tmp_path / "flex.ember"
+    ember.export(model, qkv("cpu", q_len=length, kv_len=length), str(path))
+    loaded = ember.load(str(path))
+    for _ in range(2):
+        q, k, v = qkv("cpu", q_len=length, kv_len=length)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.run([q, k, v])[0], model(q, k, v), atol=1e-5, rtol=1e-5)
