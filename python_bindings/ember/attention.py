@@ -342,12 +342,12 @@ def dense_flex_attention(query, key, value, score_mod, block_mask, scale, kernel
     return results
 
 
-def densify_flex_attention(gm):
-    """Replaces each flex_attention call of a Dynamo graph by ember::flex_attention (flex.py) where the kernel runs
-    it, else by dense_flex_attention; returns how many became dense."""
+def densify_flex_attention(gm, fused=True):
+    """Replaces each flex_attention call of a graph by ember::flex_attention (flex.py) where the kernel runs it
+    (with `fused`), else by dense_flex_attention; returns how many became dense."""
     hop = _flex_hop()
     nodes = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
-    if nodes and os.environ.get("EMBER_FLEX_KERNEL", "1") != "0":
+    if nodes and fused and os.environ.get("EMBER_FLEX_KERNEL", "1") != "0":
         from .flex import fuse_flex_attention
 
         left = fuse_flex_attention(gm, nodes)  # the CUDA kernel where it runs (flex.py)

@@ -140,26 +140,15 @@ def _densify_flex_attention(ep, example_inputs, dynamic_shapes):
     """`ep` with each flex_attention call as the dense ATen ops of attention.py, exported again: a package runs
     anywhere libember does, with no kernel of its own for the higher-order op (ember::flex_attention, the fused
     CUDA kernel of torch.compile, is an op registered from Python, which a C++ program has not)."""
-    from .attention import _flex_hop, dense_flex_attention
+    from .attention import _flex_hop, densify_flex_attention
 
     hop = _flex_hop()
-    module = None
-    for node in ep.graph_module.graph.nodes if hop is not None else ():
-        if node.op == "call_function" and node.target is hop:
-            module = module or ep.module()
-            break
-    if module is None:
+    if hop is None or not any(n.op == "call_function" and n.target is hop for n in ep.graph_module.graph.nodes):
         return ep
     import torch
 
-    for node in list(module.graph.nodes):
-        if node.op == "call_function" and node.target is hop:
-            with module.graph.inserting_before(node):
-                dense = module.graph.call_function(dense_flex_attention, node.args, {**node.kwargs, "outputs": 3})
-            dense.meta = dict(node.meta)
-            node.replace_all_uses_with(dense)
-            module.graph.erase_node(node)
-    module.recompile()
+    module = ep.module()
+    densify_flex_attention(module, fused=False)
     return torch.export.export(module, example_inputs, dynamic_shapes=dynamic_shapes, strict=False)
 
 
