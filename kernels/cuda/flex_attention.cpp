@@ -47,7 +47,7 @@ constexpr int kBuffers = 8;      // captured buffers the mods may read
   long long kvns[3]; long long kvis[4]; long long fkvns[3]; long long fkvis[4];                               \
   const void* buf[8]; long long bs[8][4];                                                                      \
   long long qblock; long long kvblock; int B; int H; int HKV; int L; int S; float scale;                       \
-  int splits; float* part_o; float* part_ml;
+  int splits; int pack; float* part_o; float* part_ml;
 #define EMBER_FLEX_TEXT2(...) #__VA_ARGS__
 #define EMBER_FLEX_TEXT(x) EMBER_FLEX_TEXT2(x)
 
@@ -151,12 +151,15 @@ struct Tiles {
 };
 
 // Each warp owns MT tiles of 16 query rows; a thread holds rows g and g + 8 of each (half 2m and 2m + 1).
+// With p.pack > 1 (decoding with grouped heads) a block serves the p.pack query heads that share a key-value
+// head: its rows are (query row, head) pairs, row R being query row R / pack of head group * pack + R % pack,
+// so that each K and V tile loaded serves every head of the group.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(Params p) {
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
   u16* const ks0 = smem;                    // 2 stages of K [64][KP], then 2 of V [64][VP]
   u16* const vs0 = smem + 2 * 64 * KP;
-  const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H, hk = h / (p.H / p.HKV);
+  const int groups = p.H / p.pack, b = blockIdx.y / groups, h = (blockIdx.y % groups) * p.pack, hk = h / (p.H / p.HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
   // would leave the GPU waiting on a few blocks at the end.
@@ -164,10 +167,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   // keys, each writing unnormalized partial results that ember_flex_combine merges.
   const int split = blockIdx.x % p.splits, tiles = gridDim.x / p.splits;
   const int q0 = (tiles - 1 - (int)(blockIdx.x / p.splits)) * (16 * WARPS * MT);
-  int rows[2 * MT];
+  int rows[2 * MT], heads[2 * MT];  // each row's query row and head
 #pragma unroll
-  for (int r = 0; r < 2 * MT; ++r) rows[r] = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
-  const u16* qp = p.q + b * p.qs[0] + h * p.qs[1];
+  for (int r = 0; r < 2 * MT; ++r) {
+    const int packed = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
+    rows[r] = packed / p.pack, heads[r] = h + packed % p.pack;
+  }
+  const u16* qp = p.q + b * p.qs[0];
   const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
   const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
   unsigned qa[MT][EK / 16][4];
@@ -177,10 +183,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
 #pragma unroll
     for (int kt = 0; kt < EK / 16; ++kt) {
       const int c = kt * 16 + t * 2;
-      qa[m][kt][0] = ra < p.L ? *(const unsigned*)(qp + ra * p.qs[2] + c) : 0u;
-      qa[m][kt][1] = rb < p.L ? *(const unsigned*)(qp + rb * p.qs[2] + c) : 0u;
-      qa[m][kt][2] = ra < p.L ? *(const unsigned*)(qp + ra * p.qs[2] + c + 8) : 0u;
-      qa[m][kt][3] = rb < p.L ? *(const unsigned*)(qp + rb * p.qs[2] + c + 8) : 0u;
+      const u16* qa_row = qp + heads[2 * m] * p.qs[1] + ra * p.qs[2] + c;
+      const u16* qb_row = qp + heads[2 * m + 1] * p.qs[1] + rb * p.qs[2] + c;
+      qa[m][kt][0] = ra < p.L ? *(const unsigned*)qa_row : 0u;
+      qa[m][kt][1] = rb < p.L ? *(const unsigned*)qb_row : 0u;
+      qa[m][kt][2] = ra < p.L ? *(const unsigned*)(qa_row + 8) : 0u;
+      qa[m][kt][3] = rb < p.L ? *(const unsigned*)(qb_row + 8) : 0u;
     }
   }
   float o[MT][EV / 8][4];
@@ -192,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
-  Tiles it{&p, b, h, q0 / p.qblock, 0, -1, 0, 0, 0, 0};
+  Tiles it{&p, b, h, q0 / p.pack / p.qblock, 0, -1, 0, 0, 0, 0};
   it.open_pass();
   it.advance_to(split, p.splits);
   auto load = [&](int stage, i64 kv0) {
@@ -253,11 +261,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = rows[2 * m + (e >> 1)];
+          const int row = rows[2 * m + (e >> 1)], head = heads[2 * m + (e >> 1)];
           const i64 col = kv0 + nt * 8 + t * 2 + (e & 1);
           bool keep = col < end && row < p.L;
-          if (keep && pass == 0) keep = mask_mod(b, h, row, (int)col, p);
-          sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, h, row, (int)col, p) * LOG2E : NEG_INF;
+          if (keep && pass == 0) keep = mask_mod(b, head, row, (int)col, p);
+          sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, head, row, (int)col, p) * LOG2E : NEG_INF;
         }
         tile[2 * m] = fmaxf(tile[2 * m], fmaxf(sc[m][nt][0], sc[m][nt][1]));
         tile[2 * m + 1] = fmaxf(tile[2 * m + 1], fmaxf(sc[m][nt][2], sc[m][nt][3]));
@@ -303,13 +311,13 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     __syncthreads();  // every warp is done with this stage before the next load overwrites it
     stage ^= 1;
   }
-  u16* op = p.out + b * p.os[0] + h * p.os[1];
+  u16* op = p.out + b * p.os[0];
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) {
     float l = sum[r];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = rows[r], m = r >> 1, e = (r & 1) * 2;
+    const int row = rows[r], bh = b * p.H + heads[r], m = r >> 1, e = (r & 1) * 2;
     if (row >= p.L) continue;
     if (p.splits > 1) {
       const i64 at = ((i64)split * p.B * p.H + bh) * p.L + row;
@@ -326,8 +334,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     for (int d = 0; d < EV / 8; ++d) {
       const i64 c = (d * 8 + t * 2) * p.os[3];
       const unsigned w = pack2(o[m][d][e] * inv, o[m][d][e + 1] * inv);
-      op[row * p.os[2] + c] = (u16)(w & 0xffffu);
-      op[row * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+      op[heads[r] * p.os[1] + row * p.os[2] + c] = (u16)(w & 0xffffu);
+      op[heads[r] * p.os[1] + row * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
     }
     if (t == 0) {
       const i64 at = (i64)bh * p.L + row;
@@ -435,17 +443,25 @@ class FlexAttention final : public FastPath {
       p.B = static_cast<int>(B), p.H = static_cast<int>(H), p.HKV = static_cast<int>(HKV);
       p.L = static_cast<int>(L), p.S = static_cast<int>(S);
       p.scale = scale_;
+      // Decoding with grouped heads (fewer query rows than a block's): a block takes the query heads that
+      // share a key-value head (pack), so each key and value is read once per group instead of once per head.
+      // The BlockMask must then be the same for every head (its head dimension 1), and the group must divide
+      // the block's rows.
+      const int64_t group = H / HKV;
+      bool pack = group > 1 && L < rows_ && rows_ % group == 0;
+      for (int i = 3; i < 7 && pack; ++i) pack = !in[i] || in[i]->size(1) == 1;
+      p.pack = pack ? static_cast<int>(group) : 1;
       const int device = q.get_device();
       c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       c10::DeviceGuard guard(dev);
       void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
       // Fewer query tiles than SMs (decoding: one query row, a long cache): split each tile's keys over up to
       // 16 blocks, about 8 blocks per SM in all, whose partial results ember_flex_combine merges.
-      const int64_t tiles = (L + rows_ - 1) / rows_;
+      const int64_t tiles = (L * p.pack + rows_ - 1) / rows_, heads = H / p.pack;
       const int64_t sms = multiprocessor_count(device);
       int64_t splits = 1;
-      if (tiles * B * H < sms && S >= 4 * kTile)
-        splits = std::min<int64_t>({16, (8 * sms) / (tiles * B * H), (S + kTile - 1) / kTile});
+      if (tiles * B * heads < sms && S >= 4 * kTile)
+        splits = std::min<int64_t>({16, (8 * sms) / (tiles * B * heads), (S + kTile - 1) / kTile});
       at::Tensor part_o, part_ml;
       p.splits = static_cast<int>(std::max<int64_t>(1, splits));
       if (p.splits > 1) {
@@ -455,7 +471,7 @@ class FlexAttention final : public FastPath {
         p.part_ml = part_ml.data_ptr<float>();
       }
       launch(function_, static_cast<unsigned>(tiles * p.splits), static_cast<unsigned>(threads_), stream, &p, device,
-             static_cast<unsigned>(B * H), shared_bytes_);
+             static_cast<unsigned>(B * heads), shared_bytes_);
       if (p.splits > 1) {
         const int64_t total = B * H * L * ev_;
         const int64_t blocks = std::min<int64_t>((total + 255) / 256, sms * 8);

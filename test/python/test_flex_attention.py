@@ -187,23 +187,28 @@ def test_fused_kernel_over_new_lengths():
 
 
 @needs_cuda
-@pytest.mark.parametrize("q_len, kv_len, heads, kv_heads", [(1, 2000, 4, 4), (1, 300, 2, 1), (5, 4100, 8, 2)])
-def test_fused_kernel_decoding_splits_the_keys(q_len, kv_len, heads, kv_heads):
+@pytest.mark.parametrize("q_len, kv_len, heads, kv_heads, dim, mask_heads",
+                         [(1, 2000, 4, 4, 64, None), (1, 300, 2, 1, 64, None), (5, 4100, 8, 2, 64, None),
+                          (1, 8192, 32, 8, 128, None), (33, 600, 8, 2, 64, None), (3, 900, 8, 2, 64, 8)])
+def test_fused_kernel_decoding_splits_the_keys(q_len, kv_len, heads, kv_heads, dim, mask_heads):
     """A few query rows against a long cache: too few query tiles for the SMs, so blocks share a tile's keys and a
-    second kernel merges them. The mask reads the cache position from a tensor and keeps a sliding window."""
+    second kernel merges them; with grouped heads a block takes the query heads of one key-value head (rows of
+    several heads in one tile), except where the BlockMask differs per head (mask_heads). The mask reads the cache
+    position from a tensor and keeps a sliding window (per head, where the BlockMask has heads)."""
     position = torch.tensor(kv_len - 7, device="cuda")
 
     def mask_mod(b, h, qi, ki):
-        return (ki <= position + qi) & (position + qi - ki < 1500)
+        window = 1500 if mask_heads is None else 100 + 50 * h
+        return (ki <= position + qi) & (position + qi - ki < window)
 
-    mask = create_block_mask(mask_mod, None, None, q_len, kv_len, device="cuda")
+    mask = create_block_mask(mask_mod, None, mask_heads, q_len, kv_len, device="cuda")
 
     def fn(q, k, v):
         return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + h * 0.1, block_mask=mask,
                               enable_gqa=True, return_lse=True)
 
-    q, k, v = qkv("cuda", batch=1, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, dim=64,
-                  dtype=torch.bfloat16)
+    q, k, v = qkv("cuda", batch=1 if dim == 64 else 2, heads=heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+                  dim=dim, dtype=torch.bfloat16)
     against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
     assert kernel_ran()
 
