@@ -8,7 +8,7 @@ tracing (call start to the backend's entry), ATen tracing (AOTAutograd or trace.
 time minus ember's compile), ember's compile (lowering, passes, code generation, NVRTC), the first run of what
 the backend returned, and the rest (Dynamo's guards and its tail). Prints that line and ember.explain's
 split of ember's compile (passes, codegen, NVRTC summed over its threads, modules compiled).
-KEEP_CACHE=1 keeps EMBER_CACHE_DIR as set (a warm kernel cache). LATE_WARM_UP=1 starts NVRTC's warm-up at
+KEEP_CACHE=1 keeps EMBER_CACHE_DIR and CUDA_CACHE_PATH as set (warm kernel caches). LATE_WARM_UP=1 starts NVRTC's warm-up at
 the backend's entry, as where ember.backend was imported before CUDA was in use. PROFILE=<n> prints cProfile's
 top n functions of the first call by own time and by cumulative time; PROFILE_DUMP=<file> also writes its stats there
 (for pstats: print_callees and the like).
@@ -22,6 +22,8 @@ import types
 
 if not os.environ.get("KEEP_CACHE"):
     os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-first-call-")
+    # The CUDA driver's compute cache, where NVRTC also keeps what it compiled (see harness.CACHE_ENV).
+    os.environ["CUDA_CACHE_PATH"] = tempfile.mkdtemp(prefix="ember-first-call-cuda-")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
