@@ -222,6 +222,23 @@ std::string nvrtc_version() {
 
 namespace {
 
+// EMBER_NVRTC_OPTIONS: further NVRTC options, separated by spaces (for measuring what they trade: compile time
+// against kernel time). They become part of the disk cache's key.
+const std::vector<std::string>& extra_options() {
+  static const std::vector<std::string> options = [] {
+    std::vector<std::string> out;
+    const char* v = std::getenv("EMBER_NVRTC_OPTIONS");
+    std::string word;
+    for (const char* c = v ? v : ""; ; ++c) {
+      if (*c && *c != ' ') { word += *c; continue; }
+      if (!word.empty()) out.push_back(word), word.clear();
+      if (!*c) break;
+    }
+    return out;
+  }();
+  return options;
+}
+
 // NVRTC: source -> cubin for `arch`. Throws ember::Error with NVRTC's log on failure.
 std::string nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch) {
   const Api& a = nvrtc_api();
@@ -229,8 +246,9 @@ std::string nvrtc_compile(const std::string& source, const std::string& name, co
   if (a.nvrtcCreateProgram(&prog, source.c_str(), (name + ".cu").c_str(), 0, nullptr, nullptr) != 0)
     throw Error("NVRTC: cannot create program " + name);
   std::string arch_option = "--gpu-architecture=" + arch;
-  const char* options[] = {arch_option.c_str(), "--std=c++17"};
-  nvrtcResult r = a.nvrtcCompileProgram(prog, 2, options);
+  std::vector<const char*> options{arch_option.c_str(), "--std=c++17"};
+  for (const std::string& o : extra_options()) options.push_back(o.c_str());
+  nvrtcResult r = a.nvrtcCompileProgram(prog, static_cast<int>(options.size()), options.data());
   if (r != 0) {
     size_t n = 0;
     a.nvrtcGetProgramLogSize(prog, &n);
@@ -315,7 +333,8 @@ ThreadUsage thread_usage() {
 KernelImage find_or_compile(const std::string& source, const std::string& name, const std::string& target,
                             ImageStore* images) {
   if (const KernelImage* stored = images ? images->find(target, source) : nullptr) return *stored;
-  const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
+  std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
+  for (const std::string& o : extra_options()) version += " " + o;
   const std::string dir = disk_cache_dir();
   if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
     std::lock_guard<std::mutex> lock(stats_mu);
