@@ -174,6 +174,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     rows[r] = packed / p.pack, heads[r] = h + packed % p.pack;
   }
   const u16* qp = p.q + b * p.qs[0];
+  // A warp whose rows all lie past the queries (a decode step fills one warp's rows at most) takes its share
+  // of the loads and barriers and computes nothing: the busy warps get the SM's issue slots.
+  const bool idle = (q0 + warp * 16 * MT) / p.pack >= p.L;
   const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
   const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
   unsigned qa[MT][EK / 16][4];
@@ -232,6 +235,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
       asm volatile("cp.async.wait_group 0;");
     }
     __syncthreads();
+    if (idle) {
+      __syncthreads();
+      stage ^= 1;
+      continue;
+    }
     const u16* ks = ks0 + stage * 64 * KP;
     const u16* vs = vs0 + stage * 64 * VP;
     float sc[MT][8][4];
@@ -461,7 +469,7 @@ class FlexAttention final : public FastPath {
       const int64_t sms = multiprocessor_count(device);
       int64_t splits = 1;
       if (tiles * B * heads < sms && S >= 4 * kTile)
-        splits = std::min<int64_t>({16, (8 * sms) / (tiles * B * heads), (S + kTile - 1) / kTile});
+        splits = std::min<int64_t>({max_splits(), (8 * sms) / (tiles * B * heads), (S + kTile - 1) / kTile});
       at::Tensor part_o, part_ml;
       p.splits = static_cast<int>(std::max<int64_t>(1, splits));
       if (p.splits > 1) {
@@ -502,6 +510,14 @@ class FlexAttention final : public FastPath {
   int64_t q_block_, kv_block_;
   int ev_;
   int rows_;     // query rows per block: 16 per row tile of each warp
+  // Blocks per query tile at most when its keys are split: 16, or EMBER_FLEX_SPLITS (for measuring).
+  static int64_t max_splits() {
+    static const int64_t n = [] {
+      const char* v = std::getenv("EMBER_FLEX_SPLITS");
+      return v && std::atoi(v) > 0 ? static_cast<int64_t>(std::atoi(v)) : int64_t{16};
+    }();
+    return n;
+  }
   int threads_;  // per block, 32 per warp
   unsigned shared_bytes_;  // two stages of K and V tiles
   mutable std::atomic<uint64_t> calls_{0};
