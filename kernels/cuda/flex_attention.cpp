@@ -110,43 +110,43 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
 }
 
 // The key tiles a query tile visits, in order: each partial block of its BlockMask row (mask_mod applies),
-// then each full block, 64 keys at a time.
+// then each full block, 64 keys at a time. Tile n of that order is tile n % per of block n / per (per: a
+// block's tiles), so a split reaches its own tiles (n = split, split + splits, ...) with one index read each,
+// not by walking every tile before them; a tile past the sequence's end is empty and passed over.
 struct Tiles {
-  const Params* p; int b, h; i64 qb;
-  int pass, j, blocks; i64 kv0, end;
-  int n;  // the current tile's position in the whole sequence
-  __device__ void open_pass() {
-    for (; pass < 2; ++pass) {
-      const int* nump = pass == 0 ? p->kvn : p->fkvn;
-      if (!nump) continue;
-      const i64* ns = pass == 0 ? p->kvns : p->fkvns;
-      blocks = nump[b * ns[0] + h * ns[1] + qb * ns[2]];
-      j = -1;
-      if (next_block()) return;
+  const Params* p; int b, h, qb;
+  int partial, per;  // partial blocks in the row; tiles per block
+  int n, total;      // this tile's place in the order; tiles in the order
+  int pass; i64 kv0, end;
+  __device__ void start(int split) {
+    const int* full = p->fkvn;
+    partial = p->kvn ? p->kvn[b * p->kvns[0] + h * p->kvns[1] + qb * p->kvns[2]] : 0;
+    const int fulls = full ? full[b * p->fkvns[0] + h * p->fkvns[1] + qb * p->fkvns[2]] : 0;
+    per = (int)(p->kvblock / 64);
+    total = (partial + fulls) * per;
+    n = split;
+    seek();
+  }
+  __device__ void next() {
+    n += p->splits;
+    seek();
+  }
+  __device__ bool valid() const { return n < total; }
+
+ private:
+  // From tile n on (every p->splits-th), the first one that is not empty.
+  __device__ void seek() {
+    for (; n < total; n += p->splits) {
+      const int ordinal = n / per;
+      pass = ordinal < partial ? 0 : 1;
+      const int j = pass == 0 ? ordinal : ordinal - partial;
+      const int* idxp = pass == 0 ? p->kvi : p->fkvi;
+      const i64* is = pass == 0 ? p->kvis : p->fkvis;
+      const i64 first = (i64)idxp[b * is[0] + h * is[1] + qb * is[2] + j * is[3]] * p->kvblock;
+      kv0 = first + (i64)(n % per) * 64;
+      end = min((i64)p->S, first + p->kvblock);
+      if (kv0 < end) return;
     }
-  }
-  __device__ bool next_block() {
-    const int* idxp = pass == 0 ? p->kvi : p->fkvi;
-    const i64* is = pass == 0 ? p->kvis : p->fkvis;
-    while (++j < blocks) {
-      const i64 block = idxp[b * is[0] + h * is[1] + qb * is[2] + j * is[3]];
-      kv0 = block * p->kvblock;
-      end = min((i64)p->S, kv0 + p->kvblock);
-      if (kv0 < end) return true;
-    }
-    return false;
-  }
-  __device__ bool valid() const { return pass < 2; }
-  // The next tile of split `split` of `splits` (tiles dealt out in turn), or past the end.
-  __device__ void advance_to(int split, int splits) {
-    while (valid() && n % splits != split) advance();
-  }
-  __device__ void advance() {
-    ++n;
-    kv0 += 64;
-    if (kv0 < end || next_block()) return;
-    ++pass;
-    open_pass();
   }
 };
 
@@ -203,9 +203,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
-  Tiles it{&p, b, h, q0 / p.pack / p.qblock, 0, -1, 0, 0, 0, 0};
-  it.open_pass();
-  it.advance_to(split, p.splits);
+  Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
+  it.start(split);
   auto load = [&](int stage, i64 kv0) {
     u16* ks = ks0 + stage * 64 * KP;
     u16* vs = vs0 + stage * 64 * VP;
@@ -226,8 +225,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   while (it.valid()) {
     const i64 kv0 = it.kv0, end = it.end;
     const int pass = it.pass;
-    it.advance();
-    it.advance_to(split, p.splits);
+    it.next();
     if (it.valid()) {
       load(stage ^ 1, it.kv0);
       asm volatile("cp.async.wait_group 1;");
