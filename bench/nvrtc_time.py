@@ -19,6 +19,10 @@ later ones apart.
 What it found (session 19, H100): 17-27 ms per compile in every column, so neither the process nor parallel
 compiles explain session 18's times; those came from each fresh machine's first NVRTC process (explain's
 "nvrtc cpu" and "nvrtc minor faults" show it: CPU-bound, ten times the page faults of later processes).
+Session 27 found why: NVRTC keeps what it compiles in the CUDA driver's compute cache (CUDA_CACHE_PATH, default
+~/.nv/ComputeCache), so a source compiled once on a machine compiles several times faster in every later process,
+and the compiles here (sources ember had just compiled) were of that kind. Set CUDA_CACHE_PATH to a fresh folder
+(or CUDA_CACHE_DISABLE=1) to time a first compile.
 """
 
 import argparse
