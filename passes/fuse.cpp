@@ -27,8 +27,9 @@
 //     permuted (channels_last), or is a CUDA pointwise group and the node only reads broadcasts, so the
 //     independent chains of one batch norm share its kernel.
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
-//     (reduce_through_reshapes), and pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers).
+//     (reduce_through_reshapes), pointwise nodes move down to consumers that could not join them
+//     (sink_into_consumers), and one-element constants made from nothing move to the top
+//     (hoist_scalar_constants).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -158,6 +159,7 @@ class Fuser {
   void run() {
     reduce_through_reshapes();
     sink_into_consumers();
+    hoist_scalar_constants();
     const auto& nodes = graph_.nodes();
     // Groups claimed by an earlier pass (matmul epilogues) stay as they are; this pass numbers after them.
     for (const auto& n : nodes) base_ = std::max(base_, n->group + 1);
@@ -317,6 +319,30 @@ class Fuser {
       moved = true;
     }
     if (moved) graph_.reorder(order);
+  }
+
+  // Rule 9: a one-element tensor made from no value (aten::scalar_tensor, a one-element full / zeros / ones)
+  // moves to the top of the graph. Made where the trace put it, after a group's first node, rule 2 kept
+  // its readers out of that group: flex_attention's dense form zeroes fully masked rows with
+  // where(row_max != -inf, softmax, scalar_tensor(0)), and that where ran as an ATen op of its own, one
+  // more pass over the scores, instead of in the softmax's kernel.
+  void hoist_scalar_constants() {
+    static const std::unordered_set<std::string> makers = {"aten::scalar_tensor", "aten::full", "aten::zeros", "aten::ones"};
+    std::vector<const Node*> first, rest;
+    for (const auto& n : graph_.nodes()) {
+      bool hoist = makers.count(n->op) > 0 && n->outputs.size() == 1 && n->outputs[0]->type.is_tensor();
+      if (hoist) {
+        const TensorType& t = n->outputs[0]->type.tensor;
+        hoist = std::all_of(t.sizes.begin(), t.sizes.end(), [](const Dim& d) { return d.is_constant() && d.value == 1; });
+        n->for_each_input([&](const Value*) { hoist = false; });
+      }
+      (hoist ? first : rest).push_back(n.get());
+    }
+    if (first.empty() || std::equal(first.begin(), first.end(), graph_.nodes().begin(),
+                                    [](const Node* a, const std::unique_ptr<Node>& b) { return a == b.get(); }))
+      return;
+    first.insert(first.end(), rest.begin(), rest.end());
+    graph_.reorder(first);
   }
 
   // Dense in an order other than row-major (channels_last): CUDA pointwise groups iterate in that order
