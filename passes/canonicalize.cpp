@@ -1,11 +1,14 @@
 // canonicalize
 //  1. Removes copies that change nothing a consumer can see: aten::clone and aten::alias whose result has
 //     the same dtype, device, sizes and strides as their input (AOTAutograd's functionalization leaves them
-//     where eager dropout in eval mode returns its input, and around saved activations), and a permute
-//     of a permute that restores the original order with the same type.
+//     where eager dropout in eval mode returns its input, and around saved activations), a permute
+//     of a permute that restores the original order with the same type, and an aten::index.Tensor whose
+//     indices are aranges over whole dimensions laid out as their outer product (index j varying along
+//     dim j alone): it copies its input element for element. vmap writes a buffer read as bias[h, q, k]
+//     (flex_attention's score_mod over all positions) so.
 //  2. Keeps them whenever the graph writes any tensor in place (a later write could make the copy's
-//     separate buffer observable), when the copy is a graph output, and when a clone reaches a graph
-//     output through views (the caller would get a tensor sharing memory with an input or another
+//     separate buffer observable), when the copy is a graph output, and when a clone or an index reaches a
+//     graph output through views (the caller would get a tensor sharing memory with an input or another
 //     output, where eager gave a fresh one).
 // The removed nodes' uses read the original value; the nodes themselves are left for dead code elimination.
 #include "passes/passes.h"
@@ -59,6 +62,42 @@ const Value* undone_permute(const Node& n) {
   return first_value(*mid->producer);
 }
 
+// The value `v` is arange(0, n) (start 0, step 1) through views that only add size-1 dims, or null.
+const Node* plain_arange(const Value* v, int64_t n) {
+  while (v && v->producer && (v->producer->op == "aten::view" || v->producer->op == "aten::_unsafe_view" ||
+                              v->producer->op == "aten::reshape" || v->producer->op == "aten::unsqueeze"))
+    v = first_value(*v->producer);
+  const Node* a = v ? v->producer : nullptr;
+  if (!a) return nullptr;
+  auto is_int = [](const Arg* x, int64_t want) { return x && x->kind == Arg::Kind::Int && x->i == want; };
+  if (a->op == "aten::arange") return is_int(a->arg(0, "end"), n) ? a : nullptr;
+  if (a->op != "aten::arange.start" && a->op != "aten::arange.start_step") return nullptr;
+  const Arg* step = a->op == "aten::arange.start_step" ? a->arg(2, "step") : nullptr;
+  return is_int(a->arg(0, "start"), 0) && is_int(a->arg(1, "end"), n) && (!step || is_int(step, 1)) ? a : nullptr;
+}
+
+// index(x, [i0, .., im-1]) where index j is arange(0, x.size(j)) varying along dim j of their broadcast alone:
+// the result is x's elements in x's order (the caller checks it has x's type).
+const Value* identity_index(const Node& n) {
+  if (n.op != "aten::index.Tensor" || n.args.size() < 2 || n.args[1].kind != Arg::Kind::List) return nullptr;
+  const Value* x = first_value(n);
+  if (!x || !x->type.is_tensor()) return nullptr;
+  const std::vector<Dim>& sizes = x->type.tensor.sizes;
+  const std::vector<Arg>& indices = n.args[1].list;
+  const size_t m = indices.size();
+  if (m == 0 || m > sizes.size()) return nullptr;
+  for (size_t j = 0; j < m; ++j) {
+    if (!indices[j].is_value() || !indices[j].value->type.is_tensor() || !sizes[j].is_constant()) return nullptr;
+    const std::vector<Dim>& is = indices[j].value->type.tensor.sizes;
+    if (is.size() > m) return nullptr;
+    for (size_t d = 0; d < is.size(); ++d)  // right-aligned against the m indexed dims
+      if (!is[d].is_constant() || is[d].value != (m - is.size() + d == j ? sizes[j].value : 1)) return nullptr;
+    // (an index with arange's sizes.value elements: where none of its dims stands at j, sizes[j] is 1)
+    if (!plain_arange(indices[j].value, sizes[j].value)) return nullptr;
+  }
+  return x;
+}
+
 }  // namespace
 
 void canonicalize(Graph& graph, PassContext&) {
@@ -77,8 +116,8 @@ void canonicalize(Graph& graph, PassContext&) {
   std::vector<std::pair<const Value*, Value*>> replace;
   for (const auto& n : graph.nodes()) {
     if (n->outputs.size() != 1 || outputs.count(n->outputs[0])) continue;
-    if (n->op == "aten::clone" && seen_by_caller.count(n->outputs[0])) continue;
-    const Value* source = is_plain_copy(*n) ? first_value(*n) : undone_permute(*n);
+    if ((n->op == "aten::clone" || n->op == "aten::index.Tensor") && seen_by_caller.count(n->outputs[0])) continue;
+    const Value* source = is_plain_copy(*n) ? first_value(*n) : n->op == "aten::index.Tensor" ? identity_index(*n) : undone_permute(*n);
     if (source && same_type(source, n->outputs[0])) replace.emplace_back(n->outputs[0], const_cast<Value*>(source));
   }
   graph.replace_uses(replace);

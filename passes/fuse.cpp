@@ -28,8 +28,7 @@
 //     independent chains of one batch norm share its kernel.
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
 //     (reduce_through_reshapes), pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers), and one-element constants made from nothing move to the top
-//     (hoist_scalar_constants).
+//     (sink_into_consumers), and nodes that read no graph input move to the top (hoist_constant_nodes).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -159,7 +158,7 @@ class Fuser {
   void run() {
     reduce_through_reshapes();
     sink_into_consumers();
-    hoist_scalar_constants();
+    hoist_constant_nodes();
     const auto& nodes = graph_.nodes();
     // Groups claimed by an earlier pass (matmul epilogues) stay as they are; this pass numbers after them.
     for (const auto& n : nodes) base_ = std::max(base_, n->group + 1);
@@ -321,26 +320,32 @@ class Fuser {
     if (moved) graph_.reorder(order);
   }
 
-  // Rule 9: a one-element tensor made from no value (aten::scalar_tensor, a one-element full / zeros / ones)
-  // moves to the top of the graph. Made where the trace put it, after a group's first node, rule 2 kept
-  // its readers out of that group: flex_attention's dense form zeroes fully masked rows with
-  // where(row_max != -inf, softmax, scalar_tensor(0)), and that where ran as an ATen op of its own, one
-  // more pass over the scores, instead of in the softmax's kernel.
-  void hoist_scalar_constants() {
-    static const std::unordered_set<std::string> makers = {"aten::scalar_tensor", "aten::full", "aten::zeros", "aten::ones"};
+  // Rule 9: nodes that read no graph input, directly or through each other (aranges, the masks compared
+  // from them, scalar_tensor, full), move to the top of the graph, keeping their order; the plan folds them
+  // into constants anyway (fold_constant_steps). Made where the trace put them, after a group's first node,
+  // rule 2 kept their readers out of that group: flex_attention's dense form applies its mask_mod as
+  // where(mask, score, -inf) and zeroes fully masked rows with where(row_max != -inf, softmax,
+  // scalar_tensor(0)), and those wheres ran apart from the softmax's kernel, each one more pass over the
+  // scores. Random, writing and control-flow ops stay where they are.
+  void hoist_constant_nodes() {
+    std::unordered_set<const Value*> constant;
     std::vector<const Node*> first, rest;
     for (const auto& n : graph_.nodes()) {
-      bool hoist = makers.count(n->op) > 0 && n->outputs.size() == 1 && n->outputs[0]->type.is_tensor();
-      if (hoist) {
-        const TensorType& t = n->outputs[0]->type.tensor;
-        hoist = std::all_of(t.sizes.begin(), t.sizes.end(), [](const Dim& d) { return d.is_constant() && d.value == 1; });
-        n->for_each_input([&](const Value*) { hoist = false; });
+      bool hoist = !n->outputs.empty();
+      try {
+        const OpInfo& info = op_info(n->op);
+        hoist = hoist && !info.has(kRandom) && !info.has(kMutates) && !info.has(kSubgraphs);
+      } catch (const std::exception&) {
+        hoist = false;
       }
+      n->for_each_input([&](const Value* v) { hoist = hoist && constant.count(v) > 0; });
+      if (hoist)
+        for (const Value* v : n->outputs) constant.insert(v);
       (hoist ? first : rest).push_back(n.get());
     }
-    if (first.empty() || std::equal(first.begin(), first.end(), graph_.nodes().begin(),
-                                    [](const Node* a, const std::unique_ptr<Node>& b) { return a == b.get(); }))
-      return;
+    size_t lead = 0;  // nothing moves where the hoisted nodes already lead
+    while (lead < first.size() && graph_.nodes()[lead].get() == first[lead]) ++lead;
+    if (lead == first.size()) return;
     first.insert(first.end(), rest.begin(), rest.end());
     graph_.reorder(first);
   }

@@ -129,6 +129,46 @@ TEST(FusePass, BoundariesAtViewsExternOpsAndLateInputs) {
   EXPECT_EQ(print(parse(expected)), expected);  // group marks round-trip
 }
 
+TEST(FusePass, NodesReadingNoInputMoveUpSoTheirReadersJoinGroups) {
+  // flex_attention's dense form: the mask compared from aranges and the scalar_tensor of the row zeroing come
+  // after the scores' first pointwise op. Moved to the top, the wheres join the softmax's group. The random
+  // draw reads no input either but stays where it is (its place among draws is the RNG's); the exp sinks below
+  // it to its consumer (rule 8), and the add, which reads the draw, stays out of group 0 and alone is no group.
+  const std::string in =
+      "graph(%s: f32[2, 4, 4]{16, 4, 1}@cpu):\n"
+      "  %m: f32[2, 4, 4]{16, 4, 1}@cpu = aten::mul.Tensor(%s, 0.5)\n"
+      "  %r: i64[4]{1}@cpu = aten::arange.start_step(0, 4, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %c: i64[4, 1]{1, 1}@cpu = aten::view(%r, [4, 1])\n"
+      "  %k: b8[4, 4]{4, 1}@cpu = aten::ge.Tensor(%c, %r)\n"
+      "  %w: f32[2, 4, 4]{16, 4, 1}@cpu = aten::where.self(%k, %m, -inf)\n"
+      "  %x: f32[2, 4, 1]{4, 1, 1}@cpu = aten::amax(%w, [-1], true)\n"
+      "  %p: f32[2, 4, 4]{16, 4, 1}@cpu = aten::_softmax(%w, -1, false)\n"
+      "  %z: f32[]{}@cpu = aten::scalar_tensor(0.0, dtype=f32, layout=strided, device=cpu)\n"
+      "  %n: b8[2, 4, 1]{4, 1, 1}@cpu = aten::ne.Scalar(%x, -inf)\n"
+      "  %o: f32[2, 4, 4]{16, 4, 1}@cpu = aten::where.self(%n, %p, %z)\n"
+      "  %e: f32[2, 4, 4]{16, 4, 1}@cpu = aten::exp(%o)\n"
+      "  %t: f32[2, 4, 4]{16, 4, 1}@cpu = aten::rand([2, 4, 4], dtype=f32, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %u: f32[2, 4, 4]{16, 4, 1}@cpu = aten::add.Tensor(%e, %t)\n"
+      "  return (%u)\n";
+  const std::string expected =
+      "graph(%s: f32[2, 4, 4]{16, 4, 1}@cpu):\n"
+      "  %r: i64[4]{1}@cpu = aten::arange.start_step(0, 4, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %c: i64[4, 1]{1, 1}@cpu = aten::view(%r, [4, 1])\n"
+      "  %k: b8[4, 4]{4, 1}@cpu = aten::ge.Tensor(%c, %r)\n"
+      "  %z: f32[]{}@cpu = aten::scalar_tensor(0.0, dtype=f32, layout=strided, device=cpu)\n"
+      "  %m: f32[2, 4, 4]{16, 4, 1}@cpu = aten::mul.Tensor(%s, 0.5) #0\n"
+      "  %w: f32[2, 4, 4]{16, 4, 1}@cpu = aten::where.self(%k, %m, -inf) #0\n"
+      "  %x: f32[2, 4, 1]{4, 1, 1}@cpu = aten::amax(%w, [-1], true) #0\n"
+      "  %p: f32[2, 4, 4]{16, 4, 1}@cpu = aten::_softmax(%w, -1, false) #0\n"
+      "  %n: b8[2, 4, 1]{4, 1, 1}@cpu = aten::ne.Scalar(%x, -inf) #0\n"
+      "  %o: f32[2, 4, 4]{16, 4, 1}@cpu = aten::where.self(%n, %p, %z) #0\n"
+      "  %t: f32[2, 4, 4]{16, 4, 1}@cpu = aten::rand([2, 4, 4], dtype=f32, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %e: f32[2, 4, 4]{16, 4, 1}@cpu = aten::exp(%o) #0\n"
+      "  %u: f32[2, 4, 4]{16, 4, 1}@cpu = aten::add.Tensor(%e, %t)\n"
+      "  return (%u)\n";
+  EXPECT_EQ(fuse_text(in), expected);
+}
+
 TEST(FusePass, ReductionsOverLeadingDimsMakeColumnGroups) {
   // A bias gradient: relu's backward, its sum over the batch (keepdim) scaled; beside it a sum over
   // [0, 1] that must not join (other dims), and a full node reading the column sum (it would broadcast

@@ -164,6 +164,41 @@ TEST(Canonicalize, DropsNoOpClonesAliasesAndPermutePairs) {
   EXPECT_EQ(run_pass(canonicalize, returned_view), returned_view);
 }
 
+TEST(Canonicalize, IndexByWholeAranges) {
+  // bias[h, q, k] over every position (vmap's form of a flex_attention score_mod reading a buffer): the index
+  // copies %b element for element, and its reader reads %b. Kept: indices that do not each vary along their
+  // own dim (%t: %h broadcasts against %qv's dim 0, a transpose), and an arange with a step (%u).
+  const std::string in =
+      "graph(%b: f32[3, 5, 6]{30, 6, 1}@cpu, %c: f32[3, 10, 6]{60, 6, 1}@cpu):\n"
+      "  %h: i64[3]{1}@cpu = aten::arange.start_step(0, 3, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %q: i64[5]{1}@cpu = aten::arange.start_step(0, 5, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %k: i64[6]{1}@cpu = aten::arange.start_step(0, 6, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %e: i64[5]{1}@cpu = aten::arange.start_step(0, 10, 2, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %hv: i64[3, 1, 1]{1, 1, 1}@cpu = aten::view(%h, [3, 1, 1])\n"
+      "  %qv: i64[5, 1]{1, 1}@cpu = aten::view(%q, [5, 1])\n"
+      "  %ev: i64[5, 1]{1, 1}@cpu = aten::view(%e, [5, 1])\n"
+      "  %g: f32[3, 5, 6]{30, 6, 1}@cpu = aten::index.Tensor(%b, [%hv, %qv, %k])\n"
+      "  %s: f32[3, 5, 6]{30, 6, 1}@cpu = aten::sin(%g)\n"
+      "  %t: f32[5, 3, 6]{18, 6, 1}@cpu = aten::index.Tensor(%b, [%h, %qv])\n"
+      "  %u: f32[3, 5, 6]{30, 6, 1}@cpu = aten::index.Tensor(%c, [%hv, %ev, %k])\n"
+      "  return (%s, %t, %u)\n";
+  const std::string expected =
+      "graph(%b: f32[3, 5, 6]{30, 6, 1}@cpu, %c: f32[3, 10, 6]{60, 6, 1}@cpu):\n"
+      "  %h: i64[3]{1}@cpu = aten::arange.start_step(0, 3, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %q: i64[5]{1}@cpu = aten::arange.start_step(0, 5, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %k: i64[6]{1}@cpu = aten::arange.start_step(0, 6, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %e: i64[5]{1}@cpu = aten::arange.start_step(0, 10, 2, layout=strided, device=cpu, pin_memory=false)\n"
+      "  %hv: i64[3, 1, 1]{1, 1, 1}@cpu = aten::view(%h, [3, 1, 1])\n"
+      "  %qv: i64[5, 1]{1, 1}@cpu = aten::view(%q, [5, 1])\n"
+      "  %ev: i64[5, 1]{1, 1}@cpu = aten::view(%e, [5, 1])\n"
+      "  %g: f32[3, 5, 6]{30, 6, 1}@cpu = aten::index.Tensor(%b, [%hv, %qv, %k])\n"
+      "  %s: f32[3, 5, 6]{30, 6, 1}@cpu = aten::sin(%b)\n"
+      "  %t: f32[5, 3, 6]{18, 6, 1}@cpu = aten::index.Tensor(%b, [%h, %qv])\n"
+      "  %u: f32[3, 5, 6]{30, 6, 1}@cpu = aten::index.Tensor(%c, [%hv, %ev, %k])\n"
+      "  return (%s, %t, %u)\n";
+  EXPECT_EQ(run_pass(canonicalize, in), expected);
+}
+
 TEST(OneDnnMatmul, LinearReluScaleMatchesAten) {
   if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
   auto g = compile_text(kLinearRelu);
