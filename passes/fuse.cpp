@@ -321,8 +321,8 @@ class Fuser {
   }
 
   // Rule 9: nodes that read no graph input, directly or through each other (aranges, the masks compared
-  // from them, scalar_tensor, full), move to the top of the graph, keeping their order; the plan folds them
-  // into constants anyway (fold_constant_steps). Made where the trace put them, after a group's first node,
+  // from them, scalar_tensor, full), move to the top of the graph, keeping their order (where the graph
+  // writes nothing in place, the plan folds them into constants anyway: fold_constant_steps). Made where the trace put them, after a group's first node,
   // rule 2 kept their readers out of that group: flex_attention's dense form applies its mask_mod as
   // where(mask, score, -inf) and zeroes fully masked rows with where(row_max != -inf, softmax,
   // scalar_tensor(0)), and those wheres ran apart from the softmax's kernel, each one more pass over the

@@ -9,7 +9,9 @@
 //     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
 //     score registers into the A operand of the P @ V MMAs. No score reaches memory.
 //  2. Where the query tiles are fewer than the SMs (decoding), each tile's keys are dealt out to up to 16 blocks
-//     that write unnormalized partial results; a second kernel merges them (split-KV).
+//     that write unnormalized partial results; a second kernel merges them (split-KV). Where a block's rows
+//     outnumber the query rows and heads are grouped, a block takes the query heads of one key-value head
+//     (p.pack), so each key and value tile is read once per group.
 //  3. Key blocks come from the BlockMask: its partial blocks (kv_num_blocks / kv_indices) with mask_mod, then
 //     its full blocks without it. Keys past the sequence and positions no block lists are masked.
 //  4. Outputs match the higher-order op: the attention in the query's dimension order, the log-sum-exp and
