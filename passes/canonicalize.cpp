@@ -62,18 +62,19 @@ const Value* undone_permute(const Node& n) {
   return first_value(*mid->producer);
 }
 
-// The value `v` is arange(0, n) (start 0, step 1) through views that only add size-1 dims, or null.
-const Node* plain_arange(const Value* v, int64_t n) {
+// Whether `v` is arange(0, n) (start 0, step 1), possibly through views (the caller's type check allows only
+// those that add size-1 dims).
+bool plain_arange(const Value* v, int64_t n) {
   while (v && v->producer && (v->producer->op == "aten::view" || v->producer->op == "aten::_unsafe_view" ||
                               v->producer->op == "aten::reshape" || v->producer->op == "aten::unsqueeze"))
     v = first_value(*v->producer);
   const Node* a = v ? v->producer : nullptr;
-  if (!a) return nullptr;
+  if (!a) return false;
   auto is_int = [](const Arg* x, int64_t want) { return x && x->kind == Arg::Kind::Int && x->i == want; };
-  if (a->op == "aten::arange") return is_int(a->arg(0, "end"), n) ? a : nullptr;
-  if (a->op != "aten::arange.start" && a->op != "aten::arange.start_step") return nullptr;
+  if (a->op == "aten::arange") return is_int(a->arg(0, "end"), n);
+  if (a->op != "aten::arange.start" && a->op != "aten::arange.start_step") return false;
   const Arg* step = a->op == "aten::arange.start_step" ? a->arg(2, "step") : nullptr;
-  return is_int(a->arg(0, "start"), 0) && is_int(a->arg(1, "end"), n) && (!step || is_int(step, 1)) ? a : nullptr;
+  return is_int(a->arg(0, "start"), 0) && is_int(a->arg(1, "end"), n) && (!step || is_int(step, 1));
 }
 
 // index(x, [i0, .., im-1]) where index j is arange(0, x.size(j)) varying along dim j of their broadcast alone:
@@ -90,9 +91,10 @@ const Value* identity_index(const Node& n) {
     if (!indices[j].is_value() || !indices[j].value->type.is_tensor() || !sizes[j].is_constant()) return nullptr;
     const std::vector<Dim>& is = indices[j].value->type.tensor.sizes;
     if (is.size() > m) return nullptr;
-    for (size_t d = 0; d < is.size(); ++d)  // right-aligned against the m indexed dims
+    // Right-aligned against the m indexed dims, every size is 1 but the one at j. (An index none of whose dims
+    // stands at j has one element, so the arange check below then holds only where sizes[j] is 1.)
+    for (size_t d = 0; d < is.size(); ++d)
       if (!is[d].is_constant() || is[d].value != (m - is.size() + d == j ? sizes[j].value : 1)) return nullptr;
-    // (an index with arange's sizes.value elements: where none of its dims stands at j, sizes[j] is 1)
     if (!plain_arange(indices[j].value, sizes[j].value)) return nullptr;
   }
   return x;
