@@ -2,6 +2,7 @@
 
     python bench/flex.py                 # every case
     python bench/flex.py --only causal_8k --repeat 50
+    EMBER_FLEX_QSMEM=0 python bench/flex.py --backends ember    # ember alone, under one of its settings
 
 Per case and backend: milliseconds per call from CUDA events around --repeat back-to-back calls (the GPU's
 throughput, Dynamo's and the plan's host time hidden behind it where the kernel is longer), the first call
@@ -91,12 +92,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default=",".join(CASES))
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--backends", default="ember,inductor", help="comma-separated, of ember and inductor")
     args = parser.parse_args(argv)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'case':14} {'backend':9} {'first call s':>12} {'ms per call':>12} {'max |diff|':>11}")
     for name in args.only.split(","):
         rows = {}
-        for backend in ("ember", "inductor"):
+        for backend in args.backends.split(","):
             try:
                 rows[backend] = run(name, backend, args.repeat)
             except Exception as e:  # noqa: BLE001 (a backend's failure is a result here)

@@ -179,6 +179,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   // A warp whose rows all lie past the queries (a decode step fills one warp's rows at most) takes its share
   // of the loads and barriers and computes nothing: the busy warps get the SM's issue slots.
   const bool idle = (q0 + warp * 16 * MT) / p.pack >= p.L;
+  const bool rows_inside = (q0 + (warp + 1) * 16 * MT - 1) / p.pack < p.L;  // every row of the warp's is a query
   const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
   const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
   unsigned qa[MT][EK / 16][4];
@@ -225,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   int stage = 0;
   if (it.valid()) load(0, it.kv0);
   while (it.valid()) {
-    const i64 kv0 = it.kv0, end = it.end;
+    const int kv0 = (int)it.kv0, end = (int)it.end;  // key positions fit an int (p.S is one)
     const int pass = it.pass;
     it.next();
     if (it.valid()) {
@@ -263,21 +264,32 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     float tile[2 * MT];
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) tile[r] = mx[r];
+    // Scale, mods and the tile's row maxima. A tile of a full block that lies wholly inside the keys and the
+    // warp's queries checks nothing per score (most tiles of a long causal attention); the others mask keys
+    // past the block or the sequence and rows past the queries, and apply mask_mod in partial blocks.
+    auto mod_scores = [&](const bool checked) {  // called with constants: each call inlines one form
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+      for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = rows[2 * m + (e >> 1)], head = heads[2 * m + (e >> 1)];
-          const i64 col = kv0 + nt * 8 + t * 2 + (e & 1);
-          bool keep = col < end && row < p.L;
-          if (keep && pass == 0) keep = mask_mod(b, head, row, (int)col, p);
-          sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, head, row, (int)col, p) * LOG2E : NEG_INF;
+          for (int e = 0; e < 4; ++e) {
+            const int row = rows[2 * m + (e >> 1)], head = heads[2 * m + (e >> 1)];
+            const int col = kv0 + nt * 8 + t * 2 + (e & 1);
+            if (checked) {
+              bool keep = col < end && row < p.L;
+              if (keep && pass == 0) keep = mask_mod(b, head, row, col, p);
+              sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, head, row, col, p) * LOG2E : NEG_INF;
+            } else {
+              sc[m][nt][e] = score_mod(sc[m][nt][e] * p.scale, b, head, row, col, p) * LOG2E;
+            }
+          }
+          tile[2 * m] = fmaxf(tile[2 * m], fmaxf(sc[m][nt][0], sc[m][nt][1]));
+          tile[2 * m + 1] = fmaxf(tile[2 * m + 1], fmaxf(sc[m][nt][2], sc[m][nt][3]));
         }
-        tile[2 * m] = fmaxf(tile[2 * m], fmaxf(sc[m][nt][0], sc[m][nt][1]));
-        tile[2 * m + 1] = fmaxf(tile[2 * m + 1], fmaxf(sc[m][nt][2], sc[m][nt][3]));
-      }
+    };
+    if (pass == 1 && kv0 + 64 <= end && rows_inside) mod_scores(false);
+    else mod_scores(true);
     float base[2 * MT];
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
