@@ -250,27 +250,46 @@ float reduce(OpCode op, const Reg& r, int64_t n) {
 struct View {
   const char* data = nullptr;
   c10::ScalarType dtype = c10::kFloat;
-  int64_t itemsize = 4;
   int64_t strides[kMaxRank] = {};  // in elements, aligned to the full shape (or the row shape)
   bool dense = false;              // contiguous over the whole full shape
 };
 
-float load_one(const View& v, int64_t offset) {
-  const char* p = v.data + offset * v.itemsize;
-  switch (v.dtype) {
-    case c10::kFloat: return *reinterpret_cast<const float*>(p);
-    case c10::kHalf: return static_cast<float>(*reinterpret_cast<const c10::Half*>(p));
-    case c10::kBFloat16: return static_cast<float>(*reinterpret_cast<const c10::BFloat16*>(p));
-    case c10::kBool: return *reinterpret_cast<const bool*>(p) ? 1.f : 0.f;
-    case c10::kDouble: return static_cast<float>(*reinterpret_cast<const double*>(p));
-    case c10::kLong: return static_cast<float>(*reinterpret_cast<const int64_t*>(p));
-    case c10::kInt: return static_cast<float>(*reinterpret_cast<const int32_t*>(p));
-    case c10::kByte: return static_cast<float>(*reinterpret_cast<const uint8_t*>(p));
-    case c10::kChar: return static_cast<float>(*reinterpret_cast<const int8_t*>(p));
-    case c10::kShort: return static_cast<float>(*reinterpret_cast<const int16_t*>(p));
+// Calls f(T{}) with the C++ type of an input dtype, so that loops converting many values switch once.
+template <class F>
+void with_input_type(c10::ScalarType dtype, const F& f) {
+  switch (dtype) {
+    case c10::kFloat: return f(float{});
+    case c10::kHalf: return f(c10::Half{});
+    case c10::kBFloat16: return f(c10::BFloat16{});
+    case c10::kBool: return f(bool{});
+    case c10::kDouble: return f(double{});
+    case c10::kLong: return f(int64_t{});
+    case c10::kInt: return f(int32_t{});
+    case c10::kByte: return f(uint8_t{});
+    case c10::kChar: return f(int8_t{});
+    case c10::kShort: return f(int16_t{});
     default: break;
   }
-  throw Error(std::string("fused CPU kernel: unsupported input dtype ") + c10::toString(v.dtype));
+  throw Error(std::string("fused CPU kernel: unsupported input dtype ") + c10::toString(dtype));
+}
+
+float load_one(const View& v, int64_t offset) {
+  float value = 0.f;
+  with_input_type(v.dtype, [&](auto type) { value = static_cast<float>(reinterpret_cast<const decltype(type)*>(v.data)[offset]); });
+  return value;
+}
+
+// n values of `v` from `offset` on, `stride` apart, as floats into `out`: the dtype switch once per run, not
+// once per value (a causal mask's bool [L, L] read value by value through load_one took a quarter of the
+// 2-core host's time in a dense flex attention).
+void load_run(const View& v, int64_t offset, int64_t stride, int64_t n, float* out) {
+  with_input_type(v.dtype, [&](auto type) {
+    const auto* p = reinterpret_cast<const decltype(type)*>(v.data) + offset;
+    if (stride == 1)
+      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(p[k]);
+    else
+      for (int64_t k = 0; k < n; ++k) out[k] = static_cast<float>(p[k * stride]);
+  });
 }
 
 void store_n(const float* src, const Reg& r, int64_t n, c10::ScalarType dtype, char* out) {
@@ -343,7 +362,6 @@ class FusedCpuKernel final : public Kernel {
     View v;
     v.data = static_cast<const char*>(t.data_ptr());
     v.dtype = t.scalar_type();
-    v.itemsize = t.element_size();
     aligned_strides(t, space, v.strides, trailing);
     v.dense = t.is_contiguous() && t.numel() == full_numel && t.dim() >= 0 && static_cast<int64_t>(space.size()) == t.dim();
     return v;
@@ -367,31 +385,18 @@ class FusedCpuKernel final : public Kernel {
       r = Reg{nullptr, load_one(v, base)};
       return;
     }
-    if (v.dtype == c10::kFloat) {
-      const float* p = reinterpret_cast<const float*>(v.data) + base;
-      if (inner_stride == 1) {
-        r = Reg{p};
-        return;
-      }
-      for (int64_t k = 0; k < n; ++k) buf[k] = p[k * inner_stride];  // no dtype switch per value
-      r = Reg{buf, 0.f, 1};
+    if (v.dtype == c10::kFloat && inner_stride == 1) {
+      r = Reg{reinterpret_cast<const float*>(v.data) + base};
       return;
     }
-    for (int64_t k = 0; k < n; ++k) buf[k] = load_one(v, base + k * inner_stride);
+    load_run(v, base, inner_stride, n, buf);
     r = Reg{buf, 0.f, 1};
   }
 
   // n values from `base` with a fixed stride (0: one value repeated) into `out`.
   static void load_row(const View& v, float* out, int64_t n, int64_t base, int64_t stride) {
-    if (v.dtype != c10::kFloat) {
-      for (int64_t k = 0; k < n; ++k) out[k] = load_one(v, base + k * stride);
-      return;
-    }
-    const float* p = reinterpret_cast<const float*>(v.data) + base;
-    if (stride == 1) std::copy(p, p + n, out);
-    else if (stride == 0) std::fill(out, out + n, *p);
-    else
-      for (int64_t k = 0; k < n; ++k) out[k] = p[k * stride];
+    if (stride == 0) std::fill(out, out + n, load_one(v, base));
+    else load_run(v, base, stride, n, out);
   }
 
   // The offset, through `strides`, of position `index` of the first `dims` dimensions of `shape` (row-major).
@@ -416,16 +421,18 @@ class FusedCpuKernel final : public Kernel {
       rest /= shape[d];
       off += idx[d] * strides[d];
     }
-    const float* f32 = v.dtype == c10::kFloat ? reinterpret_cast<const float*>(v.data) : nullptr;
-    for (int64_t k = 0; k < n; ++k) {
-      buf[k] = f32 ? f32[off] : load_one(v, off);
-      for (int64_t d = rank - 1; d >= 0; --d) {
-        off += strides[d];
-        if (++idx[d] < shape[d]) break;
-        off -= idx[d] * strides[d];
-        idx[d] = 0;
+    with_input_type(v.dtype, [&](auto type) {
+      const auto* p = reinterpret_cast<const decltype(type)*>(v.data);
+      for (int64_t k = 0; k < n; ++k) {
+        buf[k] = static_cast<float>(p[off]);
+        for (int64_t d = rank - 1; d >= 0; --d) {
+          off += strides[d];
+          if (++idx[d] < shape[d]) break;
+          off -= idx[d] * strides[d];
+          idx[d] = 0;
+        }
       }
-    }
+    });
   }
 
   // One elementwise instruction over n values: once where every operand is uniform, else into the scratch
