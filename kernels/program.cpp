@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <map>
 #include <unordered_map>
 
@@ -141,11 +142,22 @@ class Lowering {
     return a->s;
   }
 
+  // Appends an instruction, or returns the register of an earlier one that computes the same (every opcode is
+  // a pure function of its operands): a softmax after an amax of the same scores (flex_attention's dense form)
+  // asks for the row maximum twice, and each is a pass over the row.
   Operand emit(OpCode op, Operand a, Operand b = {}, Operand c = {}, std::optional<bool> row = std::nullopt) {
     bool r = row.value_or(is_row(a) && is_row(b) && is_row(c));
     if (op == OpCode::RowSum || op == OpCode::RowMean || op == OpCode::RowMax || op == OpCode::RowMin) r = true;
+    InstrKey key{static_cast<int64_t>(op), r};
+    for (const Operand& o : {a, b, c}) {
+      uint32_t bits = 0;
+      std::memcpy(&bits, &o.imm, sizeof bits);
+      key.push_back(static_cast<int64_t>(o.kind)), key.push_back(o.index), key.push_back(bits);
+    }
+    if (auto it = computed_.find(key); it != computed_.end()) return Operand::reg(it->second);
     int dst = new_reg(r);
     program_.code.push_back({op, dst, a, b, c});
+    computed_.emplace(std::move(key), dst);
     return Operand::reg(dst);
   }
 
@@ -329,6 +341,8 @@ class Lowering {
   std::unordered_map<const Value*, int> scalar_index_;
   std::unordered_map<const Value*, bool> reduced_;
   std::map<std::pair<const Value*, bool>, int> input_reg_;
+  using InstrKey = std::vector<int64_t>;  // opcode, row, then each operand's kind, index and constant bits
+  std::map<InstrKey, int> computed_;      // the register each distinct instruction wrote (emit)
 };
 
 }  // namespace

@@ -399,6 +399,41 @@ TEST(FusedCpuKernel, RowReductionsSoftmaxLayerNorm) {
   expect_fused_matches(text, {at::randn({7, 3, 301}), at::randn({301}), at::randn({301})}, 1e-4);
 }
 
+TEST(FusedCpuKernel, MaskedSoftmaxOverBroadcastInputsOfOtherDtypes) {
+  // flex_attention's dense form: scaled scores, a per-head bias, a mask broadcast over batch and heads, and
+  // fully masked rows zeroed, in one group. The row maximum is asked twice (amax, and softmax's own) and
+  // computed once. The bf16 bias, the bool mask and the strided f16 offsets are read through broadcasts and
+  // strides, and converted a run at a time.
+  const std::string t = "f32[2, 4, 33, 150]{19800, 4950, 150, 1}@cpu";
+  const std::string text =
+      "graph(%x: " + t + ", %bias: bf16[4, 1, 1]{1, 1, 1}@cpu, %m: b8[33, 150]{150, 1}@cpu, %off: f16[150]{2}@cpu, "
+      "%ninf: f32[]{}@cpu, %zero: f32[]{}@cpu):\n"
+      "  %s: " + t + " = aten::mul.Tensor(%x, 0.125)\n"
+      "  %b: " + t + " = aten::add.Tensor(%s, %bias)\n"
+      "  %p: " + t + " = aten::add.Tensor(%b, %off)\n"
+      "  %w: " + t + " = aten::where.self(%m, %p, %ninf)\n"
+      "  %mx: f32[2, 4, 33, 1]{132, 33, 1, 1}@cpu = aten::amax(%w, [-1], true)\n"
+      "  %sm: " + t + " = aten::_softmax(%w, -1, false)\n"
+      "  %ne: b8[2, 4, 33, 1]{132, 33, 1, 1}@cpu = aten::ne.Scalar(%mx, -inf)\n"
+      "  %o: " + t + " = aten::where.self(%ne, %sm, %zero)\n"
+      "  return (%o)\n";
+  const std::string fused = fuse_text(text);
+  EXPECT_EQ(fused.find(" #1"), std::string::npos) << fused;
+  Graph g = parse(fused);
+  std::string why;
+  std::optional<Program> p = lower_group(g, 0, &why);
+  ASSERT_TRUE(p) << why;
+  const std::string listing = p->text();
+  const size_t first = listing.find("row_max");
+  ASSERT_NE(first, std::string::npos) << listing;
+  EXPECT_EQ(listing.find("row_max", first + 1), std::string::npos) << listing;
+  at::Tensor mask = at::rand({33, 150}) > 0.5;
+  mask[5].fill_(false);  // a fully masked row
+  at::Tensor off = at::randn({300}).to(at::kHalf).slice(0, 0, 300, 2);
+  expect_fused_matches(text, {at::randn({2, 4, 33, 150}), at::randn({4, 1, 1}).to(at::kBFloat16), mask, off,
+                              at::scalar_tensor(-INFINITY), at::scalar_tensor(0.0)}, 1e-5);
+}
+
 TEST(FusedCpuKernel, NanInfPropagateAndEmptyTensors) {
   const std::string text =
       "graph(%x: f32[4, 40]{40, 1}@cpu):\n"
