@@ -361,7 +361,7 @@ KernelImage find_or_compile(const std::string& source, const std::string& name, 
 }  // namespace
 
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
-                           ImageStore* images) {
+                           ImageStore* images, bool arch_specific) {
   // Keyed by architecture and source. The first caller of a key compiles it, outside the lock, so distinct
   // groups compile at once (generate.cpp starts them in parallel); a caller of the same key meanwhile waits
   // for that result instead of compiling it again (BERT's 39 groups are 4 distinct sources).
@@ -371,7 +371,7 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
   wait_for_warm_up();
   const Api& a = api();
   make_current(device);
-  const std::string target = arch(device);
+  const std::string target = arch(device) + (arch_specific ? "a" : "");
   std::string key = target + "\n" + source;
   std::promise<std::shared_ptr<const Loaded>> promise;
   std::shared_future<std::shared_ptr<const Loaded>> pending;

@@ -37,9 +37,10 @@ std::string nvrtc_version();
 // `images` where it holds one, else compiled with NVRTC (and added to `images`, when given). Identical
 // sources compile once per process. Throws ember::Error with NVRTC's log on failure.
 void* compile(const std::string& source, const std::string& name, int device, ImageStore* images = nullptr);
-// The same for a module with several entry points: one CUfunction per name, in order.
+// The same for a module with several entry points: one CUfunction per name, in order. `arch_specific`
+// compiles for the architecture's own features ("sm_90a": wgmma), which no later architecture runs.
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
-                           ImageStore* images = nullptr);
+                           ImageStore* images = nullptr, bool arch_specific = false);
 
 // The functions `names` of a module image built ahead of time (a cubin or fatbin in memory that outlives
 // the process, such as kernels/cuda/gemm_image.cpp's), loaded once per device.

@@ -8,6 +8,9 @@
 //     and folds them into a running max and sum (online softmax, base 2).
 //     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
 //     score registers into the A operand of the P @ V MMAs. No score reaches memory.
+//     On Hopper (sm_90) prefill takes both products from wgmma instead (compiled for sm_90a): a warpgroup's 64
+//     rows at once, K and V read by the tensor cores from 128-byte swizzled tiles; the registers and the
+//     softmax are the same.
 //  2. Where the query tiles are fewer than the SMs (decoding), each tile's keys are dealt out to up to 16 blocks
 //     that write unnormalized partial results; a second kernel merges them (split-KV). Where a block's rows
 //     outnumber the query rows and heads are grouped, a block takes the query heads of one key-value head
@@ -57,15 +60,45 @@ struct Params {
   EMBER_FLEX_PARAMS
 };
 
+// Device functions wgmma_<n>[t](d, a, desc, accumulate), issuing one wgmma.mma_async of 64 x n x 16: A from registers
+// (each warp's rows as an m16n8k16 A fragment), B from shared memory by descriptor (`trans_b`: B's rows are its
+// k dimension, the values' layout), D the n / 2 float registers a warp's m16n8k16 C fragments hold for n columns.
+// `accumulate` 0 overwrites D. The instruction returns before D is written: wgmma_wait_<n> makes it so.
+std::string wgmma_functions(int n, bool trans_b) {
+  const std::string suffix = std::to_string(n) + (trans_b ? "t" : "");
+  std::string regs, operands;
+  for (int i = 0; i < n / 2; ++i) {
+    regs += (i ? "," : "") + std::string("%") + std::to_string(i);
+    operands += (i ? ", " : "") + std::string("\"+f\"(d[") + std::to_string(i) + "])";
+  }
+  const int a = n / 2;
+  auto op = [](int i) { return "%" + std::to_string(i); };
+  std::string s = "__device__ __forceinline__ void wgmma_" + suffix +
+                  "(float* d, const unsigned* a, unsigned long long desc, int accumulate) {\n"
+                  "  asm volatile(\"{ .reg .pred p; setp.ne.b32 p, " + op(a + 5) + ", 0; wgmma.mma_async.sync.aligned.m64n" +
+                  std::to_string(n) + "k16.f32.\" MMA_TYPE \".\" MMA_TYPE \" {" + regs + "}, {" + op(a) + "," + op(a + 1) + "," +
+                  op(a + 2) + "," + op(a + 3) + "}, " + op(a + 4) + ", p, 1, 1, " + (trans_b ? "1" : "0") + "; }\"\n"
+                  "    : " + operands + "\n"
+                  "    : \"r\"(a[0]), \"r\"(a[1]), \"r\"(a[2]), \"r\"(a[3]), \"l\"(desc), \"r\"(accumulate));\n}\n";
+  // Waits for every wgmma this warpgroup issued; D's registers pass through it, so that no read of them moves
+  // above the wait.
+  s += "__device__ __forceinline__ void wgmma_wait_" + suffix + "(float* d) {\n"
+       "  asm volatile(\"wgmma.wait_group.sync.aligned 0;\" : " + operands + " :: \"memory\");\n}\n";
+  return s;
+}
+
 std::string flex_source(bool bf16, int ek, int ev, int mt, int min_blocks, int warps, const std::string& score_mod,
-                        const std::string& mask_mod) {
+                        const std::string& mask_mod, bool wgmma) {
   std::string s;
   s += "typedef long long i64; typedef unsigned short u16;\n";
   s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
   s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n#define MIN_BLOCKS " + std::to_string(min_blocks) +
-       "\n#define WARPS " + std::to_string(warps) + "\n";
+       "\n#define WARPS " + std::to_string(warps) + "\n#define WGMMA " + (wgmma ? "1" : "0") + "\n";
   s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
             : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
+  if (wgmma)
+    s += wgmma_functions(64, false) + wgmma_functions(ev, true) + "#define WGMMA_O wgmma_" + std::to_string(ev) +
+         "t\n#define WGMMA_WAIT_O wgmma_wait_" + std::to_string(ev) + "t\n";
   s += R"(
 __device__ __forceinline__ float ld_f32(const void* p, i64 i) { return ((const float*)p)[i]; }
 __device__ __forceinline__ float ld_bf16(const void* p, i64 i) { return __uint_as_float(((unsigned)((const u16*)p)[i]) << 16); }
@@ -95,9 +128,9 @@ __device__ __forceinline__ void mma(float* c, const unsigned* a, unsigned b0, un
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   unsigned a; asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p)); return a;
 }
-// 16 bytes global -> shared without passing through registers; `valid` false writes zeros.
-__device__ __forceinline__ void copy16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+// 16 bytes global -> shared (at shared address dst) without passing through registers; `valid` false writes zeros.
+__device__ __forceinline__ void copy16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void ldmatrix_x4(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -110,23 +143,40 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
 }
+#if WGMMA
+// wgmma (sm_90a): a warpgroup's MMA with B read from shared memory by the tensor cores themselves. K and V
+// tiles lie as wgmma's 128-byte swizzle: per 64 columns a slab of 64 rows x 128 bytes (8 KB, 1 KB aligned),
+// 16-byte chunk c of row r at chunk c ^ (r % 8), so that eight threads storing one row's 128 bytes and the
+// tensor cores reading eight rows' chunks hit distinct banks. A descriptor gives the start (a shared address),
+// the distance between slabs (lbo: along n for V, unused for K) and between groups of 8 rows (sbo: 1 KB).
+__device__ __forceinline__ int swizzled(int row, int chunk) {  // in elements
+  return (chunk >> 3) * 64 * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+__device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo) {
+  return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
+         ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+#endif
 
 // The key tiles a query tile visits, in order: each partial block of its BlockMask row (mask_mod applies),
 // then each full block, 64 keys at a time. Tile n of that order is tile n % per of block n / per (per: a
 // block's tiles), so a split reaches its own tiles (n = split, split + splits, ...) with one index read each,
-// not by walking every tile before them; a tile past the sequence's end is empty and passed over.
+// not by walking every tile before them. A tile past the sequence's end (the tail of a last block) is visited
+// with every key masked: nothing waits on the index read until the tile's loads are issued, a step later.
 struct Tiles {
   const Params* p; int b, h, qb;
   int partial, per;  // partial blocks in the row; tiles per block
   int n, total;      // this tile's place in the order; tiles in the order
-  int pass; i64 kv0, end;
+  int pass, kv0, end;  // key positions fit an int (p->S is one)
   __device__ void start(int split) {
     const int* full = p->fkvn;
     partial = p->kvn ? p->kvn[b * p->kvns[0] + h * p->kvns[1] + qb * p->kvns[2]] : 0;
     const int fulls = full ? full[b * p->fkvns[0] + h * p->fkvns[1] + qb * p->fkvns[2]] : 0;
     per = (int)(p->kvblock / 64);
     total = (partial + fulls) * per;
-    n = split;
+    n = split, pass = 0, kv0 = 0, end = 0;
     seek();
   }
   __device__ void next() {
@@ -136,19 +186,16 @@ struct Tiles {
   __device__ bool valid() const { return n < total; }
 
  private:
-  // From tile n on (every p->splits-th), the first one that is not empty.
   __device__ void seek() {
-    for (; n < total; n += p->splits) {
-      const int ordinal = n / per;
-      pass = ordinal < partial ? 0 : 1;
-      const int j = pass == 0 ? ordinal : ordinal - partial;
-      const int* idxp = pass == 0 ? p->kvi : p->fkvi;
-      const i64* is = pass == 0 ? p->kvis : p->fkvis;
-      const i64 first = (i64)idxp[b * is[0] + h * is[1] + qb * is[2] + j * is[3]] * p->kvblock;
-      kv0 = first + (i64)(n % per) * 64;
-      end = min((i64)p->S, first + p->kvblock);
-      if (kv0 < end) return;
-    }
+    if (n >= total) return;
+    const int ordinal = n / per;
+    pass = ordinal < partial ? 0 : 1;
+    const int j = pass == 0 ? ordinal : ordinal - partial;
+    const int* idxp = pass == 0 ? p->kvi : p->fkvi;
+    const i64* is = pass == 0 ? p->kvis : p->fkvis;
+    const int first = idxp[b * is[0] + h * is[1] + qb * is[2] + j * is[3]] * (int)p->kvblock;
+    kv0 = first + (n % per) * 64;
+    end = min(p->S, first + (int)p->kvblock);
   }
 };
 
@@ -156,11 +203,23 @@ struct Tiles {
 // With p.pack > 1 (decoding with grouped heads) a block serves the p.pack query heads that share a key-value
 // head: its rows are (query row, head) pairs, row R being query row R / pack of head group * pack + R % pack,
 // so that each K and V tile loaded serves every head of the group.
+//
+// With WGMMA (sm_90a) each warpgroup's 64 rows take their scores and P @ V from wgmma: K and V tiles swizzled
+// (wgmma_desc), Q and P in the registers of the same fragments; the rest of the kernel is unchanged, since
+// wgmma's accumulators lie in the registers of m16n8k16's.
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(Params p) {
+#if WGMMA
+  // 2 stages of K, then 2 of V, each (E + 63) / 64 swizzled slabs of 64 x 64, from the first 1 KB boundary
+  const int KP = (EK + 63) / 64 * 64, VP = (EV + 63) / 64 * 64;
+  extern __shared__ __align__(16) u16 smem_raw[];
+  u16* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 2;
+#else
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
+#endif
   u16* const ks0 = smem;                    // 2 stages of K [64][KP], then 2 of V [64][VP]
   u16* const vs0 = smem + 2 * 64 * KP;
+  const unsigned ks0_addr = smem_addr(ks0), vs0_addr = smem_addr(vs0);
   const int groups = p.H / p.pack, b = blockIdx.y / groups, h = (blockIdx.y % groups) * p.pack, hk = h / (p.H / p.HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
@@ -178,7 +237,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   const u16* qp = p.q + b * p.qs[0];
   // A warp whose rows all lie past the queries (a decode step fills one warp's rows at most) takes its share
   // of the loads and barriers and computes nothing: the busy warps get the SM's issue slots.
+#if WGMMA
+  const bool idle = (q0 + (warp & ~3) * 16) / p.pack >= p.L;  // a warpgroup's warps compute together
+#else
   const bool idle = (q0 + warp * 16 * MT) / p.pack >= p.L;
+#endif
   const bool rows_inside = (q0 + (warp + 1) * 16 * MT - 1) / p.pack < p.L;  // every row of the warp's is a query
   const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
   const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
@@ -208,42 +271,64 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
   const float LOG2E = 1.4426950408889634f;
   Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
   it.start(split);
-  auto load = [&](int stage, i64 kv0) {
-    u16* ks = ks0 + stage * 64 * KP;
-    u16* vs = vs0 + stage * 64 * VP;
+  // Neighbouring threads copy neighbouring 16 bytes of a row.
+  auto load = [&](int stage, int kv0) {
+    const unsigned ks = ks0_addr + stage * 64 * KP * 2, vs = vs0_addr + stage * 64 * VP * 2;
     for (int i = threadIdx.x; i < 64 * EK / 8; i += WARPS * 32) {
-      const int row = i / (EK / 8), col = (i % (EK / 8)) * 8;
+      const int row = i / (EK / 8), c = i % (EK / 8);
       const bool ok = kv0 + row < p.S;
-      copy16(ks + row * KP + col, kp + (ok ? (kv0 + row) * p.ks[2] + col : 0), ok);
+#if WGMMA
+      copy16(ks + swizzled(row, c) * 2, kp + (ok ? (kv0 + row) * p.ks[2] + c * 8 : 0), ok);
+#else
+      copy16(ks + (row * KP + c * 8) * 2, kp + (ok ? (kv0 + row) * p.ks[2] + c * 8 : 0), ok);
+#endif
     }
     for (int i = threadIdx.x; i < 64 * EV / 8; i += WARPS * 32) {
-      const int row = i / (EV / 8), col = (i % (EV / 8)) * 8;
+      const int row = i / (EV / 8), c = i % (EV / 8);
       const bool ok = kv0 + row < p.S;
-      copy16(vs + row * VP + col, vp + (ok ? (kv0 + row) * p.vs[2] + col : 0), ok);
+#if WGMMA
+      copy16(vs + swizzled(row, c) * 2, vp + (ok ? (kv0 + row) * p.vs[2] + c * 8 : 0), ok);
+#else
+      copy16(vs + (row * VP + c * 8) * 2, vp + (ok ? (kv0 + row) * p.vs[2] + c * 8 : 0), ok);
+#endif
     }
     asm volatile("cp.async.commit_group;");
   };
+  // One barrier per step: past it, this step's tile has landed (each thread waited for its own copies) and
+  // every warp is done with the previous step's, whose stage the next tile's copies then fill while this one
+  // computes. The iterator runs a tile ahead of the loads, so that its index read has a step to arrive.
   int stage = 0;
   if (it.valid()) load(0, it.kv0);
-  while (it.valid()) {
-    const int kv0 = (int)it.kv0, end = (int)it.end;  // key positions fit an int (p.S is one)
-    const int pass = it.pass;
-    it.next();
-    if (it.valid()) {
-      load(stage ^ 1, it.kv0);
-      asm volatile("cp.async.wait_group 1;");
-    } else {
-      asm volatile("cp.async.wait_group 0;");
-    }
+  int next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
+  bool more = it.valid();
+  it.next();
+  while (more) {
+    asm volatile("cp.async.wait_group 0;");
+#if WGMMA
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, seen by wgmma's reads
+#endif
     __syncthreads();
-    if (idle) {
-      __syncthreads();
-      stage ^= 1;
-      continue;
+    const int kv0 = next_kv0, end = next_end, pass = next_pass, this_stage = stage;
+    more = it.valid();
+    stage ^= 1;
+    if (more) {
+      load(stage, it.kv0);
+      next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
     }
-    const u16* ks = ks0 + stage * 64 * KP;
-    const u16* vs = vs0 + stage * 64 * VP;
+    it.next();
+    if (idle) continue;
     float sc[MT][8][4];
+#if WGMMA
+    const unsigned ks = ks0_addr + this_stage * 64 * KP * 2, vs = vs0_addr + this_stage * 64 * VP * 2;
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < EK / 16; ++kt)
+      wgmma_64(&sc[0][0][0], qa[0][kt], wgmma_desc(ks + (kt >> 2) * 8192 + (kt & 3) * 32, 16), kt > 0);
+    wgmma_commit();
+    wgmma_wait_64(&sc[0][0][0]);
+#else
+    const u16* ks = ks0 + this_stage * 64 * KP;
+    const u16* vs = vs0 + this_stage * 64 * VP;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -261,6 +346,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         }
       }
     }
+#endif
     float tile[2 * MT];
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) tile[r] = mx[r];
@@ -311,6 +397,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         sc[m][nt][2] = ex2(sc[m][nt][2] - base[2 * m + 1]), sc[m][nt][3] = ex2(sc[m][nt][3] - base[2 * m + 1]);
         sum[2 * m] += sc[m][nt][0] + sc[m][nt][1], sum[2 * m + 1] += sc[m][nt][2] + sc[m][nt][3];
       }
+#if WGMMA
+    unsigned pa[4][4];  // read by the tensor cores until the wait: one set per 16 keys
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      pa[kt][0] = pack2(sc[0][2 * kt][0], sc[0][2 * kt][1]), pa[kt][1] = pack2(sc[0][2 * kt][2], sc[0][2 * kt][3]);
+      pa[kt][2] = pack2(sc[0][2 * kt + 1][0], sc[0][2 * kt + 1][1]);
+      pa[kt][3] = pack2(sc[0][2 * kt + 1][2], sc[0][2 * kt + 1][3]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) WGMMA_O(&o[0][0][0], pa[kt], wgmma_desc(vs + kt * 2048, 8192), 1);
+    wgmma_commit();
+    WGMMA_WAIT_O(&o[0][0][0]);
+#else
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       unsigned pa[MT][4];
@@ -328,8 +428,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         for (int m = 0; m < MT; ++m) mma(o[m][d], pa[m], vb[0], vb[1]), mma(o[m][d + 1], pa[m], vb[2], vb[3]);
       }
     }
-    __syncthreads();  // every warp is done with this stage before the next load overwrites it
-    stage ^= 1;
+#endif
   }
   u16* op = p.out + b * p.os[0];
 #pragma unroll
@@ -405,9 +504,10 @@ void mask_strides(const at::Tensor& t, long long* out) {
 class FlexAttention final : public FastPath {
  public:
   FlexAttention(void* function, void* combine, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
-                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes)
+                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes, bool wgmma)
       : function_(function), combine_(combine), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
-        q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), threads_(threads), shared_bytes_(shared_bytes) {
+        q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), threads_(threads), shared_bytes_(shared_bytes),
+        wgmma_(wgmma) {
     if (buffers) buffers_ = *buffers;
   }
 
@@ -509,7 +609,8 @@ class FlexAttention final : public FastPath {
   }
 
   std::string describe() const override {
-    return "cuda flex attention kernel (" + std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
+    return std::string("cuda flex attention kernel (") + (wgmma_ ? "wgmma, " : "mma.sync, ") +
+           std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
   }
 
  private:
@@ -532,6 +633,7 @@ class FlexAttention final : public FastPath {
   }
   int threads_;  // per block, 32 per warp
   unsigned shared_bytes_;  // two stages of K and V tiles
+  bool wgmma_;             // the products by wgmma (sm_90a), else by m16n8k16 MMAs
   mutable std::atomic<uint64_t> calls_{0};
 };
 
@@ -574,7 +676,8 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
   try {
     std::string why;
     if (!available(&why)) return nullptr;
-    if (std::stoi(arch(device).substr(3)) < 80) return nullptr;  // m16n8k16 16-bit MMAs
+    const std::string target = arch(device);
+    if (std::stoi(target.substr(3)) < 80) return nullptr;  // m16n8k16 16-bit MMAs
     // One 16-row tile per warp. Two (EMBER_FLEX_ROWS=128, for measuring; head dims up to 64) let each K and V
     // fragment feed two MMAs but spill and halve the blocks per SM: on the H100, bench/hops.py's flex
     // 0.195 -> 0.189 ms, flex_long 0.474 -> 0.712 ms.
@@ -592,18 +695,24 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     if (warps_forced && (std::string(warps_forced) == "4" || q_block->i % (8 * 16 * mt) == 0))
       warps = std::string(warps_forced) == "8" ? 8 : 4;
     const int min_blocks = min_forced ? std::max(1, std::atoi(min_forced)) : (narrow ? 3 : (warps == 8 ? 1 : 2));
+    // On Hopper (sm_90) prefill takes its two products from wgmma, compiled for sm_90a; decoding keeps the
+    // m16n8k16 kernel (a warpgroup computes 64 rows). EMBER_FLEX_WGMMA=0 keeps it everywhere, for measuring.
+    const char* wgmma_forced = std::getenv("EMBER_FLEX_WGMMA");  // read per plan built: tests switch it
+    const bool wgmma = target == "sm_90" && !few_rows && mt == 1 && !(wgmma_forced && std::string(wgmma_forced) == "0");
     const std::vector<void*> functions =
-        compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod),
-                std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device);
+        compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod, wgmma),
+                std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device, nullptr, wgmma);
     void* function = functions.at(0);
-    const unsigned shared_bytes = 2 * kTile * (ek + 8 + ev + 8) * 2;
+    // Two stages of K and V tiles: padded rows, or whole swizzled slabs and a 1 KB alignment (wgmma).
+    const auto slabs = [](int e) { return (e + 63) / 64 * 64; };
+    const unsigned shared_bytes = wgmma ? 2 * kTile * (slabs(ek) + slabs(ev)) * 2 + 1024 : 2 * kTile * (ek + ev + 16) * 2;
     if (shared_bytes > 48 * 1024) {
       if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
     }
     const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
     return std::make_shared<FlexAttention>(function, functions.at(1), std::move(inputs), list, step.outputs, static_cast<float>(s),
-                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes);
+                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes, wgmma);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs
   }

@@ -5,7 +5,8 @@ checked against eager on float32 copies. Covered: score_mods with captured buffe
 full blocks, rows masked whole), documents in an int64 buffer, grouped-query heads, the log-sum-exp output,
 decoding (keys split over blocks),
 lengths off the 64-row tile, other key and value lengths and widths, gradients (CUDA), CUDA graphs, queries
-laid out as transposes, and the translation of the mods itself (on the CPU)."""
+laid out as transposes, and the translation of the mods itself (on the CPU). The fused kernel's tests run in both
+its forms where the GPU has two (Hopper: wgmma, and m16n8k16 MMAs forced by EMBER_FLEX_WGMMA=0)."""
 
 import re
 
@@ -91,9 +92,21 @@ def test_sixteen_bit_inputs(device):
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def kernel_ran():
-    """True when a plan of this test ran ember::flex_attention through the NVRTC kernel (not its dense fallback)."""
-    return any("flex attention kernel" in g.describe() for _, g in EMBER_GRAPHS)
+def kernel_ran(form=None):
+    """True when a plan of this test ran ember::flex_attention through the NVRTC kernel (not its dense fallback),
+    in `form` where given: "wgmma" or "mma.sync"."""
+    described = [g.describe() for _, g in EMBER_GRAPHS]
+    return any("flex attention kernel" in d and (form is None or f"({form}," in d) for d in described)
+
+
+@pytest.fixture(params=["default", "mma.sync"])
+def kernel_form(request, monkeypatch):
+    """The fused kernel's form: the one ember picks for this GPU (wgmma for prefill on Hopper, m16n8k16 MMAs
+    elsewhere), or the MMA form forced (EMBER_FLEX_WGMMA=0), so that a Hopper machine tests both."""
+    if request.param == "mma.sync":
+        monkeypatch.setenv("EMBER_FLEX_WGMMA", "0")
+        return "mma.sync"
+    return "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma.sync"
 
 
 def against_float32(fn, q, k, v, atol, rtol):
@@ -117,7 +130,7 @@ FUSED_TOL = {torch.bfloat16: dict(atol=2e-2, rtol=2e-2), torch.float16: dict(ato
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dim", [16, 64, 96, 128])
-def test_fused_kernel_causal_bias_grouped_heads(dtype, dim):
+def test_fused_kernel_causal_bias_grouped_heads(dtype, dim, kernel_form):
     length = 200  # three full tiles of 64 and a tail
     bias = torch.randn(8, device="cuda")
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
@@ -129,25 +142,25 @@ def test_fused_kernel_causal_bias_grouped_heads(dtype, dim):
     q, k, v = qkv("cuda", heads=8, kv_heads=2, q_len=length, kv_len=length, dim=dim, dtype=dtype,
                   transposed=dim == 64)
     against_float32(fn, q, k, v, **FUSED_TOL[dtype])
-    assert "ember::flex_attention" in ir_text() and kernel_ran()
+    assert "ember::flex_attention" in ir_text() and kernel_ran(kernel_form)
 
 
 @needs_cuda
-def test_fused_kernel_without_block_mask_other_lengths_and_value_width():
+def test_fused_kernel_without_block_mask_other_lengths_and_value_width(kernel_form):
     def fn(q, k, v):
         return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(s / 4) * 4 - (qi - ki).abs() * 0.01,
                               return_lse=True)
 
-    q = torch.randn(3, 4, 37, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(3, 4, 137, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(3, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(3, 4, 300, 32, device="cuda", dtype=torch.bfloat16)
     against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
-    assert kernel_ran()
+    assert kernel_ran(kernel_form)
 
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype):
+def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype, kernel_form):
     length = 333
     doc = torch.randint(0, 4, (length,), device="cuda").sort().values  # int64 document ids
     window = 70
@@ -164,7 +177,7 @@ def test_fused_kernel_document_mask_sliding_window_and_empty_rows(dtype):
 
     q, k, v = qkv("cuda", batch=2, heads=3, kv_heads=3, q_len=length, kv_len=length, dim=64, dtype=dtype)
     out, lse = against_float32(fn, q, k, v, **FUSED_TOL[dtype])
-    assert kernel_ran()
+    assert kernel_ran(kernel_form)
     assert torch.equal(out[:, :, 3::7], torch.zeros_like(out[:, :, 3::7]))  # rows the mask removes whole
     assert bool((lse[:, :, 3::7] == float("-inf")).all())
 
