@@ -88,12 +88,13 @@ std::string wgmma_functions(int n, bool trans_b) {
 }
 
 std::string flex_source(bool bf16, int ek, int ev, int mt, int min_blocks, int warps, const std::string& score_mod,
-                        const std::string& mask_mod, bool wgmma) {
+                        const std::string& mask_mod, bool wgmma, bool plain_scores) {
   std::string s;
   s += "typedef long long i64; typedef unsigned short u16;\n";
   s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
   s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n#define MIN_BLOCKS " + std::to_string(min_blocks) +
-       "\n#define WARPS " + std::to_string(warps) + "\n#define WGMMA " + (wgmma ? "1" : "0") + "\n";
+       "\n#define WARPS " + std::to_string(warps) + "\n#define WGMMA " + (wgmma ? "1" : "0") +
+       "\n#define PLAIN_SCORES " + (plain_scores ? "1" : "0") + "\n";
   s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
             : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
   if (wgmma)
@@ -347,12 +348,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
       }
     }
 #endif
-    float tile[2 * MT];
-#pragma unroll
-    for (int r = 0; r < 2 * MT; ++r) tile[r] = mx[r];
     // Scale, mods and the tile's row maxima. A tile of a full block that lies wholly inside the keys and the
     // warp's queries checks nothing per score (most tiles of a long causal attention); the others mask keys
-    // past the block or the sequence and rows past the queries, and apply mask_mod in partial blocks.
+    // past the block or the sequence and rows past the queries, and apply mask_mod in partial blocks. With
+    // PLAIN_SCORES (score_mod the identity, a positive scale) the scores stay as the MMA left them: the maxima
+    // compare them unscaled, and the exponent's FMA applies scale * log2(e).
+    float tile[2 * MT];
+#pragma unroll
+    for (int r = 0; r < 2 * MT; ++r) tile[r] = NEG_INF;
     auto mod_scores = [&](const bool checked) {  // called with constants: each call inlines one form
 #pragma unroll
       for (int m = 0; m < MT; ++m)
@@ -365,8 +368,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
             if (checked) {
               bool keep = col < end && row < p.L;
               if (keep && pass == 0) keep = mask_mod(b, head, row, col, p);
+#if PLAIN_SCORES
+              if (!keep) sc[m][nt][e] = NEG_INF;
+#else
               sc[m][nt][e] = keep ? score_mod(sc[m][nt][e] * p.scale, b, head, row, col, p) * LOG2E : NEG_INF;
-            } else {
+#endif
+            } else if (!PLAIN_SCORES) {
               sc[m][nt][e] = score_mod(sc[m][nt][e] * p.scale, b, head, row, col, p) * LOG2E;
             }
           }
@@ -376,25 +383,37 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     };
     if (pass == 1 && kv0 + 64 <= end && rows_inside) mod_scores(false);
     else mod_scores(true);
-    float base[2 * MT];
+    const float to_log2 = PLAIN_SCORES ? p.scale * LOG2E : 1.0f;
+    float base[2 * MT], rescale[2 * MT];
+    bool moved = false;  // some row's maximum grew
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) {
       tile[r] = fmaxf(tile[r], __shfl_xor_sync(0xffffffffu, tile[r], 1));
       tile[r] = fmaxf(tile[r], __shfl_xor_sync(0xffffffffu, tile[r], 2));
+      tile[r] = fmaxf(mx[r], tile[r] * to_log2);
       base[r] = tile[r] == NEG_INF ? 0.0f : tile[r];  // a row with no key yet: 2^(-inf - 0) = 0, scale 1
-      const float scale = ex2(mx[r] - base[r]);
+      rescale[r] = ex2(mx[r] - base[r]);
       mx[r] = tile[r];
-      sum[r] *= scale;
-      const int m = r >> 1, e = (r & 1) * 2;
+      sum[r] *= rescale[r];
+      moved = moved || rescale[r] != 1.0f;
+    }
+    // The accumulators scale only in a warp where some row's maximum grew: past a long row's first tiles most
+    // steps leave every maximum where it was.
+    if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-      for (int d = 0; d < EV / 8; ++d) o[m][d][e] *= scale, o[m][d][e + 1] *= scale;
+      for (int r = 0; r < 2 * MT; ++r) {
+        const int m = r >> 1, e = (r & 1) * 2;
+#pragma unroll
+        for (int d = 0; d < EV / 8; ++d) o[m][d][e] *= rescale[r], o[m][d][e + 1] *= rescale[r];
+      }
     }
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
-        sc[m][nt][0] = ex2(sc[m][nt][0] - base[2 * m]), sc[m][nt][1] = ex2(sc[m][nt][1] - base[2 * m]);
-        sc[m][nt][2] = ex2(sc[m][nt][2] - base[2 * m + 1]), sc[m][nt][3] = ex2(sc[m][nt][3] - base[2 * m + 1]);
+        sc[m][nt][0] = ex2(fmaf(sc[m][nt][0], to_log2, -base[2 * m])), sc[m][nt][1] = ex2(fmaf(sc[m][nt][1], to_log2, -base[2 * m]));
+        sc[m][nt][2] = ex2(fmaf(sc[m][nt][2], to_log2, -base[2 * m + 1]));
+        sc[m][nt][3] = ex2(fmaf(sc[m][nt][3], to_log2, -base[2 * m + 1]));
         sum[2 * m] += sc[m][nt][0] + sc[m][nt][1], sum[2 * m + 1] += sc[m][nt][2] + sc[m][nt][3];
       }
 #if WGMMA
@@ -699,8 +718,11 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     // m16n8k16 kernel (a warpgroup computes 64 rows). EMBER_FLEX_WGMMA=0 keeps it everywhere, for measuring.
     const char* wgmma_forced = std::getenv("EMBER_FLEX_WGMMA");  // read per plan built: tests switch it
     const bool wgmma = target == "sm_90" && !few_rows && mt == 1 && !(wgmma_forced && std::string(wgmma_forced) == "0");
+    const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
+    const bool plain_scores = *score_mod == "return (float)(score);" && s > 0;  // flex.py's text of the identity
     const std::vector<void*> functions =
-        compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod, wgmma),
+        compile(flex_source(qt.dtype == c10::kBFloat16, ek, ev, mt, min_blocks, warps, *score_mod, *mask_mod, wgmma,
+                            plain_scores),
                 std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device, nullptr, wgmma);
     void* function = functions.at(0);
     // Two stages of K and V tiles: padded rows, or whole swizzled slabs and a 1 KB alignment (wgmma).
@@ -710,7 +732,6 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
       if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
     }
-    const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
     return std::make_shared<FlexAttention>(function, functions.at(1), std::move(inputs), list, step.outputs, static_cast<float>(s),
                                            q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes, wgmma);
   } catch (const std::exception&) {

@@ -146,6 +146,22 @@ def test_fused_kernel_causal_bias_grouped_heads(dtype, dim, kernel_form):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dim, scale", [(64, None), (128, 0.3), (64, -0.2)])
+def test_fused_kernel_plain_scores(dim, scale, kernel_form):
+    """No score_mod: the kernel keeps the scores unscaled until the exponent (a positive scale) or scales them
+    first (a negative one). Causal, with a tail past the last whole tile."""
+    length = 300
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=mask, scale=scale, return_lse=True)
+
+    q, k, v = qkv("cuda", heads=4, kv_heads=4, q_len=length, kv_len=length, dim=dim, dtype=torch.bfloat16)
+    against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran(kernel_form)
+
+
+@needs_cuda
 def test_fused_kernel_without_block_mask_other_lengths_and_value_width(kernel_form):
     def fn(q, k, v):
         return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: torch.tanh(s / 4) * 4 - (qi - ki).abs() * 0.01,
