@@ -523,10 +523,11 @@ void mask_strides(const at::Tensor& t, long long* out) {
 class FlexAttention final : public FastPath {
  public:
   FlexAttention(void* function, void* combine, std::vector<int32_t> inputs, const ListSlot* buffers, std::vector<int32_t> outputs,
-                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes, bool wgmma)
+                float scale, int64_t q_block, int64_t kv_block, int ev, int rows, int threads, unsigned shared_bytes, bool wgmma,
+                bool plain_scores)
       : function_(function), combine_(combine), inputs_(std::move(inputs)), outputs_(std::move(outputs)), scale_(scale),
         q_block_(q_block), kv_block_(kv_block), ev_(ev), rows_(rows), threads_(threads), shared_bytes_(shared_bytes),
-        wgmma_(wgmma) {
+        wgmma_(wgmma), plain_scores_(plain_scores) {
     if (buffers) buffers_ = *buffers;
   }
 
@@ -629,7 +630,7 @@ class FlexAttention final : public FastPath {
 
   std::string describe() const override {
     return std::string("cuda flex attention kernel (") + (wgmma_ ? "wgmma, " : "mma.sync, ") +
-           std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
+           (plain_scores_ ? "plain scores, " : "") + std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
   }
 
  private:
@@ -653,6 +654,7 @@ class FlexAttention final : public FastPath {
   int threads_;  // per block, 32 per warp
   unsigned shared_bytes_;  // two stages of K and V tiles
   bool wgmma_;             // the products by wgmma (sm_90a), else by m16n8k16 MMAs
+  bool plain_scores_;      // no score_mod: the scale applied in the exponent
   mutable std::atomic<uint64_t> calls_{0};
 };
 
@@ -733,7 +735,8 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
     }
     return std::make_shared<FlexAttention>(function, functions.at(1), std::move(inputs), list, step.outputs, static_cast<float>(s),
-                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes, wgmma);
+                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes, wgmma,
+                                           plain_scores);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs
   }

@@ -159,6 +159,7 @@ def test_fused_kernel_plain_scores(dim, scale, kernel_form):
     q, k, v = qkv("cuda", heads=4, kv_heads=4, q_len=length, kv_len=length, dim=dim, dtype=torch.bfloat16)
     against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
     assert kernel_ran(kernel_form)
+    assert any("plain scores" in g.describe() for _, g in EMBER_GRAPHS) == (scale is None or scale > 0)
 
 
 @needs_cuda
