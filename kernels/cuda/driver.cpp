@@ -56,6 +56,9 @@ struct Api {
   CUresult (*cuFuncGetAttribute)(int*, int, void*);
   CUresult (*cuFuncSetAttribute)(void*, int, int);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, void*, int, size_t);
+  // CUDA 12 and later; null where the driver lacks it (no TMA)
+  CUresult (*cuTensorMapEncodeTiled)(void*, int, unsigned, void*, const uint64_t*, const uint64_t*, const unsigned*,
+                                     const unsigned*, int, int, int, int);
   // nvrtc
   nvrtcResult (*nvrtcCreateProgram)(nvrtcProgram*, const char*, const char*, int, const char* const*,
                                     const char* const*);
@@ -124,6 +127,7 @@ const Api& api() {
       bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
       bind(driver, "cuFuncSetAttribute", a.cuFuncSetAttribute);
       bind(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", a.cuOccupancyMaxActiveBlocksPerMultiprocessor);
+      a.cuTensorMapEncodeTiled = reinterpret_cast<decltype(a.cuTensorMapEncodeTiled)>(dlsym(driver, "cuTensorMapEncodeTiled"));
       if (a.cuInit(0) != 0) throw Error("cuInit failed");
     } catch (const Error& e) {
       failure = e.what();
@@ -460,6 +464,15 @@ int resident_blocks(void* function, int threads) {
   check(api().cuOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, function, threads, 0),
         "cuOccupancyMaxActiveBlocksPerMultiprocessor");
   return blocks;
+}
+
+bool tile_map_16bit(void* map, const void* data, const uint64_t* dims, const uint64_t* strides) {
+  const Api& a = api();
+  if (!a.cuTensorMapEncodeTiled) return false;
+  constexpr int kUint16 = 1, kInterleaveNone = 0, kSwizzle128B = 3, kL2Promotion128B = 2, kOobFillZeros = 0;
+  const unsigned box[4] = {64, 64, 1, 1}, element_strides[4] = {1, 1, 1, 1};
+  return a.cuTensorMapEncodeTiled(map, kUint16, 4, const_cast<void*>(data), dims, strides, box, element_strides,
+                                  kInterleaveNone, kSwizzle128B, kL2Promotion128B, kOobFillZeros) == 0;
 }
 
 void launch(void* function, unsigned blocks, unsigned threads, void* stream, void* params, int device, unsigned blocks_y,

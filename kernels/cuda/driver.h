@@ -1,6 +1,7 @@
 // NVRTC compilation and kernel launches through the CUDA driver API, loaded lazily (see driver.cpp).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,13 @@ int multiprocessor_count(int device);
 int max_shared_memory_optin(int device);
 // Allows `function` up to `bytes` of dynamic shared memory per block (beyond the default 48 KB).
 void set_max_dynamic_shared_memory(void* function, int bytes);
+
+// Fills `map` (a CUtensorMap: 128 bytes, 64-byte aligned) for TMA loads of a 4-D tensor of 16-bit values at
+// `data` (16-byte aligned) in boxes of 64 x 64 (innermost dimension x the next) written to shared memory in
+// the 128-byte swizzle; out-of-bounds elements load as zeros. `dims` innermost first, `strides` the bytes
+// between steps of dimensions 1 to 3 (multiples of 16). False where the driver has no TMA or rejects the
+// tensor.
+bool tile_map_16bit(void* map, const void* data, const uint64_t* dims, const uint64_t* strides);
 
 // Launches `function` with one by-value struct argument `params` on `stream` (a CUstream), on a grid of
 // blocks x blocks_y, with `shared_bytes` of dynamic shared memory per block.

@@ -9,8 +9,10 @@
 //     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
 //     score registers into the A operand of the P @ V MMAs. No score reaches memory.
 //     On Hopper (sm_90) prefill takes both products from wgmma instead (compiled for sm_90a): a warpgroup's 64
-//     rows at once, K and V read by the tensor cores from 128-byte swizzled tiles; the registers and the
-//     softmax are the same.
+//     rows at once, K and V read by the tensor cores from 128-byte swizzled tiles that the TMA loads (four
+//     stages, mbarriers instead of block-wide barriers); each step issues its scores and the previous step's
+//     P @ V together, and the two warpgroups of a block take turns at the tensor cores, so that one's softmax
+//     runs during the other's products. The registers and the softmax are the same.
 //  2. Where the query tiles are fewer than the SMs (decoding), each tile's keys are dealt out to up to 16 blocks
 //     that write unnormalized partial results; a second kernel merges them (split-KV). Where a block's rows
 //     outnumber the query rows and heads are grouped, a block takes the query heads of one key-value head
@@ -43,9 +45,11 @@ namespace {
 
 constexpr int kTile = 64;        // query rows per row tile of the warps, keys per step
 constexpr int kBuffers = 8;      // captured buffers the mods may read
+constexpr int kStages = 4;       // K and V tiles in the wgmma kernel's shared memory (its STAGES)
 
 // The kernel's by-value argument, written once for the host and once (as text) for the device.
 #define EMBER_FLEX_PARAMS                                                                                    \
+  alignas(64) unsigned long long kmap[16]; unsigned long long vmap[16];                                        \
   const unsigned short* q; const unsigned short* k; const unsigned short* v; unsigned short* out;             \
   float* lse; float* mx; long long qs[3]; long long ks[3]; long long vs[3]; long long os[4];                  \
   const int* kvn; const int* kvi; const int* fkvn; const int* fkvi;                                           \
@@ -147,18 +151,43 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const void* p) {
 #if WGMMA
 // wgmma (sm_90a): a warpgroup's MMA with B read from shared memory by the tensor cores themselves. K and V
 // tiles lie as wgmma's 128-byte swizzle: per 64 columns a slab of 64 rows x 128 bytes (8 KB, 1 KB aligned),
-// 16-byte chunk c of row r at chunk c ^ (r % 8), so that eight threads storing one row's 128 bytes and the
-// tensor cores reading eight rows' chunks hit distinct banks. A descriptor gives the start (a shared address),
-// the distance between slabs (lbo: along n for V, unused for K) and between groups of 8 rows (sbo: 1 KB).
-__device__ __forceinline__ int swizzled(int row, int chunk) {  // in elements
-  return (chunk >> 3) * 64 * 64 + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
-}
+// 16-byte chunk c of row r at chunk c ^ (r % 8), as the tensor memory accelerator (TMA) writes them. A
+// descriptor gives the start (a shared address), the distance between slabs (lbo: along n for V, unused for
+// K) and between groups of 8 rows (sbo: 1 KB).
 __device__ __forceinline__ unsigned long long wgmma_desc(unsigned addr, unsigned lbo) {
   return (unsigned long long)((addr & 0x3FFFF) >> 4) | ((unsigned long long)(lbo >> 4) << 16) |
          ((unsigned long long)(1024 >> 4) << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// mbarriers (shared addresses): a stage's `full` completes when its tiles have landed (one arrival that
+// expects their bytes, then the TMA's writes); its `empty` when every warp is done reading it.
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+// One box of 64 x 64 16-bit values (a swizzled slab) of a 4-D tensor (map: a CUtensorMap in the kernel's
+// parameters) into shared memory at dst; rows past the tensor's end arrive as zeros.
+__device__ __forceinline__ void tma_load(unsigned dst, const void* map, unsigned bar, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];"
+               :: "r"(dst), "l"(map), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// Named barriers 1 and 2 order the two warpgroups' products (see the kernel).
+__device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" :: "r"(id) : "memory"); }
+#define STAGES 4  // K and V tiles in shared memory (kStages)
+#define AHEAD 2   // tiles requested ahead of the one computed
 #endif
 
 // The key tiles a query tile visits, in order: each partial block of its BlockMask row (mask_mod applies),
@@ -208,19 +237,23 @@ struct Tiles {
 // With WGMMA (sm_90a) each warpgroup's 64 rows take their scores and P @ V from wgmma: K and V tiles swizzled
 // (wgmma_desc), Q and P in the registers of the same fragments; the rest of the kernel is unchanged, since
 // wgmma's accumulators lie in the registers of m16n8k16's.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(Params p) {
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(const __grid_constant__ Params p) {
 #if WGMMA
-  // 2 stages of K, then 2 of V, each (E + 63) / 64 swizzled slabs of 64 x 64, from the first 1 KB boundary
+  // STAGES stages, each K's then V's (E + 63) / 64 swizzled slabs of 64 x 64 from the first 1 KB boundary;
+  // then the stages' full and empty mbarriers and the key range of the tile each holds.
   const int KP = (EK + 63) / 64 * 64, VP = (EV + 63) / 64 * 64;
   extern __shared__ __align__(16) u16 smem_raw[];
   u16* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 2;
+  const unsigned stage0 = smem_addr(smem), stage_bytes = 64 * (KP + VP) * 2;
+  const unsigned bars = stage0 + STAGES * stage_bytes;  // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)
+  int* const ranges = (int*)(smem + STAGES * 64 * (KP + VP)) + 4 * STAGES;  // kv0, end, pass of stage s at 4 s
 #else
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
-#endif
   u16* const ks0 = smem;                    // 2 stages of K [64][KP], then 2 of V [64][VP]
   u16* const vs0 = smem + 2 * 64 * KP;
   const unsigned ks0_addr = smem_addr(ks0), vs0_addr = smem_addr(vs0);
+#endif
   const int groups = p.H / p.pack, b = blockIdx.y / groups, h = (blockIdx.y % groups) * p.pack, hk = h / (p.H / p.HKV);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   // The longest query tiles first: under a causal mask they visit the most keys, and starting them last
@@ -236,16 +269,12 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     rows[r] = packed / p.pack, heads[r] = h + packed % p.pack;
   }
   const u16* qp = p.q + b * p.qs[0];
+#if !WGMMA
   // A warp whose rows all lie past the queries (a decode step fills one warp's rows at most) takes its share
   // of the loads and barriers and computes nothing: the busy warps get the SM's issue slots.
-#if WGMMA
-  const bool idle = (q0 + (warp & ~3) * 16) / p.pack >= p.L;  // a warpgroup's warps compute together
-#else
   const bool idle = (q0 + warp * 16 * MT) / p.pack >= p.L;
 #endif
   const bool rows_inside = (q0 + (warp + 1) * 16 * MT - 1) / p.pack < p.L;  // every row of the warp's is a query
-  const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
-  const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
   unsigned qa[MT][EK / 16][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m) {
@@ -270,89 +299,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
-  Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
-  it.start(split);
-  // Neighbouring threads copy neighbouring 16 bytes of a row.
-  auto load = [&](int stage, int kv0) {
-    const unsigned ks = ks0_addr + stage * 64 * KP * 2, vs = vs0_addr + stage * 64 * VP * 2;
-    for (int i = threadIdx.x; i < 64 * EK / 8; i += WARPS * 32) {
-      const int row = i / (EK / 8), c = i % (EK / 8);
-      const bool ok = kv0 + row < p.S;
-#if WGMMA
-      copy16(ks + swizzled(row, c) * 2, kp + (ok ? (kv0 + row) * p.ks[2] + c * 8 : 0), ok);
-#else
-      copy16(ks + (row * KP + c * 8) * 2, kp + (ok ? (kv0 + row) * p.ks[2] + c * 8 : 0), ok);
-#endif
-    }
-    for (int i = threadIdx.x; i < 64 * EV / 8; i += WARPS * 32) {
-      const int row = i / (EV / 8), c = i % (EV / 8);
-      const bool ok = kv0 + row < p.S;
-#if WGMMA
-      copy16(vs + swizzled(row, c) * 2, vp + (ok ? (kv0 + row) * p.vs[2] + c * 8 : 0), ok);
-#else
-      copy16(vs + (row * VP + c * 8) * 2, vp + (ok ? (kv0 + row) * p.vs[2] + c * 8 : 0), ok);
-#endif
-    }
-    asm volatile("cp.async.commit_group;");
-  };
-  // One barrier per step: past it, this step's tile has landed (each thread waited for its own copies) and
-  // every warp is done with the previous step's, whose stage the next tile's copies then fill while this one
-  // computes. The iterator runs a tile ahead of the loads, so that its index read has a step to arrive.
-  int stage = 0;
-  if (it.valid()) load(0, it.kv0);
-  int next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
-  bool more = it.valid();
-  it.next();
-  while (more) {
-    asm volatile("cp.async.wait_group 0;");
-#if WGMMA
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // cp.async's writes, seen by wgmma's reads
-#endif
-    __syncthreads();
-    const int kv0 = next_kv0, end = next_end, pass = next_pass, this_stage = stage;
-    more = it.valid();
-    stage ^= 1;
-    if (more) {
-      load(stage, it.kv0);
-      next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
-    }
-    it.next();
-    if (idle) continue;
-    float sc[MT][8][4];
-#if WGMMA
-    const unsigned ks = ks0_addr + this_stage * 64 * KP * 2, vs = vs0_addr + this_stage * 64 * VP * 2;
-    wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < EK / 16; ++kt)
-      wgmma_64(&sc[0][0][0], qa[0][kt], wgmma_desc(ks + (kt >> 2) * 8192 + (kt & 3) * 32, 16), kt > 0);
-    wgmma_commit();
-    wgmma_wait_64(&sc[0][0][0]);
-#else
-    const u16* ks = ks0 + this_stage * 64 * KP;
-    const u16* vs = vs0 + this_stage * 64 * VP;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) sc[m][nt][0] = sc[m][nt][1] = sc[m][nt][2] = sc[m][nt][3] = 0.0f;
-#pragma unroll
-      for (int kt = 0; kt < EK / 16; kt += 2) {  // K fragments of two 16-wide steps by one ldmatrix
-        const u16* kr = ks + (nt * 8 + (lane & 7)) * KP + kt * 16 + (lane >> 3) * 8;
-        unsigned kb[4];
-        if (kt + 1 < EK / 16) ldmatrix_x4(kb, kr);
-        else ldmatrix_x2(kb, kr);
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          mma(sc[m][nt], qa[m][kt], kb[0], kb[1]);
-          if (kt + 1 < EK / 16) mma(sc[m][nt], qa[m][kt + 1], kb[2], kb[3]);
-        }
-      }
-    }
-#endif
-    // Scale, mods and the tile's row maxima. A tile of a full block that lies wholly inside the keys and the
-    // warp's queries checks nothing per score (most tiles of a long causal attention); the others mask keys
-    // past the block or the sequence and rows past the queries, and apply mask_mod in partial blocks. With
-    // PLAIN_SCORES (score_mod the identity, a positive scale) the scores stay as the MMA left them: the maxima
-    // compare them unscaled, and the exponent's FMA applies scale * log2(e).
+  float sc[MT][8][4];  // a step's scores, then its probabilities
+  // Scale, mods and the tile's row maxima; then the online softmax: maxima and sums updated, the
+  // accumulators rescaled, sc made probabilities (not yet rounded). A tile of a full block that lies wholly
+  // inside the keys and the warp's queries checks nothing per score (most tiles of a long causal attention);
+  // the others mask keys past the block or the sequence and rows past the queries, and apply mask_mod in
+  // partial blocks. With PLAIN_SCORES (score_mod the identity, a positive scale) the scores stay as the MMA
+  // left them: the maxima compare them unscaled, and the exponent's FMA applies scale * log2(e).
+  auto softmax = [&](const int kv0, const int end, const int pass) {
     float tile[2 * MT];
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) tile[r] = NEG_INF;
@@ -416,20 +370,161 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         sc[m][nt][3] = ex2(fmaf(sc[m][nt][3], to_log2, -base[2 * m + 1]));
         sum[2 * m] += sc[m][nt][0] + sc[m][nt][1], sum[2 * m + 1] += sc[m][nt][2] + sc[m][nt][3];
       }
+  };
+  Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
+  it.start(split);
 #if WGMMA
-    unsigned pa[4][4];  // read by the tensor cores until the wait: one set per 16 keys
+  // A producer thread (the block's first) requests each tile's K and V slabs from the TMA, AHEAD tiles before
+  // they are computed, into stage n % STAGES once every warp has released that stage's previous tile; it
+  // writes the tile's key range beside it. Each step of a warpgroup then waits for its tile and issues, as
+  // one group of wgmmas, this tile's scores (S = Q K^T) and the previous tile's P @ V; past one wait for both,
+  // it releases the previous tile and turns the scores into probabilities, which stay in registers (pa) for
+  // the next step's product.
+  // With two warpgroups, named barriers hand the tensor cores from one to the other: a warpgroup issues its
+  // products only after the other has issued its own, so that each one's softmax runs while the other's
+  // products do (the ping-pong of FlashAttention-3), where before both multiplied, then both waited.
+  const unsigned bytes = 64 * (KP + VP) * 2;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), WARPS);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  int requested = 0;  // tiles the producer has requested (it walks `it`)
+  auto request = [&]() {
+    if (!it.valid()) return;
+    const int s = requested % STAGES;
+    if (requested >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((requested / STAGES) - 1) & 1);
+    ranges[4 * s] = it.kv0, ranges[4 * s + 1] = it.end, ranges[4 * s + 2] = it.pass;
+    mbar_expect(bars + 8 * s, bytes);
+    const unsigned ks = stage0 + s * stage_bytes, vs = ks + 64 * KP * 2;
+#pragma unroll
+    for (int c = 0; c < KP / 64; ++c) tma_load(ks + c * 8192, p.kmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+#pragma unroll
+    for (int c = 0; c < VP / 64; ++c) tma_load(vs + c * 8192, p.vmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+    ++requested;
+    it.next();
+  };
+  const int steps = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
+  if (threadIdx.x == 0)
+    for (int n = 0; n < AHEAD; ++n) request();
+  // Every warpgroup computes, an idle one's rows masked: a branch around the wgmmas makes ptxas serialize them.
+  const int wg = warp >> 2;
+  const bool pingpong = WARPS == 8;
+  unsigned pa[4][4];  // the previous step's probabilities, read by the tensor cores until the wait
+  auto scores = [&](const int n) {  // issues tile n's S = Q K^T
+    const unsigned ks = stage0 + (n % STAGES) * stage_bytes;
+#pragma unroll
+    for (int kt = 0; kt < EK / 16; ++kt)
+      wgmma_64(&sc[0][0][0], qa[0][kt], wgmma_desc(ks + (kt >> 2) * 8192 + (kt & 3) * 32, 16), kt > 0);
+  };
+  auto values = [&](const int n) {  // issues O += P V of tile n
+    const unsigned vs = stage0 + (n % STAGES) * stage_bytes + 64 * KP * 2;
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) WGMMA_O(&o[0][0][0], pa[kt], wgmma_desc(vs + kt * 2048, 8192), 1);
+  };
+  auto probabilities = [&](const int n) {  // tile n's softmax; its probabilities, rounded, into pa
+    const int s = n % STAGES;
+    softmax(ranges[4 * s], ranges[4 * s + 1], ranges[4 * s + 2]);
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       pa[kt][0] = pack2(sc[0][2 * kt][0], sc[0][2 * kt][1]), pa[kt][1] = pack2(sc[0][2 * kt][2], sc[0][2 * kt][3]);
       pa[kt][2] = pack2(sc[0][2 * kt + 1][0], sc[0][2 * kt + 1][1]);
       pa[kt][3] = pack2(sc[0][2 * kt + 1][2], sc[0][2 * kt + 1][3]);
     }
+  };
+  if (steps > 0) {
+    // Named barrier 1 + w: warpgroup w's turn to issue. Each warpgroup's turns are steps + 1 (the first tile's
+    // scores alone, then scores and the previous P @ V, then the last P @ V alone); the second warpgroup's
+    // first hand-over starts the first's turns, so it skips its last one.
+    if (pingpong && wg == 1) bar_arrive(1);
+    mbar_wait(bars, 0);
+    if (pingpong) bar_sync(1 + wg);
     wgmma_fence();
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) WGMMA_O(&o[0][0][0], pa[kt], wgmma_desc(vs + kt * 2048, 8192), 1);
+    scores(0);
     wgmma_commit();
+    if (pingpong) bar_arrive(2 - wg);
+    wgmma_wait_64(&sc[0][0][0]);
+    if (threadIdx.x == 0) request();
+    probabilities(0);
+    for (int n = 1; n < steps; ++n) {
+      mbar_wait(bars + 8 * (n % STAGES), (n / STAGES) & 1);
+      if (pingpong) bar_sync(1 + wg);
+      wgmma_fence();
+      scores(n);
+      values(n - 1);
+      wgmma_commit();
+      if (pingpong) bar_arrive(2 - wg);
+      wgmma_wait_64(&sc[0][0][0]);
+      WGMMA_WAIT_O(&o[0][0][0]);
+      if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (n - 1) % STAGES));
+      if (threadIdx.x == 0) request();
+      probabilities(n);
+    }
+    if (pingpong) bar_sync(1 + wg);
+    wgmma_fence();
+    values(steps - 1);
+    wgmma_commit();
+    if (pingpong && wg == 0) bar_arrive(2);
     WGMMA_WAIT_O(&o[0][0][0]);
+  }
 #else
+  const u16* kp = p.k + b * p.ks[0] + hk * p.ks[1];
+  const u16* vp = p.v + b * p.vs[0] + hk * p.vs[1];
+  // Neighbouring threads copy neighbouring 16 bytes of a row.
+  auto load = [&](int stage, int kv0) {
+    const unsigned ks = ks0_addr + stage * 64 * KP * 2, vs = vs0_addr + stage * 64 * VP * 2;
+    for (int i = threadIdx.x; i < 64 * EK / 8; i += WARPS * 32) {
+      const int row = i / (EK / 8), c = i % (EK / 8);
+      const bool ok = kv0 + row < p.S;
+      copy16(ks + (row * KP + c * 8) * 2, kp + (ok ? (kv0 + row) * p.ks[2] + c * 8 : 0), ok);
+    }
+    for (int i = threadIdx.x; i < 64 * EV / 8; i += WARPS * 32) {
+      const int row = i / (EV / 8), c = i % (EV / 8);
+      const bool ok = kv0 + row < p.S;
+      copy16(vs + (row * VP + c * 8) * 2, vp + (ok ? (kv0 + row) * p.vs[2] + c * 8 : 0), ok);
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+  // One barrier per step: past it, this step's tile has landed (each thread waited for its own copies) and
+  // every warp is done with the previous step's, whose stage the next tile's copies then fill while this one
+  // computes. The iterator runs a tile ahead of the loads, so that its index read has a step to arrive.
+  int stage = 0;
+  if (it.valid()) load(0, it.kv0);
+  int next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
+  bool more = it.valid();
+  it.next();
+  while (more) {
+    asm volatile("cp.async.wait_group 0;");
+    __syncthreads();
+    const int kv0 = next_kv0, end = next_end, pass = next_pass, this_stage = stage;
+    more = it.valid();
+    stage ^= 1;
+    if (more) {
+      load(stage, it.kv0);
+      next_kv0 = it.kv0, next_end = it.end, next_pass = it.pass;
+    }
+    it.next();
+    if (idle) continue;
+    const u16* ks = ks0 + this_stage * 64 * KP;
+    const u16* vs = vs0 + this_stage * 64 * VP;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) sc[m][nt][0] = sc[m][nt][1] = sc[m][nt][2] = sc[m][nt][3] = 0.0f;
+#pragma unroll
+      for (int kt = 0; kt < EK / 16; kt += 2) {  // K fragments of two 16-wide steps by one ldmatrix
+        const u16* kr = ks + (nt * 8 + (lane & 7)) * KP + kt * 16 + (lane >> 3) * 8;
+        unsigned kb[4];
+        if (kt + 1 < EK / 16) ldmatrix_x4(kb, kr);
+        else ldmatrix_x2(kb, kr);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma(sc[m][nt], qa[m][kt], kb[0], kb[1]);
+          if (kt + 1 < EK / 16) mma(sc[m][nt], qa[m][kt + 1], kb[2], kb[3]);
+        }
+      }
+    }
+    softmax(kv0, end, pass);
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       unsigned pa[MT][4];
@@ -447,8 +542,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         for (int m = 0; m < MT; ++m) mma(o[m][d], pa[m], vb[0], vb[1]), mma(o[m][d + 1], pa[m], vb[2], vb[3]);
       }
     }
-#endif
   }
+#endif
   u16* op = p.out + b * p.os[0];
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) {
@@ -515,6 +610,20 @@ at::Tensor readable(const at::Tensor& x) {
   return ok ? x : x.contiguous();
 }
 
+// The TMA's map of K or V ([B, H, S, E], readable) for the wgmma kernel's 64 x 64 swizzled slabs. A size-1
+// dimension's stride is any the TMA takes: the one a contiguous tensor would have.
+bool tile_map(unsigned long long* map, const at::Tensor& x) {
+  uint64_t dims[4], strides[3];
+  int64_t inner = ((x.size(3) + 7) / 8) * 8;  // elements a step of dimension 2 spans where its size is 1
+  for (int d = 2; d >= 0; --d) {
+    const int64_t stride = x.size(d) == 1 ? inner : x.stride(d);
+    strides[2 - d] = static_cast<uint64_t>(stride) * 2;
+    inner = stride * x.size(d);
+  }
+  for (int d = 0; d < 4; ++d) dims[d] = static_cast<uint64_t>(x.size(3 - d));
+  return tile_map_16bit(map, x.data_ptr(), dims, strides);
+}
+
 // Strides of a block-mask tensor with its size-1 (broadcast) dimensions at stride 0.
 void mask_strides(const at::Tensor& t, long long* out) {
   for (int64_t d = 0; d < t.dim(); ++d) out[d] = t.size(d) == 1 ? 0 : t.stride(d);
@@ -537,7 +646,8 @@ class FlexAttention final : public FastPath {
       if (inputs_[i] >= 0) in[i] = buffer_tensor(buffers, static_cast<uint32_t>(inputs_[i]));
     if (!in[0] || !in[1] || !in[2] || !in[3] || !in[4] || in[0]->dim() != 4) return false;
     const at::Tensor& query = *in[0];
-    const at::Tensor q = readable(query), k = readable(*in[1]), v = readable(*in[2]);
+    const at::Tensor q = readable(query);
+    at::Tensor k = readable(*in[1]), v = readable(*in[2]);
     const int64_t B = q.size(0), H = q.size(1), L = q.size(2), HKV = k.size(1), S = k.size(2);
     if (HKV == 0 || H % HKV != 0 || v.size(3) != ev_ || B * H > 65535) return false;  // grid.y holds B * H
     // The output in the query's dimension order (as flex_attention and the op's fake give it).
@@ -553,6 +663,9 @@ class FlexAttention final : public FastPath {
     at::Tensor mx = at::empty({B, H, L}, q.options().dtype(at::kFloat));
     if (out.numel() > 0) {
       Params p{};
+      // A layout the TMA takes no map of (a stride 0: keys broadcast over a dimension) is copied first.
+      if (wgmma_ && !tile_map(p.kmap, k) && !tile_map(p.kmap, k = k.contiguous())) return false;
+      if (wgmma_ && !tile_map(p.vmap, v) && !tile_map(p.vmap, v = v.contiguous())) return false;
       p.q = static_cast<const unsigned short*>(q.data_ptr());
       p.k = static_cast<const unsigned short*>(k.data_ptr());
       p.v = static_cast<const unsigned short*>(v.data_ptr());
@@ -727,9 +840,11 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
                             plain_scores),
                 std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device, nullptr, wgmma);
     void* function = functions.at(0);
-    // Two stages of K and V tiles: padded rows, or whole swizzled slabs and a 1 KB alignment (wgmma).
+    // Two stages of K and V tiles in padded rows; or (wgmma) four of whole swizzled slabs from a 1 KB boundary,
+    // then their barriers and key ranges.
     const auto slabs = [](int e) { return (e + 63) / 64 * 64; };
-    const unsigned shared_bytes = wgmma ? 2 * kTile * (slabs(ek) + slabs(ev)) * 2 + 1024 : 2 * kTile * (ek + ev + 16) * 2;
+    const unsigned shared_bytes =
+        wgmma ? kStages * kTile * (slabs(ek) + slabs(ev)) * 2 + 1024 + 32 * kStages : 2 * kTile * (ek + ev + 16) * 2;
     if (shared_bytes > 48 * 1024) {
       if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));

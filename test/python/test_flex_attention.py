@@ -94,9 +94,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def kernel_ran(form=None):
     """True when a plan of this test ran ember::flex_attention through the NVRTC kernel (not its dense fallback),
-    in `form` where given: "wgmma" or "mma.sync"."""
+    in `form` where given: "wgmma" or "mma.sync". The kernel counts its calls: a call it declined (the op's
+    dense form ran) leaves "0 calls"."""
     described = [g.describe() for _, g in EMBER_GRAPHS]
-    return any("flex attention kernel" in d and (form is None or f"({form}," in d) for d in described)
+    return any("flex attention kernel" in d and " 0 calls)" not in d and (form is None or f"({form}," in d)
+               for d in described)
 
 
 @pytest.fixture(params=["default", "mma.sync"])
@@ -171,6 +173,22 @@ def test_fused_kernel_without_block_mask_other_lengths_and_value_width(kernel_fo
     q = torch.randn(3, 4, 137, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(3, 4, 300, 64, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(3, 4, 300, 32, device="cuda", dtype=torch.bfloat16)
+    against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran(kernel_form)
+
+
+@needs_cuda
+def test_fused_kernel_keys_and_values_broadcast_over_heads(kernel_form):
+    """K and V expanded over the heads (stride 0): the wgmma form's TMA maps take them as they lie or copy them."""
+    length = 160
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, length, length, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=mask, return_lse=True)
+
+    q = torch.randn(2, 4, length, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 1, length, 64, device="cuda", dtype=torch.bfloat16).expand(2, 4, length, 64)
+    v = torch.randn(2, 1, length, 64, device="cuda", dtype=torch.bfloat16).expand(2, 4, length, 64)
     against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
     assert kernel_ran(kernel_form)
 
