@@ -187,7 +187,11 @@ __device__ __forceinline__ void tma_load(unsigned dst, const void* map, unsigned
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" :: "r"(id) : "memory"); }
 #define STAGES 4  // K and V tiles in shared memory (kStages)
-#define AHEAD 2   // tiles requested ahead of the one computed
+#define AHEAD 2   // tiles requested ahead of the one computed, by a producer that also computes
+#define PRODUCER_WARP (WARPS == 8)  // a third warpgroup that only requests tiles (one thread of it)
+#define THREADS (WARPS * 32 + (PRODUCER_WARP ? 128 : 0))
+#else
+#define THREADS (WARPS * 32)
 #endif
 
 // The key tiles a query tile visits, in order: each partial block of its BlockMask row (mask_mod applies),
@@ -237,7 +241,7 @@ struct Tiles {
 // With WGMMA (sm_90a) each warpgroup's 64 rows take their scores and P @ V from wgmma: K and V tiles swizzled
 // (wgmma_desc), Q and P in the registers of the same fragments; the rest of the kernel is unchanged, since
 // wgmma's accumulators lie in the registers of m16n8k16's.
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_attention(const __grid_constant__ Params p) {
+extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_attention(const __grid_constant__ Params p) {
 #if WGMMA
   // STAGES stages, each K's then V's (E + 63) / 64 swizzled slabs of 64 x 64 from the first 1 KB boundary;
   // then the stages' full and empty mbarriers and the key range of the tile each holds.
@@ -268,6 +272,55 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     const int packed = q0 + warp * 16 * MT + (r >> 1) * 16 + (r & 1) * 8 + g;
     rows[r] = packed / p.pack, heads[r] = h + packed % p.pack;
   }
+  Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
+  it.start(split);
+#if WGMMA
+  // A producer requests each tile's K and V slabs from the TMA into stage n % STAGES once every warp has
+  // released that stage's previous tile, and writes the tile's key range beside it: with two warpgroups a
+  // warp of its own, as far ahead as the stages allow, else the block's first thread, AHEAD tiles ahead.
+  // Each step of a warpgroup then waits for its tile and issues, as one group of wgmmas, this tile's scores
+  // (S = Q K^T) and the previous tile's P @ V; past one wait for both, it releases the previous tile and
+  // turns the scores into probabilities, which stay in registers (pa) for the next step's product.
+  // With two warpgroups, named barriers hand the tensor cores from one to the other: a warpgroup issues its
+  // products only after the other has issued its own, so that each one's softmax runs while the other's
+  // products do (the ping-pong of FlashAttention-3), where before both multiplied, then both waited.
+  const unsigned bytes = 64 * (KP + VP) * 2;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), WARPS);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  int requested = 0;  // tiles the producer has requested (it walks `it`)
+  auto request = [&]() {
+    if (!it.valid()) return;
+    const int s = requested % STAGES;
+    if (requested >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((requested / STAGES) - 1) & 1);
+    ranges[4 * s] = it.kv0, ranges[4 * s + 1] = it.end, ranges[4 * s + 2] = it.pass;
+    mbar_expect(bars + 8 * s, bytes);
+    const unsigned ks = stage0 + s * stage_bytes, vs = ks + 64 * KP * 2;
+#pragma unroll
+    for (int c = 0; c < KP / 64; ++c) tma_load(ks + c * 8192, p.kmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+#pragma unroll
+    for (int c = 0; c < VP / 64; ++c) tma_load(vs + c * 8192, p.vmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+    ++requested;
+    it.next();
+  };
+  const int steps = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
+#if PRODUCER_WARP
+  // Registers move from the producer's warpgroup to the two that compute (setmaxnreg: 24 + 2 x 240 per
+  // thread of each, 64512 of the SM's 65536).
+  if (warp >= WARPS) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;");
+    if (warp == WARPS && lane == 0)
+      while (it.valid()) request();
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 240;");
+#else
+  if (threadIdx.x == 0)
+    for (int n = 0; n < AHEAD; ++n) request();
+#endif
+#endif
   const u16* qp = p.q + b * p.qs[0];
 #if !WGMMA
   // A warp whose rows all lie past the queries (a decode step fills one warp's rows at most) takes its share
@@ -371,42 +424,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
         sum[2 * m] += sc[m][nt][0] + sc[m][nt][1], sum[2 * m + 1] += sc[m][nt][2] + sc[m][nt][3];
       }
   };
-  Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
-  it.start(split);
 #if WGMMA
-  // A producer thread (the block's first) requests each tile's K and V slabs from the TMA, AHEAD tiles before
-  // they are computed, into stage n % STAGES once every warp has released that stage's previous tile; it
-  // writes the tile's key range beside it. Each step of a warpgroup then waits for its tile and issues, as
-  // one group of wgmmas, this tile's scores (S = Q K^T) and the previous tile's P @ V; past one wait for both,
-  // it releases the previous tile and turns the scores into probabilities, which stay in registers (pa) for
-  // the next step's product.
-  // With two warpgroups, named barriers hand the tensor cores from one to the other: a warpgroup issues its
-  // products only after the other has issued its own, so that each one's softmax runs while the other's
-  // products do (the ping-pong of FlashAttention-3), where before both multiplied, then both waited.
-  const unsigned bytes = 64 * (KP + VP) * 2;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), WARPS);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  int requested = 0;  // tiles the producer has requested (it walks `it`)
-  auto request = [&]() {
-    if (!it.valid()) return;
-    const int s = requested % STAGES;
-    if (requested >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((requested / STAGES) - 1) & 1);
-    ranges[4 * s] = it.kv0, ranges[4 * s + 1] = it.end, ranges[4 * s + 2] = it.pass;
-    mbar_expect(bars + 8 * s, bytes);
-    const unsigned ks = stage0 + s * stage_bytes, vs = ks + 64 * KP * 2;
-#pragma unroll
-    for (int c = 0; c < KP / 64; ++c) tma_load(ks + c * 8192, p.kmap, bars + 8 * s, c * 64, it.kv0, hk, b);
-#pragma unroll
-    for (int c = 0; c < VP / 64; ++c) tma_load(vs + c * 8192, p.vmap, bars + 8 * s, c * 64, it.kv0, hk, b);
-    ++requested;
-    it.next();
-  };
-  const int steps = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
-  if (threadIdx.x == 0)
-    for (int n = 0; n < AHEAD; ++n) request();
   // Every warpgroup computes, an idle one's rows masked: a branch around the wgmmas makes ptxas serialize them.
   const int wg = warp >> 2;
   const bool pingpong = WARPS == 8;
@@ -444,7 +462,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
     wgmma_commit();
     if (pingpong) bar_arrive(2 - wg);
     wgmma_wait_64(&sc[0][0][0]);
-    if (threadIdx.x == 0) request();
+    if (!PRODUCER_WARP && threadIdx.x == 0) request();
     probabilities(0);
     for (int n = 1; n < steps; ++n) {
       mbar_wait(bars + 8 * (n % STAGES), (n / STAGES) & 1);
@@ -457,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) ember_flex_
       wgmma_wait_64(&sc[0][0][0]);
       WGMMA_WAIT_O(&o[0][0][0]);
       if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (n - 1) % STAGES));
-      if (threadIdx.x == 0) request();
+      if (!PRODUCER_WARP && threadIdx.x == 0) request();
       probabilities(n);
     }
     if (pingpong) bar_sync(1 + wg);
@@ -764,7 +782,7 @@ class FlexAttention final : public FastPath {
     }();
     return n;
   }
-  int threads_;  // per block, 32 per warp
+  int threads_;  // per block, 32 per warp (the wgmma kernel's producer warpgroup included)
   unsigned shared_bytes_;  // two stages of K and V tiles
   bool wgmma_;             // the products by wgmma (sm_90a), else by m16n8k16 MMAs
   bool plain_scores_;      // no score_mod: the scale applied in the exponent
@@ -850,7 +868,8 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));
     }
     return std::make_shared<FlexAttention>(function, functions.at(1), std::move(inputs), list, step.outputs, static_cast<float>(s),
-                                           q_block->i, kv_block->i, ev, 16 * warps * mt, 32 * warps, shared_bytes, wgmma,
+                                           q_block->i, kv_block->i, ev, 16 * warps * mt,
+                                           32 * warps + (wgmma && warps == 8 ? 128 : 0), shared_bytes, wgmma,
                                            plain_scores);
   } catch (const std::exception&) {
     return nullptr;  // the op's dense implementation runs
