@@ -187,7 +187,8 @@ __device__ __forceinline__ void tma_load(unsigned dst, const void* map, unsigned
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" :: "r"(id) : "memory"); }
 #define STAGES 4  // K and V tiles in shared memory (kStages)
-#define AHEAD 2   // tiles requested ahead of the one computed, by a producer that also computes
+#define AHEAD 3   // tiles requested ahead of the one computed, by a producer that also computes (one warpgroup:
+                  // it releases a stage before it requests the tile STAGES - 1 ahead into it)
 #define PRODUCER_WARP (WARPS == 8)  // a third warpgroup that only requests tiles (one thread of it)
 #define THREADS (WARPS * 32 + (PRODUCER_WARP ? 128 : 0))
 #else
@@ -581,12 +582,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
       continue;
     }
     const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    u16* const orow = op + heads[r] * p.os[1] + row * p.os[2];
 #pragma unroll
     for (int d = 0; d < EV / 8; ++d) {
       const i64 c = (d * 8 + t * 2) * p.os[3];
       const unsigned w = pack2(o[m][d][e] * inv, o[m][d][e + 1] * inv);
-      op[heads[r] * p.os[1] + row * p.os[2] + c] = (u16)(w & 0xffffu);
-      op[heads[r] * p.os[1] + row * p.os[2] + c + p.os[3]] = (u16)(w >> 16);
+      if (p.os[3] == 1) {  // the pair as one word (the output's strides are even: at::empty's, E a multiple of 16)
+        *(unsigned*)(orow + c) = w;
+      } else {
+        orow[c] = (u16)(w & 0xffffu);
+        orow[c + p.os[3]] = (u16)(w >> 16);
+      }
     }
     if (t == 0) {
       const i64 at = (i64)bh * p.L + row;
