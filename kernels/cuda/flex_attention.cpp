@@ -45,7 +45,6 @@ namespace {
 
 constexpr int kTile = 64;        // query rows per row tile of the warps, keys per step
 constexpr int kBuffers = 8;      // captured buffers the mods may read
-constexpr int kStages = 4;       // K and V tiles in the wgmma kernel's shared memory (its STAGES)
 
 // The kernel's by-value argument, written once for the host and once (as text) for the device.
 #define EMBER_FLEX_PARAMS                                                                                    \
@@ -91,6 +90,14 @@ std::string wgmma_functions(int n, bool trans_b) {
   return s;
 }
 
+// Score columns of 8 per key step (NT): the wgmma kernel with two computing warpgroups (head dims over 64) takes 128
+// keys per step, as two tiles of 64, so that the per-step work (hand-overs, waits, row maxima, rescales) counts
+// half as often; the others take one tile of 64.
+int score_tiles(bool wgmma, int warps) { return wgmma && warps == 8 ? 16 : 8; }
+// Shared-memory stages of the wgmma kernel: four of 64 keys, or three of 128 (a stage of K and V at head dim
+// 128 is 64 KB).
+int wgmma_stages(int warps) { return score_tiles(true, warps) == 16 ? 3 : 4; }
+
 std::string flex_source(bool bf16, int ek, int ev, int mt, int min_blocks, int warps, const std::string& score_mod,
                         const std::string& mask_mod, bool wgmma, bool plain_scores) {
   std::string s;
@@ -98,12 +105,16 @@ std::string flex_source(bool bf16, int ek, int ev, int mt, int min_blocks, int w
   s += "struct Params { " EMBER_FLEX_TEXT(EMBER_FLEX_PARAMS) " };\n";
   s += "#define EK " + std::to_string(ek) + "\n#define EV " + std::to_string(ev) + "\n#define MT " + std::to_string(mt) + "\n#define MIN_BLOCKS " + std::to_string(min_blocks) +
        "\n#define WARPS " + std::to_string(warps) + "\n#define WGMMA " + (wgmma ? "1" : "0") +
-       "\n#define PLAIN_SCORES " + (plain_scores ? "1" : "0") + "\n";
+       "\n#define PLAIN_SCORES " + (plain_scores ? "1" : "0") + "\n#define NT " + std::to_string(score_tiles(wgmma, warps)) +
+       "\n";
   s += bf16 ? "#define MMA_TYPE \"bf16\"\n#define CVT_X2 \"cvt.rn.bf16x2.f32\"\n"
             : "#define MMA_TYPE \"f16\"\n#define CVT_X2 \"cvt.rn.f16x2.f32\"\n";
-  if (wgmma)
-    s += wgmma_functions(64, false) + wgmma_functions(ev, true) + "#define WGMMA_O wgmma_" + std::to_string(ev) +
-         "t\n#define WGMMA_WAIT_O wgmma_wait_" + std::to_string(ev) + "t\n";
+  if (wgmma) {
+    const int keys = 8 * score_tiles(wgmma, warps);
+    s += wgmma_functions(keys, false) + "#define WGMMA_S wgmma_" + std::to_string(keys) + "\n#define WGMMA_WAIT_S wgmma_wait_" +
+         std::to_string(keys) + "\n";
+    s += wgmma_functions(ev, true) + "#define WGMMA_O wgmma_" + std::to_string(ev) + "t\n#define WGMMA_WAIT_O wgmma_wait_" + std::to_string(ev) + "t\n";
+  }
   s += R"(
 __device__ __forceinline__ float ld_f32(const void* p, i64 i) { return ((const float*)p)[i]; }
 __device__ __forceinline__ float ld_bf16(const void* p, i64 i) { return __uint_as_float(((unsigned)((const u16*)p)[i]) << 16); }
@@ -186,10 +197,11 @@ __device__ __forceinline__ void tma_load(unsigned dst, const void* map, unsigned
 // Named barriers 1 and 2 order the two warpgroups' products (see the kernel).
 __device__ __forceinline__ void bar_sync(int id) { asm volatile("bar.sync %0, 256;" :: "r"(id) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0, 256;" :: "r"(id) : "memory"); }
-#define STAGES 4  // K and V tiles in shared memory (kStages)
-#define AHEAD 3   // tiles requested ahead of the one computed, by a producer that also computes (one warpgroup:
-                  // it releases a stage before it requests the tile STAGES - 1 ahead into it)
+#define STAGES (NT == 16 ? 3 : 4)  // key steps of K and V in shared memory (wgmma_stages)
+#define AHEAD 3   // steps requested ahead of the one computed, by a producer that also computes (one warpgroup:
+                  // it releases a stage before it requests the step STAGES - 1 ahead into it)
 #define PRODUCER_WARP (WARPS == 8)  // a third warpgroup that only requests tiles (one thread of it)
+#define SLAB (NT * 8 * 128)         // bytes of a swizzled slab: a step's keys x 64 columns
 #define THREADS (WARPS * 32 + (PRODUCER_WARP ? 128 : 0))
 #else
 #define THREADS (WARPS * 32)
@@ -244,14 +256,15 @@ struct Tiles {
 // wgmma's accumulators lie in the registers of m16n8k16's.
 extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_attention(const __grid_constant__ Params p) {
 #if WGMMA
-  // STAGES stages, each K's then V's (E + 63) / 64 swizzled slabs of 64 x 64 from the first 1 KB boundary;
-  // then the stages' full and empty mbarriers and the key range of the tile each holds.
+  // STAGES stages, each K's then V's (E + 63) / 64 swizzled slabs of NT * 8 keys x 64 columns from the first 1 KB
+  // boundary; then the stages' full and empty mbarriers and the key ranges of the tiles each holds.
   const int KP = (EK + 63) / 64 * 64, VP = (EV + 63) / 64 * 64;
   extern __shared__ __align__(16) u16 smem_raw[];
   u16* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023) / 2;
-  const unsigned stage0 = smem_addr(smem), stage_bytes = 64 * (KP + VP) * 2;
+  const unsigned stage0 = smem_addr(smem), stage_bytes = NT * 8 * (KP + VP) * 2;
   const unsigned bars = stage0 + STAGES * stage_bytes;  // full[s] at bars + 8 s, empty[s] at bars + 8 (STAGES + s)
-  int* const ranges = (int*)(smem + STAGES * 64 * (KP + VP)) + 4 * STAGES;  // kv0, end, pass of stage s at 4 s
+  // kv0, end, pass of each 64-key tile of stage s at 8 s + 3 * tile
+  int* const ranges = (int*)(smem + STAGES * NT * 8 * (KP + VP)) + 4 * STAGES;
 #else
   const int KP = EK + 8, VP = EV + 8;  // padded pitches: fragment loads hit distinct banks
   extern __shared__ __align__(16) u16 smem[];
@@ -285,28 +298,33 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
   // With two warpgroups, named barriers hand the tensor cores from one to the other: a warpgroup issues its
   // products only after the other has issued its own, so that each one's softmax runs while the other's
   // products do (the ping-pong of FlashAttention-3), where before both multiplied, then both waited.
-  const unsigned bytes = 64 * (KP + VP) * 2;
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) mbar_init(bars + 8 * s, 1), mbar_init(bars + 8 * (STAGES + s), WARPS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  int requested = 0;  // tiles the producer has requested (it walks `it`)
+  int requested = 0;  // steps the producer has requested (it walks `it`)
   auto request = [&]() {
     if (!it.valid()) return;
     const int s = requested % STAGES;
     if (requested >= STAGES) mbar_wait(bars + 8 * (STAGES + s), ((requested / STAGES) - 1) & 1);
-    ranges[4 * s] = it.kv0, ranges[4 * s + 1] = it.end, ranges[4 * s + 2] = it.pass;
-    mbar_expect(bars + 8 * s, bytes);
-    const unsigned ks = stage0 + s * stage_bytes, vs = ks + 64 * KP * 2;
+    mbar_expect(bars + 8 * s, stage_bytes);
+    const unsigned ks = stage0 + s * stage_bytes, vs = ks + NT * 8 * KP * 2;
 #pragma unroll
-    for (int c = 0; c < KP / 64; ++c) tma_load(ks + c * 8192, p.kmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+    for (int i = 0; i < NT / 8; ++i) {  // a step's tiles; one past the last is loaded past the keys (zeros), masked
+      const bool valid = it.valid();
+      const int kv0 = valid ? it.kv0 : p.S;
+      ranges[8 * s + 3 * i] = kv0, ranges[8 * s + 3 * i + 1] = valid ? it.end : p.S, ranges[8 * s + 3 * i + 2] = 1;
+      if (valid) ranges[8 * s + 3 * i + 2] = it.pass, it.next();
 #pragma unroll
-    for (int c = 0; c < VP / 64; ++c) tma_load(vs + c * 8192, p.vmap, bars + 8 * s, c * 64, it.kv0, hk, b);
+      for (int c = 0; c < KP / 64; ++c) tma_load(ks + c * SLAB + i * 8192, p.kmap, bars + 8 * s, c * 64, kv0, hk, b);
+#pragma unroll
+      for (int c = 0; c < VP / 64; ++c) tma_load(vs + c * SLAB + i * 8192, p.vmap, bars + 8 * s, c * 64, kv0, hk, b);
+    }
     ++requested;
-    it.next();
   };
-  const int steps = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
+  const int tiles_of_split = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
+  const int steps = (tiles_of_split + NT / 8 - 1) / (NT / 8);
 #if PRODUCER_WARP
   // Registers move from the producer's warpgroup to the two that compute (setmaxnreg: 24 + 2 x 240 per
   // thread of each, 64512 of the SM's 65536).
@@ -353,14 +371,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
 #pragma unroll
   for (int r = 0; r < 2 * MT; ++r) mx[r] = NEG_INF, sum[r] = 0.0f;
   const float LOG2E = 1.4426950408889634f;
-  float sc[MT][8][4];  // a step's scores, then its probabilities
+  float sc[MT][NT][4];  // a step's scores, then its probabilities
   // Scale, mods and the tile's row maxima; then the online softmax: maxima and sums updated, the
   // accumulators rescaled, sc made probabilities (not yet rounded). A tile of a full block that lies wholly
   // inside the keys and the warp's queries checks nothing per score (most tiles of a long causal attention);
   // the others mask keys past the block or the sequence and rows past the queries, and apply mask_mod in
   // partial blocks. With PLAIN_SCORES (score_mod the identity, a positive scale) the scores stay as the MMA
   // left them: the maxima compare them unscaled, and the exponent's FMA applies scale * log2(e).
-  auto softmax = [&](const int kv0, const int end, const int pass) {
+  // `range`: kv0, end, pass of each 64-key tile of the step.
+  auto softmax = [&](const int* range) {
     float tile[2 * MT];
 #pragma unroll
     for (int r = 0; r < 2 * MT; ++r) tile[r] = NEG_INF;
@@ -368,11 +387,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
+        for (int nt = 0; nt < NT; ++nt) {
+          const int kv0 = range[3 * (nt >> 3)], end = range[3 * (nt >> 3) + 1], pass = range[3 * (nt >> 3) + 2];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = rows[2 * m + (e >> 1)], head = heads[2 * m + (e >> 1)];
-            const int col = kv0 + nt * 8 + t * 2 + (e & 1);
+            const int col = kv0 + (nt & 7) * 8 + t * 2 + (e & 1);
             if (checked) {
               bool keep = col < end && row < p.L;
               if (keep && pass == 0) keep = mask_mod(b, head, row, col, p);
@@ -389,7 +409,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
           tile[2 * m + 1] = fmaxf(tile[2 * m + 1], fmaxf(sc[m][nt][2], sc[m][nt][3]));
         }
     };
-    if (pass == 1 && kv0 + 64 <= end && rows_inside) mod_scores(false);
+    bool plain = rows_inside;  // every tile of the step in a full block, inside the keys
+#pragma unroll
+    for (int i = 0; i < NT / 8; ++i) plain = plain && range[3 * i + 2] == 1 && range[3 * i] + 64 <= range[3 * i + 1];
+    if (plain) mod_scores(false);
     else mod_scores(true);
     const float to_log2 = PLAIN_SCORES ? p.scale * LOG2E : 1.0f;
     float base[2 * MT], rescale[2 * MT];
@@ -418,7 +441,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
 #pragma unroll
     for (int m = 0; m < MT; ++m)
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
         sc[m][nt][0] = ex2(fmaf(sc[m][nt][0], to_log2, -base[2 * m])), sc[m][nt][1] = ex2(fmaf(sc[m][nt][1], to_log2, -base[2 * m]));
         sc[m][nt][2] = ex2(fmaf(sc[m][nt][2], to_log2, -base[2 * m + 1]));
         sc[m][nt][3] = ex2(fmaf(sc[m][nt][3], to_log2, -base[2 * m + 1]));
@@ -429,23 +452,25 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
   // Every warpgroup computes, an idle one's rows masked: a branch around the wgmmas makes ptxas serialize them.
   const int wg = warp >> 2;
   const bool pingpong = WARPS == 8;
-  unsigned pa[4][4];  // the previous step's probabilities, read by the tensor cores until the wait
-  auto scores = [&](const int n) {  // issues tile n's S = Q K^T
+  unsigned pa[NT / 2][4];  // the previous step's probabilities, read by the tensor cores until the wait
+  auto scores = [&](const int n) {  // issues step n's S = Q K^T
     const unsigned ks = stage0 + (n % STAGES) * stage_bytes;
 #pragma unroll
     for (int kt = 0; kt < EK / 16; ++kt)
-      wgmma_64(&sc[0][0][0], qa[0][kt], wgmma_desc(ks + (kt >> 2) * 8192 + (kt & 3) * 32, 16), kt > 0);
+      WGMMA_S(&sc[0][0][0], qa[0][kt], wgmma_desc(ks + (kt >> 2) * SLAB + (kt & 3) * 32, 16), kt > 0);
   };
-  auto values = [&](const int n) {  // issues O += P V of tile n
-    const unsigned vs = stage0 + (n % STAGES) * stage_bytes + 64 * KP * 2;
+  auto values = [&](const int n) {  // issues O += P V of step n
+    const unsigned vs = stage0 + (n % STAGES) * stage_bytes + NT * 8 * KP * 2;
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) WGMMA_O(&o[0][0][0], pa[kt], wgmma_desc(vs + kt * 2048, 8192), 1);
+    for (int kt = 0; kt < NT / 2; ++kt) WGMMA_O(&o[0][0][0], pa[kt], wgmma_desc(vs + kt * 2048, SLAB), 1);
   };
-  auto probabilities = [&](const int n) {  // tile n's softmax; its probabilities, rounded, into pa
-    const int s = n % STAGES;
-    softmax(ranges[4 * s], ranges[4 * s + 1], ranges[4 * s + 2]);
+  auto probabilities = [&](const int n) {  // step n's softmax; its probabilities, rounded, into pa
+    int range[3 * NT / 8];  // in registers: mask_mod's loads come between their uses
 #pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
+    for (int i = 0; i < 3 * NT / 8; ++i) range[i] = ranges[8 * (n % STAGES) + i];
+    softmax(range);
+#pragma unroll
+    for (int kt = 0; kt < NT / 2; ++kt) {
       pa[kt][0] = pack2(sc[0][2 * kt][0], sc[0][2 * kt][1]), pa[kt][1] = pack2(sc[0][2 * kt][2], sc[0][2 * kt][3]);
       pa[kt][2] = pack2(sc[0][2 * kt + 1][0], sc[0][2 * kt + 1][1]);
       pa[kt][3] = pack2(sc[0][2 * kt + 1][2], sc[0][2 * kt + 1][3]);
@@ -462,7 +487,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
     scores(0);
     wgmma_commit();
     if (pingpong) bar_arrive(2 - wg);
-    wgmma_wait_64(&sc[0][0][0]);
+    WGMMA_WAIT_S(&sc[0][0][0]);
     if (!PRODUCER_WARP && threadIdx.x == 0) request();
     probabilities(0);
     for (int n = 1; n < steps; ++n) {
@@ -473,7 +498,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
       values(n - 1);
       wgmma_commit();
       if (pingpong) bar_arrive(2 - wg);
-      wgmma_wait_64(&sc[0][0][0]);
+      WGMMA_WAIT_S(&sc[0][0][0]);
       WGMMA_WAIT_O(&o[0][0][0]);
       if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (n - 1) % STAGES));
       if (!PRODUCER_WARP && threadIdx.x == 0) request();
@@ -543,7 +568,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
         }
       }
     }
-    softmax(kv0, end, pass);
+    const int range[3] = {kv0, end, pass};
+    softmax(range);
 #pragma unroll
     for (int kt = 0; kt < 4; ++kt) {
       unsigned pa[MT][4];
@@ -864,11 +890,12 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
                             plain_scores),
                 std::vector<std::string>{"ember_flex_attention", "ember_flex_combine"}, device, nullptr, wgmma);
     void* function = functions.at(0);
-    // Two stages of K and V tiles in padded rows; or (wgmma) four of whole swizzled slabs from a 1 KB boundary,
-    // then their barriers and key ranges.
+    // Two stages of K and V tiles in padded rows; or (wgmma) wgmma_stages() of whole swizzled slabs from a 1 KB
+    // boundary, then their barriers and key ranges.
     const auto slabs = [](int e) { return (e + 63) / 64 * 64; };
     const unsigned shared_bytes =
-        wgmma ? kStages * kTile * (slabs(ek) + slabs(ev)) * 2 + 1024 + 32 * kStages : 2 * kTile * (ek + ev + 16) * 2;
+        wgmma ? wgmma_stages(warps) * 8 * score_tiles(true, warps) * (slabs(ek) + slabs(ev)) * 2 + 1024 + 48 * wgmma_stages(warps)
+              : 2 * kTile * (ek + ev + 16) * 2;
     if (shared_bytes > 48 * 1024) {
       if (static_cast<int>(shared_bytes) > max_shared_memory_optin(device)) return nullptr;
       set_max_dynamic_shared_memory(function, static_cast<int>(shared_bytes));

@@ -262,6 +262,24 @@ def test_fused_kernel_decoding_splits_the_keys(q_len, kv_len, heads, kv_heads, d
 
 
 @needs_cuda
+@pytest.mark.parametrize("dim", [64, 128])
+def test_fused_kernel_prefill_splits_the_keys(dim, kernel_form):
+    """Query rows beyond decoding (the prefill kernel: wgmma on Hopper) but too few query tiles for the SMs, so
+    the keys are split over blocks too. At head dim 128 the second tile's upper warpgroup has no query row."""
+    q_len, kv_len = 130, 4100
+    offset = kv_len - q_len
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi + offset, None, None, q_len, kv_len, device="cuda")
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s - (qi + offset - ki) * 0.001,
+                              block_mask=mask, return_lse=True)
+
+    q, k, v = qkv("cuda", batch=1, heads=2, kv_heads=2, q_len=q_len, kv_len=kv_len, dim=dim, dtype=torch.bfloat16)
+    against_float32(fn, q, k, v, **FUSED_TOL[torch.bfloat16])
+    assert kernel_ran(kernel_form)
+
+
+@needs_cuda
 def test_fused_kernel_replayed_by_cuda_graphs():
     """reduce-overhead captures the kernel's launch: each replay must read the new inputs."""
     mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 256, 256, device="cuda")
