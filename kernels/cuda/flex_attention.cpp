@@ -9,10 +9,11 @@
 //     The probabilities, rounded to the inputs' type as eager's dense form rounds them, go straight from the
 //     score registers into the A operand of the P @ V MMAs. No score reaches memory.
 //     On Hopper (sm_90) prefill takes both products from wgmma instead (compiled for sm_90a): a warpgroup's 64
-//     rows at once, K and V read by the tensor cores from 128-byte swizzled tiles that the TMA loads (four
-//     stages, mbarriers instead of block-wide barriers); each step issues its scores and the previous step's
-//     P @ V together, and the two warpgroups of a block take turns at the tensor cores, so that one's softmax
-//     runs during the other's products. The registers and the softmax are the same.
+//     rows at once, K and V read by the tensor cores from 128-byte swizzled tiles that the TMA loads (three or
+//     four stages, mbarriers instead of block-wide barriers); each step issues its scores and the previous
+//     step's P @ V together. At head dims over 64 the two warpgroups of a block take turns at the tensor cores,
+//     so that one's softmax runs during the other's products, a third warpgroup issues the loads, and a step
+//     takes 128 keys. The registers and the softmax are the same.
 //  2. Where the query tiles are fewer than the SMs (decoding), each tile's keys are dealt out to up to 16 blocks
 //     that write unnormalized partial results; a second kernel merges them (split-KV). Where a block's rows
 //     outnumber the query rows and heads are grouped, a block takes the query heads of one key-value head
@@ -200,9 +201,9 @@ __device__ __forceinline__ void bar_arrive(int id) { asm volatile("bar.arrive %0
 #define STAGES (NT == 16 ? 3 : 4)  // key steps of K and V in shared memory (wgmma_stages)
 #define AHEAD 3   // steps requested ahead of the one computed, by a producer that also computes (one warpgroup:
                   // it releases a stage before it requests the step STAGES - 1 ahead into it)
-#define PRODUCER_WARP (WARPS == 8)  // a third warpgroup that only requests tiles (one thread of it)
+#define PRODUCER_WARPGROUP (WARPS == 8)  // a third warpgroup that only requests tiles (one thread of it)
 #define SLAB (NT * 8 * 128)         // bytes of a swizzled slab: a step's keys x 64 columns
-#define THREADS (WARPS * 32 + (PRODUCER_WARP ? 128 : 0))
+#define THREADS (WARPS * 32 + (PRODUCER_WARPGROUP ? 128 : 0))
 #else
 #define THREADS (WARPS * 32)
 #endif
@@ -289,12 +290,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
   Tiles it{&p, b, h, (int)(q0 / p.pack / p.qblock)};
   it.start(split);
 #if WGMMA
-  // A producer requests each tile's K and V slabs from the TMA into stage n % STAGES once every warp has
-  // released that stage's previous tile, and writes the tile's key range beside it: with two warpgroups a
-  // warp of its own, as far ahead as the stages allow, else the block's first thread, AHEAD tiles ahead.
-  // Each step of a warpgroup then waits for its tile and issues, as one group of wgmmas, this tile's scores
-  // (S = Q K^T) and the previous tile's P @ V; past one wait for both, it releases the previous tile and
-  // turns the scores into probabilities, which stay in registers (pa) for the next step's product.
+  // A producer requests step n's K and V slabs (one or two 64-key tiles) from the TMA into stage n % STAGES
+  // once every warp has released that stage's previous step, and writes the tiles' key ranges beside them:
+  // with two computing warpgroups a warpgroup of its own, as far ahead as the stages allow, else the block's
+  // first thread, AHEAD steps ahead. Each step of a warpgroup then waits for its stage and issues, as one
+  // group of wgmmas, this step's scores (S = Q K^T) and the previous step's P @ V; past one wait for both, it
+  // releases the previous step's stage and turns the scores into probabilities, which stay in registers (pa)
+  // for the next step's product.
   // With two warpgroups, named barriers hand the tensor cores from one to the other: a warpgroup issues its
   // products only after the other has issued its own, so that each one's softmax runs while the other's
   // products do (the ping-pong of FlashAttention-3), where before both multiplied, then both waited.
@@ -325,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
   };
   const int tiles_of_split = it.total > split ? (it.total - split + p.splits - 1) / p.splits : 0;
   const int steps = (tiles_of_split + NT / 8 - 1) / (NT / 8);
-#if PRODUCER_WARP
+#if PRODUCER_WARPGROUP
   // Registers move from the producer's warpgroup to the two that compute (setmaxnreg: 24 + 2 x 240 per
   // thread of each, 64512 of the SM's 65536).
   if (warp >= WARPS) {
@@ -477,7 +479,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
     }
   };
   if (steps > 0) {
-    // Named barrier 1 + w: warpgroup w's turn to issue. Each warpgroup's turns are steps + 1 (the first tile's
+    // Named barrier 1 + w: warpgroup w's turn to issue. Each warpgroup's turns are steps + 1 (the first step's
     // scores alone, then scores and the previous P @ V, then the last P @ V alone); the second warpgroup's
     // first hand-over starts the first's turns, so it skips its last one.
     if (pingpong && wg == 1) bar_arrive(1);
@@ -488,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
     wgmma_commit();
     if (pingpong) bar_arrive(2 - wg);
     WGMMA_WAIT_S(&sc[0][0][0]);
-    if (!PRODUCER_WARP && threadIdx.x == 0) request();
+    if (!PRODUCER_WARPGROUP && threadIdx.x == 0) request();
     probabilities(0);
     for (int n = 1; n < steps; ++n) {
       mbar_wait(bars + 8 * (n % STAGES), (n / STAGES) & 1);
@@ -501,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) ember_flex_att
       WGMMA_WAIT_S(&sc[0][0][0]);
       WGMMA_WAIT_O(&o[0][0][0]);
       if (lane == 0) mbar_arrive(bars + 8 * (STAGES + (n - 1) % STAGES));
-      if (!PRODUCER_WARP && threadIdx.x == 0) request();
+      if (!PRODUCER_WARPGROUP && threadIdx.x == 0) request();
       probabilities(n);
     }
     if (pingpong) bar_sync(1 + wg);
