@@ -209,8 +209,8 @@ class Printer {
       case OpCode::Log: return "logf(" + a + ")";
       case OpCode::Log1p: return "log1pf(" + a + ")";
       case OpCode::Expm1: return "expm1f(" + a + ")";
-      case OpCode::Sin: return "sinf(" + a + ")";
-      case OpCode::Cos: return "cosf(" + a + ")";
+      case OpCode::Sin: return "sin_near(" + a + ")";
+      case OpCode::Cos: return "cos_near(" + a + ")";
       case OpCode::Tanh: return (approx_tanh_[i.dst] ? "tanh_approx(" : "tanhf(") + a + ")";
       case OpCode::Sigmoid:
         return rounded_[i.dst] ? "rcp_fast(1.f + exp_fast(-" + a + "))" : "(1.f / (1.f + expf(-" + a + ")))";
@@ -290,8 +290,7 @@ class Printer {
   // elements and repeated over the leading dimensions, a bias: bit in p.inner), by channel (one value
   // per p.span[k] elements, p.period[k] of them repeating: NCHW's per-channel [C, 1, 1]; bit in p.chan),
   // once (one value for all: bit in p.bcast), or, in the STRIDED entry only, element by element through
-  // its strides. The
-  // last numel % V elements run the general body.
+  // its strides. The last numel % V elements run one at a time (tail_element).
   //
   // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
   // issues every input's loads before any compute: U times the bytes in flight of one vector per thread,
@@ -402,16 +401,47 @@ class Printer {
     for (size_t k = 0; k < p_.outputs.size(); ++k)
       o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
     o << "    }\n  }\n";
-    o << "  for (i64 i = chunks * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.numel; i += step) {\n";
-    element(o, "i", "    ");
+    // Fewer than V elements, at most one per thread: left rolled (unrolled, silu + add's tail was a third
+    // of its vector entry's instructions).
+    o << "#pragma unroll 1\n  for (i64 i = chunks * V + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < p.numel; i += step) {\n";
+    tail_element(o, "    ");
     o << "  }\n}\n";
+  }
+
+  // Element i of flat_vec's tail (the last numel % V elements). Each input is read by the mode its bits
+  // select, as the vector loads read it, so the entry without strided inputs has no index arithmetic
+  // here either: the general body's 64-bit divisions per dimension were most of ptxas's time for a
+  // small pointwise module (a copy kernel's vector entry, 2-core host: 105 ms with them, 59 without).
+  void tail_element(Source& o, const std::string& ind) {
+    for (size_t k = 0; k < p_.inputs.size(); ++k) {
+      const std::string var = "o" + str(k);
+      if (k >= static_cast<size_t>(kMaxVectorInputs)) {  // no mode bits: always through its strides
+        offset(o, k, "i", var, ind);
+        continue;
+      }
+      o << ind << "i64 " << var << " = 0;\n";
+      o << ind << "if ((p.vec >> " << k << ") & 1u) " << var << " = i;\n";
+      if ((repeat_inputs_ >> k) & 1u) o << ind << "else if (r" << k << ") " << var << " = period_offset(i, p.period[" << k << "]);\n";
+      if ((channel_inputs_ >> k) & 1u)
+        o << ind << "else if ((p.chan >> " << k << ") & 1u) " << var << " = period_offset(i / p.span[" << k << "], p.period[" << k << "]);\n";
+      o << ind << "else if ((p.bcast >> " << k << ") & 1u) " << var << " = 0;\n";
+      o << ind << "else if constexpr (STRIDED) {\n";
+      offset(o, k, "i", "s", ind + "  ");
+      o << ind << "  " << var << " = s;\n" << ind << "}\n";
+    }
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      o << ind << "float " << reg(p_.inputs[k].reg) << " = " << load(in_type(k), k, "o" + str(k)) << ";\n";
+    for (const Instr& n : p_.code) o << ind << "float " << reg(n.dst) << " = " << expr(n) << ";\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) o << ind << store(out_type(k), k, "i", stored(k)) << "\n";
   }
 
   // 32-bit words holding one vector of `width_` elements of dtype t (vectors are 4 to 16 bytes).
   int words(c10::ScalarType t) const { return std::max<int>(1, width_ * static_cast<int>(c10::elementSize(t)) / 4); }
 
   // Vectors per thread per iteration in flat_vec: 4 for one or two full inputs (up to 128 bytes in flight
-  // per thread), fewer where more inputs would hold more registers than they buy.
+  // per thread), fewer where more inputs would hold more registers than they buy, and fewer where the
+  // unrolled elements would be more code than kMaxUnrolledCost: ptxas's time grows with the copies, and
+  // U changed none of the bandwidth benchmark's kernels by more than a point (README).
   int flat_unroll() const {
     // Late-loaded inputs (inside the compute loop) count half: their registers do not multiply by U,
     // but their values do. (resnet50's bf16 batch norm + add + relu, two full and four per-channel
@@ -426,7 +456,32 @@ class Printer {
       return u == 1 || u == 2 || u == 4 ? u : 0;
     }();
     if (forced) return forced;
-    return n <= 2 ? 4 : (n <= 4 ? 2 : 1);
+    int u = n <= 2 ? 4 : (n <= 4 ? 2 : 1);
+    while (u > 1 && u * width_ * element_cost() > kMaxUnrolledCost) u /= 2;
+    return u;
+  }
+
+  // The code one element of a flat group compiles to, roughly, in inlined expf's: NVRTC for sm_90 on the
+  // 2-core host took per unrolled copy expf 0.9 ms, sin_near 4.8, powf 4.7, logf 1.9, erff 1.7, an IEEE
+  // division 1.3, tanhf 1.2, sqrtf 1.1; the fast forms and plain arithmetic are a few instructions.
+  double element_cost() const {
+    double cost = 0;
+    for (const Instr& i : p_.code) {
+      const bool fast = rounded_[i.dst];
+      switch (i.op) {
+        case OpCode::Sin: case OpCode::Cos: case OpCode::Pow: cost += 5; break;
+        case OpCode::GeluBackward: cost += 3; break;
+        case OpCode::Log: case OpCode::Log1p: case OpCode::Expm1: case OpCode::Erf: case OpCode::Gelu: cost += 2; break;
+        case OpCode::Exp: cost += fast ? 0.2 : 1; break;
+        case OpCode::Sigmoid: case OpCode::Silu: cost += fast ? 0.5 : 1.8; break;
+        case OpCode::Div: case OpCode::Reciprocal: cost += fast ? 0.3 : 1.4; break;
+        case OpCode::Tanh: cost += approx_tanh_[i.dst] ? 0.2 : 1.3; break;
+        case OpCode::GeluTanh: cost += 1.5; break;
+        case OpCode::Sqrt: cost += 1.2; break;
+        default: cost += 0.1; break;
+      }
+    }
+    return cost;
   }
 
   // The elementwise values at column `col`: full inputs, then every full instruction before `end`.
@@ -667,7 +722,11 @@ class Printer {
     o << "  __shared__ float shared[32];\n";
     o << "  const int T = WARP ? 32 : (int)blockDim.x;\n";
     o << "  const int lane = WARP ? (int)(threadIdx.x & 31) : (int)threadIdx.x;\n";
-    o << "  const int cols = (int)p.cols;\n";
+    // A row length known here is a constant: the compiler then drops the chunks past it and their masks
+    // (the entropy scorer's 768 columns in the w8 variant, 1024 wide: its module 0.31 -> 0.20 s of NVRTC
+    // on the 2-core host).
+    const std::optional<int64_t> fixed = static_cols();
+    o << "  " << (fixed ? "constexpr int cols = " + str(*fixed) : std::string("const int cols = (int)p.cols")) << ";\n";
     o << "  const i64 first = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;\n";
     o << "  const i64 step = WARP ? (i64)gridDim.x * (blockDim.x >> 5) : (i64)gridDim.x;\n";
     const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
@@ -761,7 +820,7 @@ class Printer {
         o << "    float " << reg(i.dst) << ";\n";
         o << "    if constexpr (WARP) " << reg(i.dst) << " = warp_reduce<" << reduction_kind(i) << ">(acc" << n << ");\n";
         o << "    else " << reg(i.dst) << " = block_reduce<" << reduction_kind(i) << ">(acc" << n << ", shared);\n";
-        if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)p.cols;\n";
+        if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)cols;\n";
       } else {
         for (size_t k = 0; k < p_.outputs.size(); ++k)
           if (!p_.outputs[k].row)
@@ -772,13 +831,13 @@ class Printer {
         o << "        if (col0 < cols) {\n";
         for (size_t k = 0; k < p_.outputs.size(); ++k)
           if (!p_.outputs[k].row)
-            o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * p.cols + col0, y" << k << ");\n";
+            o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * cols + col0, y" << k << ");\n";
         o << "        }\n      } else {\n";
         o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
         o << "          if (col0 + v >= cols) continue;\n";
         for (size_t k = 0; k < p_.outputs.size(); ++k)
           if (!p_.outputs[k].row)
-            o << "          " << out_ptr(out_type(k), k) << "[row * p.cols + col0 + v] = get_elem<" << storage_type(out_type(k)) << ">(y"
+            o << "          " << out_ptr(out_type(k), k) << "[row * cols + col0 + v] = get_elem<" << storage_type(out_type(k)) << ">(y"
               << k << ", v);\n";
         o << "        }\n      }\n    }\n";
       }
@@ -949,6 +1008,7 @@ class Printer {
     return static_cast<int>(std::min<size_t>(8, 16 / widest));
   }
 
+  static constexpr double kMaxUnrolledCost = 64;   // element_cost()'s units per thread of flat_vec's body
   static constexpr int64_t kAlwaysLaunchable = 256;  // threads any kernel's registers allow in one block
   static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases

@@ -122,6 +122,43 @@ def test_flat_per_channel_inputs_read_by_channel(dtype, hw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_flat_tail_reads_inputs_by_their_mode(dtype, dynamic):
+    """Element counts that leave a tail past the last vector (525 = 3 * 7 * 5 * 5, then 1155): the tail
+    reads each input as its vectors do, contiguous, by channel ([C, 1, 1]), as a repeating period (a
+    bias over the last dim) and as one value."""
+
+    def fn(x, w, bias, s):
+        return (x * w + bias) * s - x.exp()
+
+    compiled, kernels = None, 0
+    for n, c in [(3, 7), (3, 11)]:  # under dynamic shapes the second runs the first's kernels
+        x = torch.randn(n, c, 5, 5, device="cuda", dtype=dtype)
+        w = torch.randn(c, 1, 1, device="cuda", dtype=dtype)
+        bias = torch.randn(5, device="cuda", dtype=dtype)
+        s = torch.randn((), device="cuda", dtype=dtype)
+        compiled, new = compare(fn, x, w, bias, s, dynamic=dynamic, compiled=compiled)
+        kernels += new
+    assert kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_flat_sin_cos_over_every_argument_range(dtype):
+    """sin and cos inline only their short-argument path (|x| < 48039) and call one out-of-line copy
+    beyond it: arguments on both sides of that bound, up to 1e30, and inf and nan, in one kernel."""
+
+    def fn(x):
+        return x.sin() * 2.0 + x.cos()
+
+    mags = torch.logspace(-3, 4.8 if dtype == torch.float16 else 30, 4099, device="cuda")
+    x = (mags * torch.randn(4099, device="cuda").sign()).to(dtype)
+    x[:3] = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=dtype)
+    x[3:7] = torch.tensor([48038.0, 48039.0, 48040.0, -48039.0], dtype=dtype)
+    _, kernels = compare(fn, x)
+    assert kernels >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_flat_strided_vector_entry_misaligned_one_input(dtype):
     """One misaligned input beside aligned ones: the strided vector entry."""
     n = (1 << 16) + 9
