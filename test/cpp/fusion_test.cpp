@@ -41,6 +41,26 @@ TEST(FusePass, PointwiseChainBecomesOneGroup) {
   EXPECT_EQ(fuse_text(in), expected);
 }
 
+// Symbolic strides are proven contiguous as products: dynamic=True gives [s0, s1, s2, s2] the outer
+// strides "s1*s2**2" and "s2**2" (it was left unfused while only "s2*s2" matched). A stride that is
+// not the product stays unproven.
+TEST(FusePass, SymbolicStridesWithPowersAreContiguous) {
+  const std::string t = "f32[s0, s1, s2, s2]{s1*s2**2, s2**2, s2, 1}@cpu";
+  const std::string in = "graph(%x: " + t + ", %w: f32[s1, 1, 1]{1, 1, 1}@cpu, %b: f32[s2]{1}@cpu, %s0: int, %s1: int, %s2: int):\n"
+                         "  %m: " + t + " = aten::mul.Tensor(%x, %w)\n"
+                         "  %a: " + t + " = aten::add.Tensor(%m, %b)\n"
+                         "  %e: " + t + " = aten::exp(%a)\n"
+                         "  return (%e)\n";
+  const std::string out = fuse_text(in);
+  EXPECT_NE(out.find("aten::mul.Tensor(%x, %w) #0"), std::string::npos) << out;
+  EXPECT_NE(out.find("aten::exp(%a) #0"), std::string::npos) << out;
+  for (const std::string& wrong : {"s1*s2**3", "2*s1*s2**2", "s1**2*s2"}) {
+    std::string bad = in;
+    for (size_t p = bad.find("{s1*s2**2"); p != std::string::npos; p = bad.find("{s1*s2**2", p + 1)) bad.replace(p + 1, 8, wrong);
+    EXPECT_EQ(fuse_text(bad).find("#0"), std::string::npos) << wrong;
+  }
+}
+
 TEST(FusePass, SiblingsReadingOneInputShareAGroup) {
   // GPT-2's gelu_new on CUDA: 0.5*x and x^3 both start from x; one group, x read once.
   const std::string in =
