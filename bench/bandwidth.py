@@ -19,6 +19,9 @@ import sys
 import torch
 import torch._dynamo
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -49,6 +52,7 @@ def time_ms(fn, inputs, inner, repeat):
     """Median over `repeat` batches of the per-call time of `inner` back-to-back calls (CUDA events)."""
     for _ in range(3):
         fn(*inputs)
+    harness.settle()
     torch.cuda.synchronize()
     samples = []
     for _ in range(repeat):

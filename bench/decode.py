@@ -122,6 +122,7 @@ def main(argv=None):
                 with torch.no_grad():
                     fn = harness.compile_with(model, backend)
                     tokens, logits, _, row["first_s"] = decode(fn, prompt, args.steps, args.device, backend, static_cache)
+                    harness.settle()
                     for _ in range(2):
                         _, _, step_s, _ = decode(fn, prompt, args.steps, args.device, backend, static_cache)
             except Exception as e:

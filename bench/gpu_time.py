@@ -31,6 +31,7 @@ def kernels(fn, inputs, calls, training):
 
     for _ in range(3):
         step()
+    harness.settle()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):

@@ -37,7 +37,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import EMBER_OPTIONS, RESULTS_DIR, disable_inductor_caches, error_text, machine_info, sync  # noqa: E402
+from harness import EMBER_OPTIONS, RESULTS_DIR, disable_inductor_caches, error_text, machine_info, settle, sync  # noqa: E402
 
 NODES = 100
 SIZE = 16
@@ -138,6 +138,7 @@ def time_interleaved(variants, device, calls, rounds):
     for _, fn, args in variants:
         for _ in range(max(3, calls // 10)):
             fn(*args)
+    settle()
     for _ in range(rounds):
         for key, fn, args in variants:
             sync(device)

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import EMBER_OPTIONS, RESULTS_DIR, disable_inductor_caches, machine_info  # noqa: E402
+from harness import EMBER_OPTIONS, RESULTS_DIR, disable_inductor_caches, machine_info, settle  # noqa: E402
 
 
 def graphs():
@@ -120,6 +120,7 @@ def main():
             for f in fns.values():
                 for _ in range(5):
                     f(*inputs)
+            settle()
             torch.cuda.synchronize()
             per_call = {v: [] for v in fns}
             for _ in range(args.rounds):

@@ -17,6 +17,7 @@
 #include "ember/error.h"
 #include "ember/model.h"
 #include "ember/op_table.h"
+#include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
 #include "python_bindings/training_graph.h"
 
@@ -340,6 +341,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");
+  m.def("wait_for_kernel_compiles", &cuda::wait_for_background_compiles, py::call_guard<py::gil_scoped_release>(),
+        "Waits for the CUDA kernels compiling in the background (see kernels/cuda/cuda_kernel.h).");
   m.def("mark_step_begin", &mark_step_begin);
   m.def("roundtrip", [](const std::string& text) { return print(parse(text)); },
         "Parses IR text and prints it back (the canonical form).");

@@ -15,6 +15,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -22,9 +23,22 @@
 #include <memory>
 #include <string>
 #include <mutex>
+#include <system_error>
 
 namespace ember::cuda {
 namespace {
+
+// Background compiles running in the process (wait_for_background_compiles).
+struct Background {
+  std::mutex mu;
+  std::condition_variable idle;
+  int running = 0;
+  bool exit_waits = false;  // wait_for_background_compiles is registered with atexit
+};
+Background& background() {
+  static Background* b = new Background;  // never destroyed: a compile may end during exit
+  return *b;
+}
 
 // Entry points in CallPlan::entry order: general, vector, strided vector (flat groups) or the row
 // variants (column groups have the general entry alone). Two entries are fallbacks that compile on first
@@ -34,14 +48,19 @@ namespace {
 // of 250-290 ms on the 2-core host). Until then an entry's slot in functions_ is null and its launch limits
 // are unknown. make_fused_kernel compiles them at once where `images` is given (a package is exported or
 // loaded: it must hold every image).
+//
+// Background compiles (make_fused_kernel, cuda_kernel.h) start with the general entry alone: the limits
+// say general_only, so calls plan for it, until the entries module is loaded and new limits know its
+// entries.
 class FusedCudaKernel final : public Kernel {
  public:
-  FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device)
+  FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device, bool general_only)
       : p_(std::move(program)), source_(std::move(source)), device_(device), entries_(functions.size()),
         functions_(new std::atomic<void*>[functions.size()]) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     LaunchLimits& limits = snapshots_.emplace_back();
     limits.multiprocessors = multiprocessor_count(device_);
+    limits.general_only = general_only;
     for (size_t entry = 0; entry < entries_; ++entry) {
       functions_[entry].store(functions[entry], std::memory_order_relaxed);
       if (functions[entry]) set_limits(limits, entry, functions[entry]);
@@ -49,9 +68,61 @@ class FusedCudaKernel final : public Kernel {
     limits_.store(&limits, std::memory_order_release);
   }
 
+  ~FusedCudaKernel() override {
+    if (background_.valid()) background_.wait();  // it writes this kernel's members
+  }
+
+  // Compiles source_.entries_text (entry points `names`, which take entries 1, 2, ...) on a thread of its
+  // own and publishes them when loaded. A failure leaves the general entry running every call.
+  void compile_entries_in_background(std::vector<std::string> names) {
+    Background& b = background();
+    {
+      std::lock_guard<std::mutex> lock(b.mu);
+      if (b.running++ == 0 && !b.exit_waits) {
+        // A compile still running when the process exits would go on using NVRTC and the driver while their
+        // libraries finalize: exit waits for it (atexit handlers run before libraries' finalizers).
+        std::atexit(wait_for_background_compiles);
+        b.exit_waits = true;
+      }
+    }
+    count_background_compile();
+    try {
+      background_ = std::async(std::launch::async, [this, names] { load_entries(names); }).share();
+    } catch (const std::system_error&) {  // no thread to be had: compiled here instead
+      load_entries(names);
+    }
+  }
+
+  // The entries module compiled and its entries published with limits that know them; then one background
+  // compile fewer.
+  void load_entries(const std::vector<std::string>& names) {
+    try {
+      std::vector<void*> loaded = compile(source_.entries_text, names, device_, nullptr);
+      std::lock_guard<std::mutex> lock(load_mu_);
+      LaunchLimits& limits = snapshots_.emplace_back(*limits_.load(std::memory_order_acquire));
+      limits.general_only = false;
+      for (size_t i = 0; i < loaded.size(); ++i) {
+        set_limits(limits, 1 + i, loaded[i]);
+        functions_[1 + i].store(loaded[i], std::memory_order_release);
+      }
+      limits_.store(&limits, std::memory_order_release);
+    } catch (const std::exception& e) {
+      std::lock_guard<std::mutex> lock(load_mu_);
+      background_error_ = e.what();
+    }
+    Background& b = background();
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (--b.running == 0) b.idle.notify_all();
+  }
+
   std::string describe() const override {
+    std::string failed;
+    {
+      std::lock_guard<std::mutex> lock(load_mu_);
+      if (!background_error_.empty()) failed = "; its row variants failed to compile, the general entry runs: " + background_error_;
+    }
     return "cuda fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) +
-           " instructions" + (!p_.has_reduction ? "" : p_.outer ? ", column reductions" : ", row reductions") + ")";
+           " instructions" + (!p_.has_reduction ? "" : p_.outer ? ", column reductions" : ", row reductions") + failed + ")";
   }
 
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
@@ -59,6 +130,11 @@ class FusedCudaKernel final : public Kernel {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
     const LaunchLimits* limits = limits_.load(std::memory_order_acquire);
+    void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
+    if (limits->general_only && background_.valid() && capturing(stream)) {
+      background_.wait();  // a CUDA graph keeps the entry it captures: the one calls will run
+      limits = limits_.load(std::memory_order_acquire);
+    }
     CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
     while (plan.launch && !compiled(*limits, plan.entry)) {
       load(plan.entry);  // a fallback entry's first use: compiled now, and the call planned again by its limits
@@ -67,7 +143,6 @@ class FusedCudaKernel final : public Kernel {
     }
     if (plan.launch) {
       void* function = functions_[plan.entry].load(std::memory_order_acquire);
-      void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
       if (plan.splits > 1) provide_workspace(plan, stream, device);
       launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
     }
@@ -154,9 +229,26 @@ class FusedCudaKernel final : public Kernel {
   mutable std::mutex workspace_mu_;
   mutable std::vector<Workspace> workspaces_;
   mutable std::vector<at::Tensor> outgrown_;
+  // The background compile of the entries module, if one was started; its failure (under load_mu_).
+  std::shared_future<void> background_;
+  std::string background_error_;
 };
 
+// EMBER_CUDA_BACKGROUND=0: every module compiles when the plan is built (for measuring what the background
+// compile saves the first call, or for a first call that should already run the entries it keeps).
+// Read per kernel (when the plan is built, never per call), so that tests can switch it.
+bool background_compiles() {
+  const char* v = std::getenv("EMBER_CUDA_BACKGROUND");
+  return !(v && std::string(v) == "0");
+}
+
 }  // namespace
+
+void wait_for_background_compiles() {
+  Background& b = background();
+  std::unique_lock<std::mutex> lock(b.mu);
+  b.idle.wait(lock, [&] { return b.running == 0; });
+}
 
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
                                                 ImageStore* images) {
@@ -183,6 +275,15 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
   for (const RowVariant& v : source.rows) entries.push_back(v.entry);
   std::vector<void*> functions;
+  if (source.entries_in_background && !eager("EMBER_CUDA_GENERAL") && background_compiles() &&
+      !has_image(source.entries_text, device)) {
+    functions.assign(1 + entries.size(), nullptr);
+    functions[0] = compile(source.general_text, source.general, device, nullptr);
+    if (!source.strided_vector_entry.empty()) functions.push_back(nullptr);
+    auto kernel = std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device, true);
+    kernel->compile_entries_in_background(std::move(entries));
+    return kernel;
+  }
   if (!source.entries_text.empty()) {  // the general entry a module apart (cuda_source.h)
     std::future<void*> general;
     if (eager("EMBER_CUDA_GENERAL"))
@@ -197,7 +298,7 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   if (!source.strided_vector_entry.empty())
     functions.push_back(eager("EMBER_CUDA_STRIDED") ? compile(source.strided_text, source.strided_vector_entry, device, images)
                                                     : nullptr);
-  return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device);
+  return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device, false);
 }
 
 }  // namespace ember::cuda

@@ -53,6 +53,7 @@ struct Api {
                              void**, void**);
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuGraphLaunch)(void*, void*);
+  CUresult (*cuStreamIsCapturing)(void*, int*);
   CUresult (*cuFuncGetAttribute)(int*, int, void*);
   CUresult (*cuFuncSetAttribute)(void*, int, int);
   CUresult (*cuOccupancyMaxActiveBlocksPerMultiprocessor)(int*, void*, int, size_t);
@@ -124,6 +125,7 @@ const Api& api() {
       bind(driver, "cuLaunchKernel", a.cuLaunchKernel);
       bind(driver, "cuGetErrorString", a.cuGetErrorString);
       bind(driver, "cuGraphLaunch", a.cuGraphLaunch);
+      bind(driver, "cuStreamIsCapturing", a.cuStreamIsCapturing);
       bind(driver, "cuFuncGetAttribute", a.cuFuncGetAttribute);
       bind(driver, "cuFuncSetAttribute", a.cuFuncSetAttribute);
       bind(driver, "cuOccupancyMaxActiveBlocksPerMultiprocessor", a.cuOccupancyMaxActiveBlocksPerMultiprocessor);
@@ -196,6 +198,11 @@ void wait_for_warm_up() {
 CompileStats compile_stats() {
   std::lock_guard<std::mutex> lock(stats_mu);
   return stats;
+}
+
+void count_background_compile() {
+  std::lock_guard<std::mutex> lock(stats_mu);
+  ++stats.background;
 }
 
 bool available(std::string* why_not) {
@@ -362,15 +369,40 @@ KernelImage find_or_compile(const std::string& source, const std::string& name, 
   return image;
 }
 
+// The process's modules, keyed by architecture and source. The first caller of a key compiles it, outside
+// the lock, so distinct groups compile at once (generate.cpp starts them in parallel); a caller of the same
+// key meanwhile waits for that result instead of compiling it again (BERT's 39 groups are 4 distinct sources).
+struct ModuleCache {
+  std::mutex mu;
+  std::unordered_map<std::string, std::shared_future<std::shared_ptr<const Loaded>>> modules;
+};
+ModuleCache& module_cache() {
+  static ModuleCache* cache = new ModuleCache;  // never destroyed: background compiles may finish during exit
+  return *cache;
+}
+
 }  // namespace
+
+bool has_image(const std::string& source, int device) {
+  const std::string target = arch(device);
+  {
+    ModuleCache& c = module_cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    // Only a loaded module: one still compiling would make the caller wait for it.
+    auto it = c.modules.find(target + "\n" + source);
+    if (it != c.modules.end() && it->second.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
+  }
+  std::string version = nvrtc_version();
+  for (const std::string& o : extra_options()) version += " " + o;
+  const std::string dir = disk_cache_dir();
+  return !dir.empty() && disk_cache_find(dir, target, version, source).has_value();
+}
 
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images, bool arch_specific) {
-  // Keyed by architecture and source. The first caller of a key compiles it, outside the lock, so distinct
-  // groups compile at once (generate.cpp starts them in parallel); a caller of the same key meanwhile waits
-  // for that result instead of compiling it again (BERT's 39 groups are 4 distinct sources).
-  static std::mutex mu;
-  static std::unordered_map<std::string, std::shared_future<std::shared_ptr<const Loaded>>> cache;
+  ModuleCache& c = module_cache();
+  std::mutex& mu = c.mu;
+  auto& cache = c.modules;
   if (names.empty()) throw Error("CUDA: a module needs at least one entry point");
   wait_for_warm_up();
   const Api& a = api();
@@ -504,6 +536,12 @@ bool is_current(int device) {
   void* ctx = primary_context(device);
   void* current = nullptr;
   return api().cuCtxGetCurrent(&current) == 0 && current == ctx;
+}
+
+bool capturing(void* stream) {
+  int status = 0;  // CU_STREAM_CAPTURE_STATUS_NONE
+  check(api().cuStreamIsCapturing(stream, &status), "cuStreamIsCapturing");
+  return status != 0;
 }
 
 void launch_graph(void* exec, void* stream, int device) {

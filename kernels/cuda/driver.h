@@ -26,8 +26,11 @@ struct CompileStats {
   double nvrtc_ms = 0, nvrtc_cpu_ms = 0, load_ms = 0;
   long nvrtc_major_faults = 0, nvrtc_minor_faults = 0, nvrtc_preemptions = 0;
   int compiled = 0, from_cache = 0;
+  int background = 0;  // modules handed to a background compile (cuda_kernel.h)
 };
 CompileStats compile_stats();
+// Counts one module handed to a background compile in CompileStats::background.
+void count_background_compile();
 
 // `device`'s architecture as NVRTC names it: "sm_90".
 std::string arch(int device);
@@ -42,6 +45,10 @@ void* compile(const std::string& source, const std::string& name, int device, Im
 // compiles for the architecture's own features ("sm_90a": wgmma), which no later architecture runs.
 std::vector<void*> compile(const std::string& source, const std::vector<std::string>& names, int device,
                            ImageStore* images = nullptr, bool arch_specific = false);
+
+// Whether compile() would find `source`'s image for `device` without NVRTC and without waiting: the process
+// has loaded the module, or the disk cache holds its image.
+bool has_image(const std::string& source, int device);
 
 // The functions `names` of a module image built ahead of time (a cubin or fatbin in memory that outlives
 // the process, such as kernels/cuda/gemm_image.cpp's), loaded once per device.
@@ -78,6 +85,9 @@ void launch(void* function, unsigned blocks, unsigned threads, void* stream, voi
 // so that the runtime's current device is `device`: one thread-local read, where asking the runtime for the
 // current device costs a replayed call ~0.3 us.
 bool is_current(int device);
+
+// Whether work on `stream` (a CUstream) is being captured into a CUDA graph.
+bool capturing(void* stream);
 
 // Launches an instantiated CUDA graph (a cudaGraphExec_t) on `stream` (a CUstream of `device`) through the
 // driver API (cudagraph/replay.cpp: a replayed call's launch), with `device`'s primary context made current

@@ -10,7 +10,20 @@ first compile, not here.
 from .errors import EmberError
 
 __version__ = "0.1.0"
-__all__ = ["EmberError", "ember_backend", "explain", "export", "load", "__version__"]
+__all__ = ["EmberError", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
+
+
+def wait_for_compiles():
+    """Waits until the CUDA kernels ember is still compiling in the background have loaded.
+
+    Where a fused row group's register-resident kernels cost NVRTC several times its general kernel, a
+    compiled function's first call runs the general one while they compile on a thread of their own
+    (kernels/cuda/cuda_kernel.h); calls after this run them.
+    Returns at once where nothing is compiling. EMBER_CUDA_BACKGROUND=0 compiles everything before the
+    first call instead."""
+    from . import _C
+
+    _C.wait_for_kernel_compiles()
 
 
 def __getattr__(name):

@@ -123,8 +123,8 @@ class ExplainReport:
     __repr__ = __str__
 
 
-_COUNTS = ("codegen: modules compiled", "codegen: modules from disk", "codegen: nvrtc major faults",
-           "codegen: nvrtc minor faults", "codegen: nvrtc preemptions")
+_COUNTS = ("codegen: modules compiled", "codegen: modules from disk", "codegen: modules in background",
+           "codegen: nvrtc major faults", "codegen: nvrtc minor faults", "codegen: nvrtc preemptions")
 
 
 def _timing(name, value):

@@ -744,8 +744,9 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
 // Every variant of every family through nvcc (PTX for sm_90); NVRTC sources include nothing, so nvcc
 // sees exactly what NVRTC compiles. The f32 vector kernel must use 16-byte global loads and stores.
 // What keeps NVRTC's time down: flat groups whose elements compile to much code take fewer vectors per
-// thread (each unrolled copy is ptxas's work), sin and cos inline only their short-argument path, and
-// row variants whose length is known compile it as a constant.
+// thread (each unrolled copy is ptxas's work), sin and cos inline only their short-argument path, row
+// variants whose length is known compile it as a constant, and costly row variants may compile in the
+// background.
 TEST(CudaCodegen, SourceSizedForCompileTime) {
   auto flat = [](const std::string& t, const std::string& body) {
     std::vector<Program> programs = cuda_programs("graph(%x: " + t + "[s0]{1}@cuda:0, %s0: int):\n" + body);
@@ -764,6 +765,14 @@ TEST(CudaCodegen, SourceSizedForCompileTime) {
                                        "  return (%b)\n");
   EXPECT_EQ(gelu.vector_width, 8);
   EXPECT_EQ(gelu.flat_unroll, 2);  // 32 erff's were over the budget, 16 are not
+
+  // Which modules compile in the background (cuda_kernel.h): row variants of many values, or all of them.
+  for (const auto& [label, background] : std::vector<std::pair<std::string, bool>>{
+           {"sin_cos_exp_1000", false}, {"pointwise_f32", false}, {"columns_f32", false},
+           {"entropy_768_f32", true}, {"softmax_f32", true}, {"softmax_1024_bf16", true}}) {
+    for (const auto& [name, text] : codegen_graphs())
+      if (name == label) EXPECT_EQ(cuda::generate(cuda_programs(text).at(0), "k").entries_in_background, background) << label;
+  }
 
   for (const auto& [label, text] : codegen_graphs()) {
     if (label.rfind("layer_norm", 0) != 0 || label.find("bf16") != std::string::npos || label.find("f16") != std::string::npos) continue;
@@ -953,6 +962,16 @@ TEST(CudaLaunch, EntryAndOneWaveGrid) {
   EXPECT_EQ(plan.blocks, 132u * 4);  // 4096 blocks of 8 rows' worth, one wave of 4 per SM
   plan = call(rows[0], row_source, {at::randn({20, 1024}).to(at::kBFloat16)}, limits_with(2, 4));
   EXPECT_EQ(plan.blocks, 3u);  // 20 rows, 8 warps (rows) per block
+
+  // While the other entries compile in the background (cuda_kernel.h), every call takes the general one.
+  cuda::LaunchLimits compiling = limits_with(1, 4);
+  compiling.general_only = true;
+  plan = call(rows[0], row_source, {at::randn({32768, 1024}).to(at::kBFloat16)}, compiling);
+  EXPECT_EQ(plan.entry, 0u);
+  EXPECT_EQ(plan.threads, 256u);  // a block per row
+  plan = call(flat[0], flat_source, {x, y}, compiling);
+  EXPECT_EQ(plan.entry, 0u);
+  EXPECT_EQ(plan.blocks, 132u * 4);  // one element per thread, one wave
 }
 
 // A column group (a sum and an amax down the first dim of [R, 8, 4], an epilogue reading a transposed

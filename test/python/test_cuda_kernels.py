@@ -513,3 +513,54 @@ def test_identical_groups_compile_once(monkeypatch):
     assert len(graph.kernels) == 6, str(report)
     assert graph.timings["codegen: modules compiled"] <= 2, str(report)
     assert "codegen: modules compiled" in str(report)
+
+
+def _background_groups():
+    """A row group (softmax over 1000 columns: the w8 variant, 32 values a lane, whose module compiles in the
+    background) and a flat group (whose vector entry compiles at once), their sources new to the process
+    (a random scale), and inputs."""
+    import random
+
+    scale = random.uniform(0.5, 2.0)
+
+    def fn(x, y):
+        return torch.softmax(x * scale, -1), torch.sigmoid(y * scale) * y
+
+    return fn, torch.randn(300, 1000, device="cuda"), torch.randn(4097, device="cuda")
+
+
+def test_background_compile_runs_general_kernels_until_the_others_load(monkeypatch):
+    """With background compiles on (the default outside these tests), codegen compiles the row group's general
+    kernel and hands its row variants to a thread of their own: explain counts that module, the first call
+    runs the general kernel, and after ember.wait_for_compiles() calls run the variant. Every call agrees
+    with eager."""
+    import ember
+
+    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
+    monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "1")
+    fn, x, y = _background_groups()
+    with torch.no_grad():
+        report = ember.explain(fn, options={"fallback": "raise"})(x, y)
+    (graph,) = report.graphs
+    assert graph.timings["codegen: modules in background"] == 1, str(report)
+    ember.wait_for_compiles()
+
+    fn, x, y = _background_groups()
+    compiled, kernels = compare(fn, x, y)
+    assert kernels == 2
+    ember.wait_for_compiles()
+    for _ in range(2):
+        compare(fn, x, y, compiled=compiled)
+    assert all("failed to compile" not in g.describe() for _, g in EMBER_GRAPHS)
+
+
+def test_background_compile_waits_before_cuda_graph_capture(monkeypatch):
+    """reduce-overhead captures after one warm-up call: a kernel whose other entries are still compiling then
+    waits for them, so that the graph holds the kernels later calls would run. Replays agree with eager."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
+    monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "1")
+    fn, x, y = _background_groups()
+    compiled = torch.compile(fn, backend="ember", options={"fallback": "raise", "cudagraphs": True})
+    for _ in range(4):
+        torch.compiler.cudagraph_mark_step_begin()
+        compare(fn, x, y, compiled=compiled)
