@@ -735,6 +735,9 @@ class Printer {
     // on the 2-core host).
     const std::optional<int64_t> fixed = static_cols();
     o << "  " << (fixed ? "constexpr int cols = " + str(*fixed) : std::string("const int cols = (int)p.cols")) << ";\n";
+    // Rows of a fixed length that is no multiple of V are never vector-loaded or -stored (call_plan.cpp:
+    // row_vectorizable): their vector branches are left out (ViT's softmax over 197 keys).
+    row_vectors_ = !fixed || *fixed % width_ == 0;
     o << "  const i64 first = WARP ? (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5) : (i64)blockIdx.x;\n";
     o << "  const i64 step = WARP ? (i64)gridDim.x * (blockDim.x >> 5) : (i64)gridDim.x;\n";
     const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
@@ -835,12 +838,16 @@ class Printer {
             o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, "
               << from_float(out_type(k), stored(k)) << ");\n";
         o << "      }\n";
-        o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
-        o << "        if (col0 < cols) {\n";
-        for (size_t k = 0; k < p_.outputs.size(); ++k)
-          if (!p_.outputs[k].row)
-            o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * cols + col0, y" << k << ");\n";
-        o << "        }\n      } else {\n";
+        if (row_vectors_) {
+          o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
+          o << "        if (col0 < cols) {\n";
+          for (size_t k = 0; k < p_.outputs.size(); ++k)
+            if (!p_.outputs[k].row)
+              o << "          st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + row * cols + col0, y" << k << ");\n";
+          o << "        }\n      } else {\n";
+        } else {
+          o << "      {\n";
+        }
         o << "#pragma unroll\n        for (int v = 0; v < V; ++v) {\n";
         o << "          if (col0 + v >= cols) continue;\n";
         for (size_t k = 0; k < p_.outputs.size(); ++k)
@@ -875,7 +882,7 @@ class Printer {
   void load_row_input(Source& o, size_t k) {
     const std::string x = "x" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
     o << "    unsigned " << x << "[J][" << w << "] = {};\n";
-    if (k < static_cast<size_t>(kMaxVectorInputs)) {
+    if (k < static_cast<size_t>(kMaxVectorInputs) && row_vectors_) {
       o << "    if ((p.vec >> " << k << ") & 1u) {\n";
       o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
       o << "        if ((j * T + lane) * V < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k
@@ -939,7 +946,7 @@ class Printer {
   void load_row_chunk(Source& o, size_t k) {
     const std::string x = "x" + str(k) + "c", t = storage_type(in_type(k)), w = str(words(in_type(k)));
     o << "      unsigned " << x << "[" << w << "] = {};\n";
-    if (k < static_cast<size_t>(kMaxVectorInputs)) {
+    if (k < static_cast<size_t>(kMaxVectorInputs) && row_vectors_) {
       o << "      if ((p.vec >> " << k << ") & 1u) {\n";
       o << "        if (col0 < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k << " + col0, " << x << ");\n";
       o << "      } else {\n";
@@ -1030,6 +1037,7 @@ class Printer {
   uint32_t repeat_inputs_ = 0;     // CudaSource::repeat_inputs
   uint32_t channel_inputs_ = 0;    // CudaSource::channel_inputs
   mutable const char* lane_ = "";
+  bool row_vectors_ = true;        // rows_cached: the rows may be vector-loaded and -stored
 };
 
 }  // namespace
