@@ -51,65 +51,16 @@ bool fusible_dtype(c10::ScalarType t) {
 // float64 and the float8/unsigned types do not, so their tensors keep groups away.
 bool fusible_input_dtype(c10::ScalarType t) { return fusible_dtype(t); }
 
-// A product of an integer and symbols as sympy prints it ("2*s0*s1**2"): its constant and its symbols,
-// a power repeated, sorted. Anything else (a sum, a quotient, parentheses) is one opaque factor, its
-// text in parentheses, so that only the same text matches it.
-struct Product {
-  int64_t constant = 1;
-  std::vector<std::string> factors;
-  bool operator==(const Product& o) const { return constant == o.constant && factors == o.factors; }
-};
-
-Product parse_product(const std::string& expr) {
-  Product p;
-  if (expr.find_first_of("+-/() ") != std::string::npos) {
-    p.factors.push_back("(" + expr + ")");
-    return p;
-  }
-  for (size_t a = 0, b; a <= expr.size(); a = b + 1) {
-    b = expr.find('*', a);
-    while (b != std::string::npos && b + 1 < expr.size() && expr[b + 1] == '*') b = expr.find('*', b + 2);  // past "**"
-    if (b == std::string::npos) b = expr.size();
-    std::string f = expr.substr(a, b - a);
-    const size_t pow = f.find("**");
-    int64_t times = 1;
-    if (pow != std::string::npos) {
-      const std::string e = f.substr(pow + 2);
-      if (e.empty() || e.size() > 2 || !std::all_of(e.begin(), e.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
-        return Product{1, {"(" + expr + ")"}};
-      times = std::stoll(e);
-      f = f.substr(0, pow);
-    }
-    if (f.empty()) return Product{1, {"(" + expr + ")"}};
-    for (int64_t t = 0; t < times; ++t) {
-      if (std::isdigit(static_cast<unsigned char>(f[0]))) p.constant *= std::stoll(f);
-      else p.factors.push_back(f);
-    }
-  }
-  std::sort(p.factors.begin(), p.factors.end());
-  return p;
-}
-
 // Row-major contiguity, proven from the type: constant strides compare exactly, symbolic ones as
 // products (sympy prints [s0, s1, s1]'s outer stride "s1**2"). Unprovable means no (the node simply
 // stays unfused).
 bool contiguous(const TensorType& t) {
-  Product expected;
+  DimProduct expected;
   for (size_t i = t.sizes.size(); i-- > 0;) {
     const Dim& size = t.sizes[i];
-    const Dim& stride = t.strides[i];
     if (size.is_constant() && size.value == 1) continue;  // any stride is fine for a size-1 dim
-    const bool ok = stride.is_constant() ? expected.factors.empty() && stride.value == expected.constant
-                                         : !expected.factors.empty() && parse_product(stride.expr) == expected;
-    if (!ok) return false;
-    if (size.is_constant()) {
-      expected.constant *= size.value;
-    } else {
-      const Product factor = parse_product(size.expr);
-      expected.constant *= factor.constant;
-      expected.factors.insert(expected.factors.end(), factor.factors.begin(), factor.factors.end());
-      std::sort(expected.factors.begin(), expected.factors.end());
-    }
+    if (!(DimProduct::of(t.strides[i]) == expected)) return false;
+    expected *= DimProduct::of(size);
   }
   return true;
 }

@@ -3,6 +3,7 @@
 #include "ember/ir.h"
 
 #include <algorithm>
+#include <cctype>
 
 #include <unordered_map>
 #include <unordered_set>
@@ -101,19 +102,66 @@ size_t reduced_leading_dims(const Node& n) {
   return trivial ? 0 : static_cast<size_t>(k);
 }
 
+DimProduct DimProduct::of(const Dim& d) {
+  DimProduct p;
+  if (d.is_constant()) {
+    p.constant = d.value;
+    return p;
+  }
+  const std::string& expr = d.expr;
+  const DimProduct opaque{1, {"(" + expr + ")"}};
+  if (expr.find_first_of("+-/() ") != std::string::npos) return opaque;
+  for (size_t a = 0, b; a <= expr.size(); a = b + 1) {
+    b = expr.find('*', a);
+    while (b != std::string::npos && b + 1 < expr.size() && expr[b + 1] == '*') b = expr.find('*', b + 2);  // past "**"
+    if (b == std::string::npos) b = expr.size();
+    std::string f = expr.substr(a, b - a);
+    int64_t times = 1;
+    if (const size_t pow = f.find("**"); pow != std::string::npos) {
+      const std::string e = f.substr(pow + 2);
+      if (e.empty() || e.size() > 2 || !std::all_of(e.begin(), e.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); }))
+        return opaque;
+      times = std::stoll(e);
+      f = f.substr(0, pow);
+    }
+    if (f.empty()) return opaque;
+    for (int64_t t = 0; t < times; ++t) {
+      if (std::isdigit(static_cast<unsigned char>(f[0]))) p.constant *= std::stoll(f);
+      else p.factors.push_back(f);
+    }
+  }
+  std::sort(p.factors.begin(), p.factors.end());
+  return p;
+}
+
+DimProduct& DimProduct::operator*=(const DimProduct& o) {
+  constant *= o.constant;
+  factors.insert(factors.end(), o.factors.begin(), o.factors.end());
+  std::sort(factors.begin(), factors.end());
+  return *this;
+}
+
 std::vector<int> memory_order(const TensorType& t) {
+  // Innermost first: the dimension whose stride is the product of the sizes inside it, from stride 1 out.
   std::vector<int> dims;
-  for (size_t d = 0; d < t.sizes.size() && d < t.strides.size(); ++d) {
-    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return {};
-    if (t.sizes[d].value != 1) dims.push_back(static_cast<int>(d));
+  for (size_t d = 0; d < t.sizes.size() && d < t.strides.size(); ++d)
+    if (!(t.sizes[d].is_constant() && t.sizes[d].value == 1)) dims.push_back(static_cast<int>(d));
+  std::vector<int> inner_first;
+  std::vector<bool> placed(t.sizes.size(), false);
+  DimProduct expected;
+  while (inner_first.size() < dims.size()) {
+    int found = -1;
+    for (int d : dims)
+      if (!placed[d] && DimProduct::of(t.strides[d]) == expected) {
+        found = d;
+        break;
+      }
+    if (found < 0) return {};
+    placed[found] = true;
+    inner_first.push_back(found);
+    expected *= DimProduct::of(t.sizes[found]);
   }
-  std::stable_sort(dims.begin(), dims.end(), [&](int a, int b) { return t.strides[a].value > t.strides[b].value; });
-  int64_t expected = 1;
-  for (size_t i = dims.size(); i-- > 0;) {
-    if (t.strides[dims[i]].value != expected) return {};
-    expected *= t.sizes[dims[i]].value;
-  }
-  return dims;
+  return {inner_first.rbegin(), inner_first.rend()};
 }
 
 void Graph::verify() const {

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <fstream>
+#include <map>
 
 namespace ember {
 namespace {
@@ -59,6 +60,26 @@ TEST(FusePass, SymbolicStridesWithPowersAreContiguous) {
     for (size_t p = bad.find("{s1*s2**2"); p != std::string::npos; p = bad.find("{s1*s2**2", p + 1)) bad.replace(p + 1, 8, wrong);
     EXPECT_EQ(fuse_text(bad).find("#0"), std::string::npos) << wrong;
   }
+}
+
+// channels_last under dynamic shapes: the batch alone symbolic (strides constant), or every dim symbolic
+// (strides products of symbols). memory_order finds the layout either way, so CUDA pointwise groups over
+// them are permuted groups as with static shapes; a stride that breaks the chain leaves them unfused.
+TEST(FusePass, SymbolicChannelsLastGroupsArePermuted) {
+  for (const std::string t : {std::string("f32[s0, 8, 5, 5]{200, 1, 40, 8}@cuda:0"),
+                              std::string("f32[s0, s1, s2, s2]{s1*s2**2, 1, s1*s2, s1}@cuda:0"),
+                              std::string("f32[s0, s1, s2, s2]{s1*s2**2, 1, s1*s2, 2*s1}@cuda:0")}) {
+    const std::string in = "graph(%x: " + t + ", %s0: int, %s1: int, %s2: int):\n"
+                           "  %r: " + t + " = aten::relu(%x)\n"
+                           "  %m: " + t + " = aten::mul.Tensor(%r, 2.0)\n"
+                           "  return (%m)\n";
+    const bool dense = t.find("2*s1}") == std::string::npos;
+    EXPECT_EQ(fuse_text(in).find("aten::mul.Tensor(%r, 2.0) #0") != std::string::npos, dense) << t;
+  }
+  TensorType cl = parse("graph(%x: f32[s0, s1, s2, s3]{s1*s2*s3, 1, s1*s3, s1}@cuda:0):\n  return (%x)\n").inputs()[0]->type.tensor;
+  EXPECT_EQ(memory_order(cl), (std::vector<int>{0, 2, 3, 1}));
+  TensorType rm = parse("graph(%x: f32[2, s0, 1, 3]{3*s0, 3, 7, 1}@cpu):\n  return (%x)\n").inputs()[0]->type.tensor;
+  EXPECT_EQ(memory_order(rm), (std::vector<int>{0, 1, 3}));  // the size-1 dim left out, whatever its stride
 }
 
 TEST(FusePass, SiblingsReadingOneInputShareAGroup) {
@@ -666,6 +687,13 @@ std::vector<std::pair<std::string, std::string>> codegen_graphs() {
       "  return (%c)\n"});
   graphs.push_back({"entropy_768_f32", rows("f32", "768", entropy)});
   for (std::string t : {"f32", "bf16"}) graphs.push_back({"vit_softmax_197_" + t, rows(t, "197", softmax)});  // ViT's keys
+  // channels_last with a symbolic batch (dynamic shapes): a permuted group, its per-channel bias a period.
+  const std::string cl = "f32[s0, 64, 7, 7]{3136, 1, 448, 64}@cuda:0";
+  graphs.push_back({"cl_dynamic_f32", "graph(%x: " + cl + ", %b: f32[64, 1, 1]{1, 1, 1}@cuda:0, %r: " + cl + ", %s0: int):\n"
+      "  %a: " + cl + " = aten::add.Tensor(%x, %b)\n"
+      "  %c: " + cl + " = aten::add.Tensor(%a, %r)\n"
+      "  %o: " + cl + " = aten::relu(%c)\n"
+      "  return (%o)\n"});
   graphs.push_back({"mixed",
       "graph(%x: f16[s0, 301]{301, 1}@cuda:0, %w: f32[301]{1}@cuda:0, %b: f32[301]{1}@cuda:0, %m: b8[301]{1}@cuda:0, "
       "%y: bf16[7, 5]{1, 7}@cuda:0, %s0: int):\n"
@@ -970,6 +998,25 @@ TEST(CudaLaunch, EntryAndOneWaveGrid) {
   EXPECT_EQ(plan.blocks, 132u * 4);  // 4096 blocks of 8 rows' worth, one wave of 4 per SM
   plan = call(rows[0], row_source, {at::randn({20, 1024}).to(at::kBFloat16)}, limits_with(2, 4));
   EXPECT_EQ(plan.blocks, 3u);  // 20 rows, 8 warps (rows) per block
+
+  // channels_last with a symbolic batch: iterated in memory order, the vector entry, the output written
+  // channels_last, the per-channel bias read as a repeating period.
+  for (const auto& [label, text] : codegen_graphs()) {
+    if (label != "cl_dynamic_f32") continue;
+    std::vector<Program> cl = cuda_programs(text);
+    ASSERT_EQ(cl.size(), 1u);
+    cuda::CudaSource cl_source = cuda::generate(cl[0], "k");
+    EXPECT_EQ(cl_source.iteration_order, (std::vector<int>{0, 2, 3, 1}));
+    std::map<std::string, at::Tensor> by_name{{"x", at::randn({3, 64, 7, 7}).contiguous(at::MemoryFormat::ChannelsLast)},
+                                              {"r", at::randn({3, 64, 7, 7}).contiguous(at::MemoryFormat::ChannelsLast)},
+                                              {"b", at::randn({64, 1, 1})}};
+    std::vector<at::Tensor> inputs;
+    for (const ProgramInput& in : cl[0].inputs) inputs.push_back(by_name.at(in.value->name));
+    cuda::CallPlan cl_plan = call(cl[0], cl_source, inputs, flat_limits);
+    EXPECT_EQ(cl_plan.entry, 1u);
+    ASSERT_EQ(cl_plan.outputs.size(), 1u);
+    EXPECT_TRUE(cl_plan.outputs[0].is_contiguous(at::MemoryFormat::ChannelsLast));
+  }
 
   // While the other entries compile in the background (cuda_kernel.h), every call takes the general one.
   cuda::LaunchLimits compiling = limits_with(1, 4);

@@ -352,6 +352,30 @@ def test_flat_channels_last_writes_eager_layout(dtype):
         assert_same(compiled(x, yc, s), fn(x, yc, s), atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("symbolic", ["batch", "all"])
+def test_flat_channels_last_under_dynamic_shapes(dtype, symbolic):
+    """The same chain with symbolic sizes: the batch alone (its strides stay constants) or every dim (strides
+    are products of symbols). One compiled kernel serves each shape in memory order, with eager's strides."""
+
+    def fn(x, y, s):
+        return torch.relu(x * s + y) * 0.5
+
+    compiled, kernels = None, 0
+    for n, c, h in [(3, 16, 7), (5, 16, 7), (2, 24, 5)] if symbolic == "all" else [(3, 16, 7), (5, 16, 7), (9, 16, 7)]:
+        x = torch.randn(n, c, h, h + 2, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+        y = torch.randn(n, c, h, h + 2, device="cuda", dtype=dtype).to(memory_format=torch.channels_last)
+        s = torch.randn(c, 1, 1, device="cuda", dtype=dtype)
+        if symbolic == "batch":
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(y, 0)
+        compiled, new = compare(fn, x, y, s, dynamic=None if symbolic == "batch" else True, compiled=compiled)
+        kernels += new
+        with torch.no_grad():
+            assert compiled(x, y, s).stride() == fn(x, y, s).stride()
+    assert kernels >= 1
+
+
 @pytest.mark.parametrize("layout", [torch.channels_last, torch.contiguous_format], ids=["channels_last", "nchw"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_eval_batch_norm_fuses_with_relu_and_residual(dtype, layout):

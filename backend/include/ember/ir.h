@@ -186,9 +186,22 @@ Graph parse(const std::string& text);
 // The right-hand side of one node's line without its group: "aten::add.Tensor(%x, 1.0)".
 std::string print_call(const Node& n);
 
-// The dimensions of a dense tensor type with constant sizes and strides, from the outermost in memory to
-// the innermost (size-1 dimensions left out); empty where the strides are no permutation of a contiguous
-// layout. Row-major types give their dimensions in order; channels_last [N, C, H, W] gives N, H, W, C.
+// A size or stride as a product of an integer and symbols, as sympy prints it ("2*s0*s1**2"): its constant
+// and its symbols, a power repeated, sorted, so that equal products compare equal however printed.
+// Anything else (a sum, a quotient, parentheses) is one opaque factor, its text in parentheses, which
+// only the same text matches.
+struct DimProduct {
+  int64_t constant = 1;
+  std::vector<std::string> factors;
+  static DimProduct of(const Dim& d);
+  DimProduct& operator*=(const DimProduct& o);
+  bool operator==(const DimProduct& o) const { return constant == o.constant && factors == o.factors; }
+};
+
+// The dimensions of a dense tensor type, from the outermost in memory to the innermost (size-1 dimensions
+// left out); empty where the strides are no permutation of a contiguous layout. Symbolic sizes and strides
+// compare as products (DimProduct), so dynamic shapes keep their layout. Row-major types give their
+// dimensions in order; channels_last [N, C, H, W] gives N, H, W, C.
 std::vector<int> memory_order(const TensorType& t);
 
 // For a sum / mean / amax / amin over a prefix [0, k) of its input's dimensions (k below the rank,
