@@ -231,7 +231,11 @@ void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c
       record->before(step.label.c_str());
     }
     if (step.kernel) {
-      step.kernel->run(buffers, step.reads, step.writes);
+      if (step.stand_in && step.kernel->compiling()) {
+        for (const Step& s : *step.stand_in) run_step(s, buffers, stack);
+      } else {
+        step.kernel->run(buffers, step.reads, step.writes);
+      }
       for (uint32_t b : step.frees) buffers[b] = c10::IValue();
       return;
     }
@@ -277,6 +281,7 @@ std::vector<c10::IValue> CompiledGraph::finish(std::vector<c10::IValue>& buffers
 
 std::vector<uint32_t> step_reads(const Step& st) {
   std::vector<uint32_t> reads = st.reads;
+  reads.insert(reads.end(), st.stand_in_reads.begin(), st.stand_in_reads.end());
   for (auto [slot, buf] : st.from_buffer) reads.push_back(buf);
   for (auto [slot, buf] : st.scalar_from_buffer) reads.push_back(buf);
   for (const ListSlot& l : st.lists)
@@ -311,6 +316,7 @@ std::string CompiledGraph::describe() const {
            "] writes [" + writes + "]";
     if (!st.frees.empty()) out += " frees [" + list(st.frees) + "]";
     if (st.fast) out += " fast path: " + st.fast->describe();
+    if (st.stand_in) out += " (while it compiles: " + std::to_string(st.stand_in->size()) + " ATen steps)";
     out += "\n";
   }
   if (runner_) out += runner_->describe();

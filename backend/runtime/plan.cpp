@@ -183,7 +183,10 @@ class PlanBuilder {
       }
       if (n->group >= 0 && kernels_.count(n->group)) {
         // The whole group runs as one kernel where its first member stands.
-        if (emitted_groups_.insert(n->group).second) plan_.steps.push_back(bind_kernel(*n, kernels_.at(n->group)));
+        if (emitted_groups_.insert(n->group).second) {
+          plan_.steps.push_back(bind_kernel(*n, kernels_.at(n->group)));
+          if (plan_.steps.back().kernel->compiling()) bind_stand_in(n->group, plan_.steps.back());
+        }
         continue;
       }
       plan_.steps.push_back(bind(*n));
@@ -195,6 +198,7 @@ class PlanBuilder {
       else out.constant = literal(a);
       plan_.outputs.push_back(std::move(out));
     }
+    drop_unfit_stand_ins();
     plan_.num_buffers = buffers_.size();
     plan_.buffer_values.assign(buffers_.size(), nullptr);
     for (const auto& [value, buffer] : buffers_) plan_.buffer_values[buffer] = value;
@@ -243,6 +247,75 @@ class PlanBuilder {
     for (const Value* v : gk.writes) step.writes.push_back(buffer_of(v));
     for (uint32_t b : step.writes) step.outputs.push_back(static_cast<int32_t>(b));
     return step;
+  }
+
+  // The group's nodes as ATen steps, in graph order, for a kernel step whose kernel is still compiling
+  // (Step::stand_in). None where a node does not bind or the steps do not write every value the kernel
+  // writes: the kernel's call then waits for its compile.
+  void bind_stand_in(int group, Step& step) {
+    auto steps = std::make_shared<std::vector<Step>>();
+    const Node* at = node_;
+    try {
+      for (const auto& n : graph_.nodes())
+        if (n->group == group) {
+          node_ = n.get();
+          steps->push_back(bind(*n));
+        }
+    } catch (const std::exception&) {  // ember::Error from bind, c10::Error from a schema
+      node_ = at;
+      return;
+    }
+    node_ = at;
+    // Buffers written inside, read from outside, and each one's last reader inside.
+    std::unordered_map<uint32_t, size_t> written, last_read;
+    std::vector<uint32_t> outside;
+    for (size_t s = 0; s < steps->size(); ++s) {
+      for (uint32_t b : step_reads((*steps)[s])) {
+        if (written.count(b)) last_read[b] = s;
+        else if (std::find(step.reads.begin(), step.reads.end(), b) == step.reads.end() &&
+                 std::find(outside.begin(), outside.end(), b) == outside.end())
+          outside.push_back(b);
+      }
+      for (int32_t b : (*steps)[s].outputs)
+        if (b >= 0) written.emplace(static_cast<uint32_t>(b), s);
+    }
+    for (uint32_t b : step.writes)
+      if (!written.count(b)) return;
+    // The group's intermediates go after their last reader inside (or their writer, where none reads them).
+    for (const auto& [b, writer] : written) {
+      if (std::find(step.writes.begin(), step.writes.end(), b) != step.writes.end()) continue;
+      auto it = last_read.find(b);
+      (*steps)[it == last_read.end() ? writer : it->second].frees.push_back(b);
+    }
+    step.stand_in = std::move(steps);
+    step.stand_in_reads = std::move(outside);
+  }
+
+  // Stand-ins are dropped (their kernel's call waits instead) where they would read a buffer no earlier
+  // step, input or constant holds (a value the kernel's program no longer reads, made later in the graph),
+  // or free one that another step or the graph's outputs read (a value the program does not write).
+  void drop_unfit_stand_ins() {
+    std::vector<char> held(buffers_.size(), 0), read(buffers_.size(), 0);
+    for (size_t i = 0; i < plan_.num_inputs; ++i) held[i] = 1;
+    for (const auto& [b, value] : plan_.constants) held[b] = 1;
+    for (const PlanOutput& o : plan_.outputs)
+      if (o.buffer >= 0) read[o.buffer] = 1;
+    for (const Step& step : plan_.steps)
+      for (uint32_t b : step_reads(step)) read[b] = 1;
+    for (Step& step : plan_.steps) {
+      bool fits = true;
+      if (step.stand_in) {
+        for (uint32_t b : step.stand_in_reads) fits = fits && held[b];
+        for (const Step& inner : *step.stand_in)
+          for (uint32_t b : inner.frees) fits = fits && !read[b];
+      }
+      if (!fits) {
+        step.stand_in.reset();
+        step.stand_in_reads.clear();
+      }
+      for (int32_t b : step.outputs)
+        if (b >= 0) held[b] = 1;
+    }
   }
 
   Step bind(const Node& n) {
@@ -502,6 +575,7 @@ class PlanBuilder {
       for (auto [slot, buf] : step.from_buffer) last_use[buf] = static_cast<int64_t>(s);
       for (auto [slot, buf] : step.scalar_from_buffer) last_use[buf] = static_cast<int64_t>(s);
       for (uint32_t buf : step.reads) last_use[buf] = static_cast<int64_t>(s);
+      for (uint32_t buf : step.stand_in_reads) last_use[buf] = static_cast<int64_t>(s);
       for (const ListSlot& l : step.lists)
         for (int32_t buf : l.item_buffer)
           if (buf >= 0) last_use[buf] = static_cast<int64_t>(s);

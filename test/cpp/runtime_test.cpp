@@ -413,5 +413,81 @@ TEST(Runtime, RandomOpsDrawFreshNumbersEachCall) {
   EXPECT_TRUE(at::allclose(t(a[0]), t(a[1]).to(at::kFloat) / 0.75));
 }
 
+// A kernel still compiling (a deferred CUDA kernel: Kernel::compiling): its step runs the group's nodes as
+// ATen steps instead (Step::stand_in), freeing the group's intermediates, until the kernel is ready. The
+// kernel here writes zeros, so the results say which ran.
+class CompilingKernel final : public Kernel {
+ public:
+  void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+           const std::vector<uint32_t>& writes) const override {
+    ++runs;
+    buffers[writes[0]] = at::zeros_like(buffers[reads[0]].toTensor());
+  }
+  std::string describe() const override { return "compiling kernel"; }
+  bool compiling() const override { return still_compiling; }
+  bool still_compiling = true;
+  mutable int runs = 0;
+};
+
+TEST(Runtime, KernelsStillCompilingRunTheirGroupsAtenOps) {
+  const std::string text =
+      "graph(%x: f32[s0, 6]{6, 1}@cpu, %s0: int):\n"
+      "  %n: int = prim::mul(%s0, 6)\n"
+      "  %a: f32[s0, 6]{6, 1}@cpu = aten::mul.Tensor(%x, 2.0) #0\n"
+      "  %b: f32[s0, 6]{6, 1}@cpu = aten::exp(%a) #0\n"
+      "  %v: f32[6*s0]{1}@cpu = aten::view(%b, [%n]) #0\n"
+      "  %c: f32[6*s0]{1}@cpu = aten::neg(%v)\n"
+      "  return (%c)\n";
+  Graph g = parse(text);
+  auto kernel = std::make_shared<CompilingKernel>();
+  auto kernels_for = [&](const Graph& graph, std::vector<std::string> writes) {
+    GroupKernel gk;
+    gk.kernel = kernel;
+    for (const Value* v : graph.inputs())
+      if (v->name == "x") gk.reads.push_back(v);
+    for (const auto& n : graph.nodes())
+      for (const Value* v : n->outputs)
+        if (std::find(writes.begin(), writes.end(), v->name) != writes.end()) gk.writes.push_back(v);
+    return std::unordered_map<int, GroupKernel>{{0, gk}};
+  };
+  Plan plan = build_plan(g, {}, kernels_for(g, {"v"}));
+  CompiledGraph run_it(std::move(g), std::move(plan));  // the graph's nodes keep their addresses
+  const Graph& graph = run_it.graph();
+  const Step* step = nullptr;
+  for (const Step& s : run_it.plan().steps)
+    if (s.kernel) step = &s;
+  ASSERT_NE(step, nullptr);
+  ASSERT_TRUE(step->stand_in);
+  EXPECT_EQ(step->stand_in->size(), 3u);
+  ASSERT_EQ(step->stand_in_reads.size(), 1u);  // %n, the view's size, which the kernel does not read
+  at::Tensor x = at::randn({5, 6});
+  std::vector<c10::IValue> buffers = run_it.start({x, int64_t{5}});
+  run_it.execute(buffers, 0, run_it.plan().steps.size());
+  EXPECT_TRUE(at::allclose(t(run_it.finish(buffers)[0]), -at::exp(x * 2).view({30})));
+  EXPECT_EQ(kernel->runs, 0);
+  size_t live = 0;
+  for (const c10::IValue& b : buffers) live += b.isTensor();
+  EXPECT_EQ(live, 1u);  // %c alone: %a and %b freed inside the stand-in, %x and %v after their last readers
+  // Once compiled, the kernel runs.
+  kernel->still_compiling = false;
+  auto out = run_it.run({at::randn({5, 6}), int64_t{5}});
+  EXPECT_EQ(kernel->runs, 1);
+  EXPECT_EQ(t(out[0]).abs().sum().item<float>(), 0.f);
+
+  // No stand-in where the kernel was ready when the plan was built, nor where the group's ATen ops would free
+  // a value read outside it that the kernel does not write (%b, here read by %d).
+  kernel->still_compiling = false;
+  EXPECT_FALSE(build_plan(graph, {}, kernels_for(graph, {"v"})).steps[1].stand_in);
+  kernel->still_compiling = true;
+  Graph g2 = parse(
+      "graph(%x: f32[4, 6]{6, 1}@cpu):\n"
+      "  %a: f32[4, 6]{6, 1}@cpu = aten::mul.Tensor(%x, 2.0) #0\n"
+      "  %b: f32[4, 6]{6, 1}@cpu = aten::exp(%a) #0\n"
+      "  %d: f32[4, 6]{6, 1}@cpu = aten::add.Tensor(%b, %a)\n"
+      "  return (%d)\n");
+  for (const Step& s : build_plan(g2, {}, kernels_for(g2, {"a"})).steps)
+    if (s.kernel) EXPECT_FALSE(s.stand_in);
+}
+
 }  // namespace
 }  // namespace ember

@@ -53,6 +53,10 @@ class Kernel {
   virtual std::string describe() const = 0;
   // Why reduce-overhead mode must run this kernel's step outside CUDA graphs; empty: it may be captured.
   virtual std::string why_not_captured() const { return {}; }
+  // True while the kernel's code is still compiling in the background, so that run() would wait for it: a
+  // step with a stand-in (Step::stand_in) then runs that instead. False on a stream being captured into a
+  // CUDA graph, where run() waits (a graph keeps what it captures); true for good where the compile failed.
+  virtual bool compiling() const { return false; }
 };
 
 // What code generation hands the plan for one fusion group: the kernel and the values it reads and writes.
@@ -107,6 +111,11 @@ struct Step {
   const c10::OperatorHandle* op = nullptr;  // null for a prim or kernel step
   std::shared_ptr<const Kernel> kernel;     // a generated kernel replacing a whole fusion group
   std::vector<uint32_t> reads, writes;      // kernel steps: buffers, in the kernel's declared order
+  // Kernel steps whose kernel was still compiling when the plan was built: the group's nodes as ATen steps,
+  // run in its place while kernel->compiling() (a first call need not wait for NVRTC), with the buffers
+  // they read beyond `reads` (a view's symbolic sizes) and frees of their own for the group's intermediates.
+  std::shared_ptr<const std::vector<Step>> stand_in;
+  std::vector<uint32_t> stand_in_reads;
   PrimOp prim = PrimOp::None;
   std::vector<c10::IValue> stack;                         // arguments with constants in place
   std::vector<std::pair<uint32_t, uint32_t>> from_buffer; // (stack slot, buffer)
