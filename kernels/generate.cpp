@@ -18,9 +18,6 @@
 
 namespace ember {
 
-namespace {
-
-// Threads for make(i): EMBER_COMPILE_THREADS, else the hardware's (read once).
 size_t compile_threads() {
   static const size_t threads = [] {
     const char* v = std::getenv("EMBER_COMPILE_THREADS");
@@ -29,6 +26,8 @@ size_t compile_threads() {
   }();
   return threads;
 }
+
+namespace {
 
 // Runs make(i) for i in [0, n) on up to compile_threads() threads: NVRTC compiles of distinct groups
 // overlap instead of queueing (the CPU generator is cheap and gains nothing, but shares the path).

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "ember/compiler.h"
+#include "kernels/compile_threads.h"
 
 #include <unordered_map>
 

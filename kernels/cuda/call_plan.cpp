@@ -91,7 +91,7 @@ bool row_vectorizable(const int64_t* stride, const std::vector<int64_t>& full, i
 // tail), its strided entry where some input is neither vector-loaded nor one value.
 void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t inputs, int width, int unroll,
                const LaunchLimits& limits) {
-  const bool vector = (masks[0] & kVectorOutputs) && numel >= width && !limits.general_only;
+  const bool vector = (masks[0] & kVectorOutputs) && numel >= width;
   bool strided = inputs > static_cast<size_t>(kMaxVectorInputs);
   for (size_t k = 0; k < inputs && k < static_cast<size_t>(kMaxVectorInputs); ++k)
     strided |= !(((masks[0] | masks[1] | masks[2] | masks[3]) >> k) & 1u);
@@ -128,7 +128,7 @@ void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& sou
     const int64_t most = limits.most_threads(1 + index_of(v));
     return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
   };
-  std::optional<RowVariant> v = limits.general_only ? std::nullopt : choose_row_variant(cols, width, source.rows, launchable);
+  std::optional<RowVariant> v = choose_row_variant(cols, width, source.rows, launchable);
   if (!v) {
     plan.entry = 0;
     plan.threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);

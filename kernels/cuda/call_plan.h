@@ -34,9 +34,6 @@ struct LaunchLimits {
   // threads one multiprocessor holds at once (resident[entry][i]; 0: not launchable). Empty: unknown.
   std::vector<int64_t> max_threads;
   std::vector<std::vector<int>> resident;
-  // Calls take the general entry (entry 0) whatever they are: the others are still compiling
-  // (cuda_kernel.h's background compiles).
-  bool general_only = false;
 
   // The largest block `entry` launches with (1024 where unknown).
   int64_t most_threads(size_t entry) const { return entry < max_threads.size() ? max_threads[entry] : 1024; }

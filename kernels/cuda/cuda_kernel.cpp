@@ -1,7 +1,7 @@
-// A fused CUDA kernel: the group's module (cuda_source.h), compiled with NVRTC when the plan is built
-// (its fallback entries on first use), launched on ATen's current stream with the entry point and grid
-// call_plan.h picks per call. The device's multiprocessor count, and each entry point's largest block and
-// resident blocks per multiprocessor, are queried once per entry, here.
+// A fused CUDA kernel: the group's module (cuda_source.h), compiled with NVRTC when the plan is built or on a
+// thread of its own (a deferred kernel; its fallback entries on first use), launched on ATen's current
+// stream with the entry point and grid call_plan.h picks per call. The device's multiprocessor count, and
+// each entry point's largest block and resident blocks per multiprocessor, are queried once per entry, here.
 #include "kernels/cuda/cuda_kernel.h"
 
 #include "ember/error.h"
@@ -40,27 +40,58 @@ Background& background() {
   return *b;
 }
 
-// Entry points in CallPlan::entry order: general, vector, strided vector (flat groups) or the row
-// variants (column groups have the general entry alone). Two entries are fallbacks that compile on first
+// EMBER_CUDA_GENERAL=eager and EMBER_CUDA_STRIDED=eager compile those fallback entries with the others
+// (measuring switches: the first call's cost of them); so does a package's export or load (`images`): it
+// must hold every image.
+bool eager_entry(const char* name, const ImageStore* images) {
+  const char* v = std::getenv(name);
+  return images != nullptr || (v && std::string(v) == "eager");
+}
+
+// The functions of `source`'s entry points in CallPlan::entry order (general, vector, strided vector for
+// flat groups; general and the row variants for row groups; the general alone for column groups): the
+// modules that hold them compiled, the fallback entries (FusedCudaKernel) null unless eager_entry says.
+std::vector<void*> compile_entries(const CudaSource& source, int device, ImageStore* images) {
+  std::vector<std::string> entries;
+  if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
+  for (const RowVariant& v : source.rows) entries.push_back(v.entry);
+  std::vector<void*> functions;
+  if (!source.entries_text.empty()) {  // the general entry a module apart (cuda_source.h)
+    std::future<void*> general;
+    if (eager_entry("EMBER_CUDA_GENERAL", images))
+      general = std::async(std::launch::async, [&] { return compile(source.general_text, source.general, device, images); });
+    std::vector<void*> others = compile(source.entries_text, entries, device, images);
+    functions.push_back(general.valid() ? general.get() : nullptr);
+    functions.insert(functions.end(), others.begin(), others.end());
+  } else {
+    entries.insert(entries.begin(), source.general);
+    functions = compile(source.text, entries, device, images);
+  }
+  if (!source.strided_vector_entry.empty())
+    functions.push_back(eager_entry("EMBER_CUDA_STRIDED", images)
+                            ? compile(source.strided_text, source.strided_vector_entry, device, images)
+                            : nullptr);
+  return functions;
+}
+
+// Entry points in CallPlan::entry order (compile_entries). Two entries are fallbacks that compile on first
 // use, each a module of its own: a flat group's strided entry (strided_text: misaligned or irregularly
 // strided inputs), and the general entry of a group whose other entries are a module apart (general_text:
 // rows no variant takes, outputs below one vector; a third of the group's NVRTC time, GPT-2's modules 65-104
 // of 250-290 ms on the 2-core host). Until then an entry's slot in functions_ is null and its launch limits
-// are unknown. make_fused_kernel compiles them at once where `images` is given (a package is exported or
-// loaded: it must hold every image).
+// are unknown.
 //
-// Background compiles (make_fused_kernel, cuda_kernel.h) start with the general entry alone: the limits
-// say general_only, so calls plan for it, until the entries module is loaded and new limits know its
-// entries.
+// A deferred kernel (make_fused_kernel) has no functions yet: its modules compile on a thread of their own
+// (compile_in_background), and until they are loaded compiling() says so, the plan's stand-in runs the
+// group's ATen ops, and a call without one waits for the compile.
 class FusedCudaKernel final : public Kernel {
  public:
-  FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device, bool general_only)
+  FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device, bool deferred)
       : p_(std::move(program)), source_(std::move(source)), device_(device), entries_(functions.size()),
-        functions_(new std::atomic<void*>[functions.size()]) {
+        functions_(new std::atomic<void*>[functions.size()]), loaded_(!deferred) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     LaunchLimits& limits = snapshots_.emplace_back();
     limits.multiprocessors = multiprocessor_count(device_);
-    limits.general_only = general_only;
     for (size_t entry = 0; entry < entries_; ++entry) {
       functions_[entry].store(functions[entry], std::memory_order_relaxed);
       if (functions[entry]) set_limits(limits, entry, functions[entry]);
@@ -69,12 +100,13 @@ class FusedCudaKernel final : public Kernel {
   }
 
   ~FusedCudaKernel() override {
+    abandoned_.store(true);  // a compile not started yet need not start
     if (background_.valid()) background_.wait();  // it writes this kernel's members
   }
 
-  // Compiles source_.entries_text (entry points `names`, which take entries 1, 2, ...) on a thread of its
-  // own and publishes them when loaded. A failure leaves the general entry running every call.
-  void compile_entries_in_background(std::vector<std::string> names) {
+  // Compiles the kernel's modules (compile_entries) on a thread of its own and publishes their functions
+  // when loaded. A failure leaves compiling() true, so that the group's stand-in runs every call.
+  void compile_in_background() {
     Background& b = background();
     {
       std::lock_guard<std::mutex> lock(b.mu);
@@ -87,39 +119,51 @@ class FusedCudaKernel final : public Kernel {
     }
     count_background_compile();
     try {
-      background_ = std::async(std::launch::async, [this, names] { load_entries(names); }).share();
+      background_ = std::async(std::launch::async, [this] { load_all(); }).share();
     } catch (const std::system_error&) {  // no thread to be had: compiled here instead
-      load_entries(names);
+      load_all();
     }
   }
 
-  // The entries module compiled and its entries published with limits that know them; then one background
+  // The modules compiled and their functions published with limits that know them; then one background
   // compile fewer.
-  void load_entries(const std::vector<std::string>& names) {
+  void load_all() {
     try {
-      std::vector<void*> loaded = compile(source_.entries_text, names, device_, nullptr);
-      std::lock_guard<std::mutex> lock(load_mu_);
-      LaunchLimits& limits = snapshots_.emplace_back(*limits_.load(std::memory_order_acquire));
-      limits.general_only = false;
-      for (size_t i = 0; i < loaded.size(); ++i) {
-        set_limits(limits, 1 + i, loaded[i]);
-        functions_[1 + i].store(loaded[i], std::memory_order_release);
+      std::vector<void*> loaded;
+      if (!abandoned_.load()) loaded = compile_entries(source_, device_, nullptr);
+      if (!loaded.empty()) {
+        std::lock_guard<std::mutex> lock(load_mu_);
+        LaunchLimits& limits = snapshots_.emplace_back(*limits_.load(std::memory_order_acquire));
+        for (size_t entry = 0; entry < loaded.size() && entry < entries_; ++entry) {
+          if (!loaded[entry]) continue;
+          set_limits(limits, entry, loaded[entry]);
+          functions_[entry].store(loaded[entry], std::memory_order_release);
+        }
+        limits_.store(&limits, std::memory_order_release);
+        loaded_.store(true, std::memory_order_release);
       }
-      limits_.store(&limits, std::memory_order_release);
     } catch (const std::exception& e) {
       std::lock_guard<std::mutex> lock(load_mu_);
       background_error_ = e.what();
+      failed_.store(true, std::memory_order_release);
     }
     Background& b = background();
     std::lock_guard<std::mutex> lock(b.mu);
     if (--b.running == 0) b.idle.notify_all();
   }
 
+  bool compiling() const override {
+    if (loaded_.load(std::memory_order_acquire)) return false;
+    if (failed_.load(std::memory_order_acquire)) return true;
+    c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
+    return !capturing(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle());
+  }
+
   std::string describe() const override {
     std::string failed;
     {
       std::lock_guard<std::mutex> lock(load_mu_);
-      if (!background_error_.empty()) failed = "; its row variants failed to compile, the general entry runs: " + background_error_;
+      if (!background_error_.empty()) failed = "; it failed to compile, its ATen ops run: " + background_error_;
     }
     return "cuda fused group " + std::to_string(p_.group) + " (" + std::to_string(p_.code.size()) +
            " instructions" + (!p_.has_reduction ? "" : p_.outer ? ", column reductions" : ", row reductions") + failed + ")";
@@ -129,12 +173,15 @@ class FusedCudaKernel final : public Kernel {
            const std::vector<uint32_t>& writes) const override {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
+    if (!loaded_.load(std::memory_order_acquire)) {  // deferred: a call without a stand-in, or being captured
+      if (background_.valid()) background_.wait();
+      if (!loaded_.load(std::memory_order_acquire)) {
+        std::lock_guard<std::mutex> lock(load_mu_);
+        throw Error("CUDA fused group " + std::to_string(p_.group) + " failed to compile: " + background_error_);
+      }
+    }
     const LaunchLimits* limits = limits_.load(std::memory_order_acquire);
     void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
-    if (limits->general_only && background_.valid() && capturing(stream)) {
-      background_.wait();  // a CUDA graph keeps the entry it captures: the one calls will run
-      limits = limits_.load(std::memory_order_acquire);
-    }
     CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
     while (plan.launch && !compiled(*limits, plan.entry)) {
       load(plan.entry);  // a fallback entry's first use: compiled now, and the call planned again by its limits
@@ -229,13 +276,15 @@ class FusedCudaKernel final : public Kernel {
   mutable std::mutex workspace_mu_;
   mutable std::vector<Workspace> workspaces_;
   mutable std::vector<at::Tensor> outgrown_;
-  // The background compile of the entries module, if one was started; its failure (under load_mu_).
+  // A deferred kernel's background compile; its failure (under load_mu_). loaded_: the functions compiled
+  // are published (at once where the kernel was not deferred).
   std::shared_future<void> background_;
   std::string background_error_;
+  std::atomic<bool> loaded_, failed_{false}, abandoned_{false};
 };
 
-// EMBER_CUDA_BACKGROUND=0: every module compiles when the plan is built (for measuring what the background
-// compile saves the first call, or for a first call that should already run the entries it keeps).
+// EMBER_CUDA_BACKGROUND=0: every module compiles when the plan is built (for measuring what deferring saves
+// the first call, or for a first call that should already run the kernels later calls keep).
 // Read per kernel (when the plan is built, never per call), so that tests can switch it.
 bool background_compiles() {
   const char* v = std::getenv("EMBER_CUDA_BACKGROUND");
@@ -265,39 +314,15 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
       *listing += "// (" + source.strided_vector_entry + ", the strided vector entry, compiles from this source on first use)\n";
     *listing += "\n";
   }
-  // Packages hold every image: exporting or loading one compiles the fallback entries now. So do
-  // EMBER_CUDA_GENERAL=eager and EMBER_CUDA_STRIDED=eager (measuring switches: the first call's cost of that).
-  auto eager = [images](const char* name) {
-    const char* v = std::getenv(name);
-    return images != nullptr || (v && std::string(v) == "eager");
-  };
-  std::vector<std::string> entries;
-  if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
-  for (const RowVariant& v : source.rows) entries.push_back(v.entry);
-  std::vector<void*> functions;
-  if (source.entries_in_background && !eager("EMBER_CUDA_GENERAL") && background_compiles() &&
-      !has_image(source.entries_text, device)) {
-    functions.assign(1 + entries.size(), nullptr);
-    functions[0] = compile(source.general_text, source.general, device, nullptr);
-    if (!source.strided_vector_entry.empty()) functions.push_back(nullptr);
-    auto kernel = std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device, true);
-    kernel->compile_entries_in_background(std::move(entries));
+  const size_t entries = 1 + (source.vector_entry.empty() ? 0 : 1) + source.rows.size() +
+                         (source.strided_vector_entry.empty() ? 0 : 1);
+  if (!images && background_compiles() && !has_image(source.entries_text.empty() ? source.text : source.entries_text, device)) {
+    auto kernel = std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::vector<void*>(entries, nullptr),
+                                                    device, true);
+    kernel->compile_in_background();
     return kernel;
   }
-  if (!source.entries_text.empty()) {  // the general entry a module apart (cuda_source.h)
-    std::future<void*> general;
-    if (eager("EMBER_CUDA_GENERAL"))
-      general = std::async(std::launch::async, [&] { return compile(source.general_text, source.general, device, images); });
-    std::vector<void*> others = compile(source.entries_text, entries, device, images);
-    functions.push_back(general.valid() ? general.get() : nullptr);
-    functions.insert(functions.end(), others.begin(), others.end());
-  } else {
-    entries.insert(entries.begin(), source.general);
-    functions = compile(source.text, entries, device, images);
-  }
-  if (!source.strided_vector_entry.empty())
-    functions.push_back(eager("EMBER_CUDA_STRIDED") ? compile(source.strided_text, source.strided_vector_entry, device, images)
-                                                    : nullptr);
+  std::vector<void*> functions = compile_entries(source, device, images);
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device, false);
 }
 

@@ -11,20 +11,17 @@ namespace ember::cuda {
 
 class ImageStore;
 
-// Compiles the group's kernel now, or loads its image from `images` (may be null). Null, with the reason,
-// where the CUDA driver cannot be loaded; the source is appended to *listing.
-//
-// Where the group's row entries are a module apart from its general entry and cost several times its
-// NVRTC time (CudaSource::entries_in_background), and neither `images`, the process nor the disk cache
-// has that module, only the general entry (a block per row, any strides) compiles now. The other module
-// compiles on a thread of its own, and calls take its entries once it is loaded; until then they run the
-// general entry, except that a call being captured into a CUDA graph waits for it.
-// EMBER_CUDA_BACKGROUND=0 compiles both now.
+// The group's kernel, or null with the reason where the CUDA driver cannot be loaded; the source is appended
+// to *listing. Its image comes from `images` (may be null), the process or the disk cache where they hold it,
+// and is compiled now so. Otherwise the kernel is deferred: NVRTC compiles it on a thread of its own, and until it is loaded Kernel::compiling() is true, so that the plan
+// runs the group's ATen ops in its place (Step::stand_in): a first call does not wait for NVRTC. A call
+// being captured into a CUDA graph, or one without a stand-in, waits for the compile.
+// EMBER_CUDA_BACKGROUND=0 compiles every kernel now.
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
                                                 ImageStore* images);
 
-// Waits until every kernel's background compile (above) has finished: then calls run the entries they
-// will keep running (bench/ times steady state after this).
+// Waits until every deferred kernel's compile (above) has finished: then calls run the kernels they will
+// keep running (bench/ times steady state after this).
 void wait_for_background_compiles();
 
 }  // namespace ember::cuda

@@ -162,14 +162,6 @@ class Printer {
       out.general_text = o.s.substr(0, general_end);
       out.entries_text = without_general();
     }
-    // Row variants unroll each phase over every value a thread holds, and a symbolic row length compiles
-    // them all: NVRTC on the 2-core host took 480-710 ms for those modules against 70-86 for the general
-    // entry's, 168-192 against 70-85 for one variant of 32 values (entropy over 768 columns, softmax over
-    // 1024). A flat group's vector entry took 1.1-2.7 times its general entry's, and a compile running
-    // beside the first call costs it some of that back: on the H100, sin().cos().exp()'s first call in a
-    // fresh process took 0.41 s so, against 0.32 s compiling its vector entry at once.
-    for (const RowVariant& v : out.rows)
-      out.entries_in_background |= out.rows.size() > 1 || v.chunks * width_ >= 16;
     out.text = std::move(o.s);
     return out;
   }

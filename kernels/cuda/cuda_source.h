@@ -33,9 +33,6 @@ struct CudaSource {
   // optimizing each entry; a pointwise group's two entries took ~0.5 s together on this project's
   // 2-core machine).
   std::string general_text, entries_text;
-  // Where entries_text costs NVRTC several times general_text: the kernel may compile it in the
-  // background (cuda_kernel.h), running the general entry until then.
-  bool entries_in_background = false;
   std::string general;       // the strided kernel: flat groups, General rows, or column groups' only entry
   int column_reductions = 0;  // column groups: reductions, each with a workspace row per chunk of rows
   std::string vector_entry;  // flat groups: 16-byte vector loads/stores with a scalar tail; else empty

@@ -9,6 +9,7 @@
 #include "kernels/cuda/driver.h"
 
 #include "ember/error.h"
+#include "kernels/compile_threads.h"
 #include "kernels/cuda/cuda_prelude.h"
 #include "kernels/cuda/disk_cache.h"
 #include "kernels/cuda/image_store.h"
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <future>
 #include <map>
@@ -250,8 +252,34 @@ const std::vector<std::string>& extra_options() {
   return options;
 }
 
+// NVRTC compiles at most compile_threads() programs at once in the process: code generation's threads and
+// deferred kernels' own (cuda_kernel.h) share them, so that a model's many background compiles neither
+// outnumber the cores nor hold each its own NVRTC memory at once. A slot is held for the scope.
+class NvrtcSlot {
+ public:
+  NvrtcSlot() {
+    std::unique_lock<std::mutex> lock(mu());
+    freed().wait(lock, [] { return busy() < compile_threads(); });
+    ++busy();
+  }
+  ~NvrtcSlot() {
+    std::lock_guard<std::mutex> lock(mu());
+    --busy();
+    freed().notify_one();
+  }
+  NvrtcSlot(const NvrtcSlot&) = delete;
+  NvrtcSlot& operator=(const NvrtcSlot&) = delete;
+
+ private:
+  // Never destroyed: a background compile may end during exit.
+  static std::mutex& mu() { static auto* m = new std::mutex; return *m; }
+  static std::condition_variable& freed() { static auto* c = new std::condition_variable; return *c; }
+  static size_t& busy() { static size_t n = 0; return n; }
+};
+
 // NVRTC: source -> cubin for `arch`. Throws ember::Error with NVRTC's log on failure.
 std::string nvrtc_compile(const std::string& source, const std::string& name, const std::string& arch) {
+  NvrtcSlot slot;
   const Api& a = nvrtc_api();
   nvrtcProgram prog = nullptr;
   if (a.nvrtcCreateProgram(&prog, source.c_str(), (name + ".cu").c_str(), 0, nullptr, nullptr) != 0)

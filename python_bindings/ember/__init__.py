@@ -16,9 +16,8 @@ __all__ = ["EmberError", "ember_backend", "explain", "export", "load", "wait_for
 def wait_for_compiles():
     """Waits until the CUDA kernels ember is still compiling in the background have loaded.
 
-    Where a fused row group's register-resident kernels cost NVRTC several times its general kernel, a
-    compiled function's first call runs the general one while they compile on a thread of their own
-    (kernels/cuda/cuda_kernel.h); calls after this run them.
+    Fused CUDA kernels that no cache holds compile on threads of their own, and until one has loaded, calls
+    run its group's ATen ops instead (kernels/cuda/cuda_kernel.h); calls after this run the kernels.
     Returns at once where nothing is compiling. EMBER_CUDA_BACKGROUND=0 compiles everything before the
     first call instead."""
     from . import _C

@@ -795,14 +795,6 @@ TEST(CudaCodegen, SourceSizedForCompileTime) {
   EXPECT_EQ(gelu.vector_width, 8);
   EXPECT_EQ(gelu.flat_unroll, 2);  // 32 erff's were over the budget, 16 are not
 
-  // Which modules compile in the background (cuda_kernel.h): row variants of many values, or all of them.
-  for (const auto& [label, background] : std::vector<std::pair<std::string, bool>>{
-           {"sin_cos_exp_1000", false}, {"pointwise_f32", false}, {"columns_f32", false},
-           {"entropy_768_f32", true}, {"softmax_f32", true}, {"softmax_1024_bf16", true}}) {
-    for (const auto& [name, text] : codegen_graphs())
-      if (name == label) EXPECT_EQ(cuda::generate(cuda_programs(text).at(0), "k").entries_in_background, background) << label;
-  }
-
   // Rows of a fixed length that is no multiple of the vector width are never vector-loaded: no such branch.
   for (const auto& [label, text] : codegen_graphs()) {
     if (label.rfind("vit_softmax_197", 0) != 0 && label != "softmax_1024_f32") continue;
@@ -1017,16 +1009,6 @@ TEST(CudaLaunch, EntryAndOneWaveGrid) {
     ASSERT_EQ(cl_plan.outputs.size(), 1u);
     EXPECT_TRUE(cl_plan.outputs[0].is_contiguous(at::MemoryFormat::ChannelsLast));
   }
-
-  // While the other entries compile in the background (cuda_kernel.h), every call takes the general one.
-  cuda::LaunchLimits compiling = limits_with(1, 4);
-  compiling.general_only = true;
-  plan = call(rows[0], row_source, {at::randn({32768, 1024}).to(at::kBFloat16)}, compiling);
-  EXPECT_EQ(plan.entry, 0u);
-  EXPECT_EQ(plan.threads, 256u);  // a block per row
-  plan = call(flat[0], flat_source, {x, y}, compiling);
-  EXPECT_EQ(plan.entry, 0u);
-  EXPECT_EQ(plan.blocks, 132u * 4);  // one element per thread, one wave
 }
 
 // A column group (a sum and an amax down the first dim of [R, 8, 4], an epilogue reading a transposed

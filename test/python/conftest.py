@@ -21,10 +21,12 @@ def _ember_test_env(monkeypatch):
     for var in ("EMBER_FALLBACK", "EMBER_DISABLE_PASSES", "EMBER_DEBUG", "EMBER_CUDAGRAPHS", "EMBER_CUDAGRAPH_WARMUP",
                 "EMBER_CUDAGRAPH_MAX_GRAPHS"):
         monkeypatch.delenv(var, raising=False)
-    # Every CUDA module compiles before the first call, so that each test's one call runs the vector and row
-    # kernels that later calls keep (background compiles would leave it the general kernel); the tests of the
-    # background compile switch it back on.
-    monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "0")
+    # Every CUDA module compiles before the first call, so that each test's one call runs the fused kernels that
+    # later calls keep (background compiles would leave it the groups' ATen ops); the tests of the background
+    # compile switch it back on. EMBER_TEST_BACKGROUND=1 leaves it on for every test: each first call then
+    # tests the ATen stand-ins of real graphs instead.
+    if os.environ.get("EMBER_TEST_BACKGROUND") != "1":
+        monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "0")
     # TF32 convolutions and matmuls pick algorithms by layout, so eager and any compiled backend differ
     # by ~0.3 in resnet18 input gradients with it on (measured on an H200, inductor too) and by 2e-5
     # with it off. Tests compare backends, not cuDNN's algorithm choices.

@@ -540,9 +540,8 @@ def test_identical_groups_compile_once(monkeypatch):
 
 
 def _background_groups():
-    """A row group (softmax over 1000 columns: the w8 variant, 32 values a lane, whose module compiles in the
-    background) and a flat group (whose vector entry compiles at once), their sources new to the process
-    (a random scale), and inputs."""
+    """A row group (softmax over 1000 columns) and a flat group, their sources new to the process (a random
+    scale), and inputs."""
     import random
 
     scale = random.uniform(0.5, 2.0)
@@ -553,11 +552,11 @@ def _background_groups():
     return fn, torch.randn(300, 1000, device="cuda"), torch.randn(4097, device="cuda")
 
 
-def test_background_compile_runs_general_kernels_until_the_others_load(monkeypatch):
-    """With background compiles on (the default outside these tests), codegen compiles the row group's general
-    kernel and hands its row variants to a thread of their own: explain counts that module, the first call
-    runs the general kernel, and after ember.wait_for_compiles() calls run the variant. Every call agrees
-    with eager."""
+def test_deferred_kernels_run_their_aten_ops_until_compiled(monkeypatch):
+    """With background compiles on (the default outside these tests), codegen hands both groups' modules to
+    threads of their own: explain counts them, the plan holds each group's ATen ops as its stand-in, the
+    first call runs those (eager's own kernels: eager's bits), and after ember.wait_for_compiles() calls run
+    the fused kernels. Every call agrees with eager."""
     import ember
 
     monkeypatch.setenv("EMBER_CACHE_DIR", "off")
@@ -566,12 +565,17 @@ def test_background_compile_runs_general_kernels_until_the_others_load(monkeypat
     with torch.no_grad():
         report = ember.explain(fn, options={"fallback": "raise"})(x, y)
     (graph,) = report.graphs
-    assert graph.timings["codegen: modules in background"] == 1, str(report)
+    assert graph.timings["codegen: modules in background"] == 2, str(report)
     ember.wait_for_compiles()
 
     fn, x, y = _background_groups()
-    compiled, kernels = compare(fn, x, y)
-    assert kernels == 2
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        first, expected = compiled(x, y), fn(x, y)
+    described = [g.describe() for _, g in EMBER_GRAPHS]
+    assert sum(d.count("while it compiles") for d in described) == 2, described
+    atol, rtol = TOL[torch.float32]
+    assert_same(first, expected, atol=atol, rtol=rtol)
     ember.wait_for_compiles()
     for _ in range(2):
         compare(fn, x, y, compiled=compiled)
@@ -579,8 +583,9 @@ def test_background_compile_runs_general_kernels_until_the_others_load(monkeypat
 
 
 def test_background_compile_waits_before_cuda_graph_capture(monkeypatch):
-    """reduce-overhead captures after one warm-up call: a kernel whose other entries are still compiling then
-    waits for them, so that the graph holds the kernels later calls would run. Replays agree with eager."""
+    """reduce-overhead captures after one warm-up call: a kernel still compiling then waits for its compile,
+    so that the graph holds the kernels later calls would run, not their ATen stand-ins. Replays agree with
+    eager."""
     monkeypatch.setenv("EMBER_CACHE_DIR", "off")
     monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "1")
     fn, x, y = _background_groups()
