@@ -15,9 +15,13 @@ For each workload and backend it records
                     what the backend spent (ATen tracing, its compile, the first run, a lazily compiled backward)
     cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
                     runs once first), Dynamo's own first use in the process included; cold_dynamo_s its Dynamo share
-    latency_ms      the median of --repeat individually timed calls after --warmup calls, the backends
-                    alternating call by call (on CUDA each call is bracketed by torch.cuda.synchronize())
-    speedup         eager latency / this backend's latency
+    latency_ms      the median of --repeat individually timed calls after --warmup calls (on CUDA each call is
+                    bracketed by torch.cuda.synchronize()), taken in turns: each backend runs one untimed call and
+                    then --block timed ones, and the next backend takes over; a steady loop calling one model
+    latency_alternating_ms   the same with the backends alternating call by call: each call then follows
+                    another backend's, with the CPU's caches holding that one's code and data (for small graphs
+                    this costs the backend that follows inductor's Python launcher several microseconds)
+    speedup         eager latency / this backend's latency; speedup_alternating the same for latency_alternating_ms
     compiles_waited_s   ember: how long after the first call its background compiles went on (settle())
     max_rel_error   over all outputs: max |out - eager| / max |eager|, per tensor; for ember the larger of the
                     first call's and a call's after its background compiles ended
@@ -436,14 +440,15 @@ def error_text(e):
     return text[:400]
 
 
-def run_workload(w, device, backends, repeat, warmup):
+def run_workload(w, device, backends, repeat, warmup, block=10):
     """One result dict: the workload's description and a row per backend.
 
     Phase 1, per backend from a clean Dynamo state (torch._dynamo.reset()): the first call, compile included,
     and its error against eager's first call. Phase 2: the steady latency. Each reset dropped the code compiled
     before it, so the backends that passed phase 1 are compiled once more (untimed; Dynamo keeps one entry per
-    backend) and then timed in alternation, one call of each per round, so that noise from other work on the
-    machine falls on all of them alike.
+    backend) and then timed taking turns, so that noise from other work on the machine falls on all of them
+    alike: in turns of `block` consecutive timed calls after an untimed one (latency_ms), then in turns of one
+    call (latency_alternating_ms).
     """
     result = {"workload": w.name, "shape": w.describe(device), "small_batch": w.small_batch, "training": w.training,
               "backends": {}}
@@ -513,21 +518,31 @@ def run_workload(w, device, backends, repeat, warmup):
                 fns[backend], samples[backend] = fn, []
             except Exception as e:
                 rows[backend]["error"] = "when compiled again: " + error_text(e)
-        for _ in range(repeat):
-            for backend, fn in list(fns.items()):
-                try:
-                    before_call(backend)
-                    samples[backend].append(timed_call(fn, inputs, device)[0])
-                except Exception as e:
-                    rows[backend]["error"] = "during timing: " + error_text(e)
-                    del fns[backend]
+        alternating = {backend: [] for backend in fns}
+        for timed, per_turn in ((samples, block), (alternating, 1)):
+            while fns and len(timed[next(iter(fns))]) < repeat:
+                for backend, fn in list(fns.items()):
+                    try:
+                        if per_turn > 1:  # the block's first call brings the backend's code and data back
+                            before_call(backend)
+                            fn(*inputs)
+                        for _ in range(min(per_turn, repeat - len(timed[backend]))):
+                            before_call(backend)
+                            timed[backend].append(timed_call(fn, inputs, device)[0])
+                    except Exception as e:
+                        rows[backend]["error"] = "during timing: " + error_text(e)
+                        del fns[backend]
     torch._dynamo.reset()
     for backend in fns:
         rows[backend]["latency_ms"] = 1e3 * statistics.median(samples[backend])
+        rows[backend]["latency_alternating_ms"] = 1e3 * statistics.median(alternating[backend])
     eager_ms = rows.get("eager", {}).get("latency_ms")
+    eager_alternating_ms = rows.get("eager", {}).get("latency_alternating_ms")
     for row in rows.values():
         if eager_ms and row.get("latency_ms"):
             row["speedup"] = eager_ms / row["latency_ms"]
+        if eager_alternating_ms and row.get("latency_alternating_ms"):
+            row["speedup_alternating"] = eager_alternating_ms / row["latency_alternating_ms"]
     return result
 
 
@@ -544,19 +559,20 @@ def print_table(results):
     cold = any("cold_first_call_s" in row for r in results for row in r.get("backends", {}).values())
     header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'Dynamo s':>8} "
               + (f"{'cold first s':>12} {'Dynamo s':>8} " if cold else "")
-              + f"{'latency ms':>11} {'speedup':>8} {'max rel err':>11} {'graphs':>6}  note")
+              + f"{'latency ms':>11} {'speedup':>8} {'alt.':>6} {'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
             print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>8} " + (f"{'':>12} {'':>8} " if cold else "")
-                  + f"{'':>11} {'':>8} {'':>11} {'':>6}  skipped: {r['skipped']}")
+                  + f"{'':>11} {'':>8} {'':>6} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
             speedup = f"{row['speedup']:.2f}x" if "speedup" in row else "-"
+            alternating = f"{row['speedup_alternating']:.2f}x" if "speedup_alternating" in row else "-"
             print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} {fmt(row.get('dynamo_s'), '.3f', 8)} "
                   + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} {fmt(row.get('cold_dynamo_s'), '.3f', 8)} " if cold else "")
-                  + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {fmt(row.get('max_rel_error'), '.1e', 11)} "
+                  + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {alternating:>6} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
 
@@ -674,6 +690,8 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="comma-separated workload names (default: all)")
     parser.add_argument("--repeat", type=int, default=20, help="timed calls per backend (median reported)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed calls after the first, before timing")
+    parser.add_argument("--block", type=int, default=10,
+                        help="consecutive timed calls per backend per turn for latency_ms (see latency_alternating_ms)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/harness_<device>.json)")
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile(backend='inductor')")
     parser.add_argument("--modes", default=None,
@@ -725,7 +743,7 @@ def main(argv=None):
     try:
         for name in names:
             print(f"[harness] {name} ...", file=sys.stderr, flush=True)
-            results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup))
+            results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup, args.block))
             write_json()  # after each workload, so a run stopped by a time limit keeps what it measured
     finally:
         if made_cache_dir:
