@@ -6,8 +6,8 @@
     python bench/harness.py --list
 
 For each workload and backend it records
-    first_call_s    the first call, compile included (torch._dynamo.reset() before it; inductor's and ember's
-                    caches off: fresh cache folders per process). Backends share the process: a later one finds
+    first_call_s    the first call, compile included (torch._dynamo.reset() and a garbage collection before it;
+                    inductor's and ember's caches off: fresh cache folders per process). Backends share the process: a later one finds
                     Dynamo already imported and warmed, and inductor reuses kernels an earlier workload compiled
     dynamo_s        the part of first_call_s that was Dynamo's own work: its `_compile.compile_inner` time (bytecode
                     tracing, guards) less the backend's compile inside it (`OutputGraph.call_user_compiler`), from
@@ -36,6 +36,7 @@ and next to the JSON a PNG chart of the speedups (where matplotlib is installed)
 """
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -480,6 +481,9 @@ def run_workload(w, device, backends, repeat, warmup, block=10):
             with grad_mode():
                 fn = compile_with(model, backend)
                 before_call(backend)
+                # The garbage of the backends before (their graphs, a reset's caches) is collected here, not by
+                # a collection that would fall inside this first call's tracing.
+                gc.collect()
                 row["first_call_s"], out, dynamo = timed_first_call(fn, inputs, device)
                 if backend != "eager" and dynamo is not None:
                     row["dynamo_s"] = dynamo
