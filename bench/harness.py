@@ -7,8 +7,9 @@
 
 For each workload and backend it records
     first_call_s    the first call, compile included (torch._dynamo.reset() and a garbage collection before it;
-                    inductor's and ember's caches off: fresh cache folders per process). Backends share the process: a later one finds
-                    Dynamo already imported and warmed, and inductor reuses kernels an earlier workload compiled
+                    inductor's and ember's caches off: fresh cache folders per process). Backends share the
+                    process: a later one finds Dynamo already imported and warmed, and inductor reuses kernels an
+                    earlier workload compiled
     dynamo_s        the part of first_call_s that was Dynamo's own work: its `_compile.compile_inner` time (bytecode
                     tracing, guards) less the backend's compile inside it (`OutputGraph.call_user_compiler`), from
                     torch._dynamo.utils.compilation_time_metrics, summed over graphs. first_call_s - dynamo_s is
