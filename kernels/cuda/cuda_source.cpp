@@ -154,7 +154,7 @@ class Printer {
       if (!out.rows.empty()) rows_cached(o);
       for (const RowVariant& v : out.rows)
         o << "extern \"C\" __global__ void "
-          << (min_resident_blocks(v) ? "__launch_bounds__(256, " + str(min_resident_blocks(v)) + ") " : std::string()) << v.entry
+          << launch_bounds(v) << v.entry
           << "(Params p) { rows_cached<" << v.chunks << ", "
           << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
     }
@@ -854,20 +854,46 @@ class Printer {
     o << "  }\n}\n";
   }
 
-  // Warp variants (256 threads) carry a register bound: left alone, ptxas schedules their unrolled
-  // columns into as many registers as it likes (80-100 for softmax's w4, 237 for a 16-bit w8), which
-  // leaves a quarter of the threads or fewer and too few bytes in flight. Those of one full input and
-  // one full output with at most 32 values per thread (softmax, log_softmax, a scorer) are held to
-  // 4 blocks per multiprocessor (64 registers, half its threads); the rest to 2 (128 registers):
-  // tighter bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with
-  // up to 1024 threads, where any bound would be tight: they stay unbounded. The
-  // CudaCodegen.BoundedVariantsDoNotSpill test checks every bounded variant of its corpus with ptxas.
-  int min_resident_blocks(const RowVariant& v) const {
-    if (v.mode != RowVariant::Mode::Warp) return 0;
+  // Warp variants carry a register bound: left alone, ptxas schedules their unrolled columns into as
+  // many registers as it likes (80-100 for softmax's w4, 237 for a 16-bit w8), which leaves a quarter of
+  // the threads or fewer and too few bytes in flight. Those of one full input and one full output with
+  // at most 32 values per thread (softmax, log_softmax, a scorer) are held to 64 registers (4 blocks of
+  // 256 threads per multiprocessor, half its threads); 16-bit rows of several full inputs held in at
+  // most 48 registers to 85 (6 blocks of 128: GPT-2's bf16 residual + bias + layer norm as w4 takes 80
+  // registers there and ran 18.0 us against 19.9 at 96 registers under 2 blocks of 256, H200, 8192 x
+  // 768); the rest to 128 (2 blocks of 256): tighter bounds spilled (layer norm's w2 at 64, the 64-value
+  // w8 at 80). Block variants launch with up to 1024 threads, where any bound would be tight: they stay
+  // unbounded. The CudaCodegen.BoundedVariantsAndColumnKernelsDoNotSpill test checks every bounded
+  // variant of its corpus with ptxas. call_plan.cpp launches a warp variant with the threads its bound
+  // allows.
+  std::string launch_bounds(const RowVariant& v) const {
+    if (v.mode != RowVariant::Mode::Warp) return "";
     size_t full_inputs = 0, full_outputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    return v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1 ? 4 : 2;
+    if (v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1) return "__launch_bounds__(256, 4) ";
+    if (full_inputs > 1 && held_rows_fit(v.chunks)) return "__launch_bounds__(128, 6) ";
+    return "__launch_bounds__(256, 2) ";
+  }
+
+  // 16-bit rows of at most 32 values per thread (w4) whose rows read before the output phase fit in
+  // kMaxHeldWords16 registers.
+  bool held_rows_fit(int chunks) const { return width_ == 8 && chunks <= 4 && held_words(chunks) <= kMaxHeldWords16; }
+
+  // The registers a thread of `chunks` vectors holds for the rows of the full inputs that a phase before
+  // the output phase reads (rows_cached loads those whole; the output phase's own a vector at a time).
+  size_t held_words(int chunks) const {
+    const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
+    size_t held = 0;
+    for (size_t k = 0; k < p_.inputs.size(); ++k) {
+      if (p_.inputs[k].row) continue;
+      for (size_t q = 0; q < phases.targets.size(); ++q)
+        if (phases.targets[q] >= 0 && phases.needed[q][p_.inputs[k].reg]) {
+          held += static_cast<size_t>(chunks * words(in_type(k)));
+          break;
+        }
+    }
+    return held;
   }
 
   // Input k's row as packed words x<k>[J][W]: vector loads where p.vec says so, else element by element.
@@ -955,9 +981,8 @@ class Printer {
   // the row length is known at compile time, only the one chosen for it.
   std::vector<RowVariant> row_variants(const std::string& name) const {
     if (p_.rank == 0) return {};
-    // Every full input's row counts, including those the output phase reads a vector at a time: on the
-    // H100, GPT-2's bf16 residual + layer norm over 768 columns ran 8% slower as a warp per row (w4,
-    // with 128 registers) than as a block per row (b1).
+    // Every full input's row counts, including those the output phase reads a vector at a time; 16-bit
+    // rows may instead count the registers that hold the rows read before the output phase, packed.
     size_t full_inputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
@@ -967,7 +992,9 @@ class Printer {
     }();
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
-      if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues) continue;
+      if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues &&
+          !held_rows_fit(chunks))
+        continue;
       if (!blocks_only) all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
     }
@@ -1018,6 +1045,13 @@ class Printer {
   static constexpr double kMaxUnrolledCost = 64;   // element_cost()'s units per thread of flat_vec's body
   static constexpr int64_t kAlwaysLaunchable = 256;  // threads any kernel's registers allow in one block
   static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
+  // 16-bit rows: registers per thread for the rows of the inputs read before the output phase, packed
+  // two values to a register. Counting values alone kept every bf16 layer norm of 768 columns a block
+  // per row. GPT-2's residual + bias + layer norm (three such inputs, weight and bias read in the output
+  // phase) took 18.0 us as w4 (48 registers of rows, 80 in all) against b1's 22.6 (H200, 8192 rows, a
+  // micro-benchmark of the generated source; b1: 96 threads per row, 10 blocks per multiprocessor, a
+  // barrier and a block reduction twice per row).
+  static constexpr size_t kMaxHeldWords16 = 48;
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 

@@ -741,13 +741,16 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         EXPECT_EQ(src.rows[0].entry, f32 ? "k_w8" : "k_w4") << label;
       }
       if (label.rfind("layer_norm_768", 0) == 0 || label.rfind("residual_ln_768", 0) == 0) {
-        // Three or more full inputs bound the warp variants below 768 columns; b2 backs b1 up when
-        // b1's registers do not allow its block. The weight and bias load a vector at a time.
+        // f32: three or more full inputs bound the warp variants below 768 columns; b2 backs b1 up when
+        // b1's registers do not allow its block. 16-bit: the rows read before the output phase (one
+        // input, or GPT-2's three) fit w4's registers, bounded to 6 blocks of 128 threads. The weight
+        // and bias load a vector at a time.
         ASSERT_GE(src.rows.size(), 1u) << label;
-        EXPECT_EQ(src.rows[0].entry, "k_b1") << label;
-        // b1's block is at most 256 threads there (768 / 4 or 768 / 8 columns), which any register
-        // count allows: b1 alone.
-        if (label.rfind("layer_norm", 0) == 0) EXPECT_EQ(src.rows.size(), 1u) << label;
+        EXPECT_EQ(src.rows[0].entry, f32 ? "k_b1" : "k_w4") << label;
+        if (!f32) EXPECT_NE(src.text.find("__launch_bounds__(128, 6) k_w4("), std::string::npos) << label;
+        // b1's block is at most 256 threads there (768 / 4 columns), which any register count allows: b1
+        // alone.
+        if (label.rfind("layer_norm", 0) == 0 || !f32) EXPECT_EQ(src.rows.size(), 1u) << label;
         EXPECT_NE(src.text.find("c, v)"), std::string::npos) << label;  // get_elem(x<k>c, v)
       }
       if (label.rfind("layer_norm_3000", 0) == 0) {

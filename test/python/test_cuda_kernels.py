@@ -288,6 +288,25 @@ def test_rows_many_rows_per_variant(family, cols, dtype):
     assert kernels >= 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("rows", [3, 4099])
+def test_residual_bias_layer_norm(rows, dtype):
+    """GPT-2's block end: a projection's bias and the residual added, then a layer norm, the sum and the norm
+    both outputs. Three full rows are read before the output phase; in 16 bits they fit the w4 variant
+    (cuda_source.cpp: held_rows_fit), in f32 the group stays a block per row."""
+    cols = 768
+    bias, w, b = (torch.randn(cols, device="cuda", dtype=dtype) for _ in range(3))
+
+    def fn(x, h):
+        s = (x + bias) + h
+        return s, F.layer_norm(s, (cols,), w, b, 1e-5)
+
+    x, h = (torch.randn(rows, cols, device="cuda", dtype=dtype) * 3 for _ in range(2))
+    _, kernels = compare(fn, x, h)
+    assert kernels >= 1
+    compare(fn, misaligned(rows, cols, dtype=dtype), h)  # element by element, not 16-byte vectors
+
+
 @pytest.mark.parametrize("family", ["softmax", "layer_norm"])
 def test_rows_dynamic_lengths_pick_variants_per_call(family):
     """Symbolic columns: one module holds every variant; each call picks by its row length."""
