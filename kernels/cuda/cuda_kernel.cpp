@@ -107,26 +107,10 @@ class FusedCudaKernel final : public Kernel {
   // Compiles the kernel's modules (compile_entries) on a thread of its own and publishes their functions
   // when loaded. A failure leaves compiling() true, so that the group's stand-in runs every call.
   void compile_in_background() {
-    Background& b = background();
-    {
-      std::lock_guard<std::mutex> lock(b.mu);
-      if (b.running++ == 0 && !b.exit_waits) {
-        // A compile still running when the process exits would go on using NVRTC and the driver while their
-        // libraries finalize: exit waits for it (atexit handlers run before libraries' finalizers).
-        std::atexit(wait_for_background_compiles);
-        b.exit_waits = true;
-      }
-    }
-    count_background_compile();
-    try {
-      background_ = std::async(std::launch::async, [this] { load_all(); }).share();
-    } catch (const std::system_error&) {  // no thread to be had: compiled here instead
-      load_all();
-    }
+    background_ = start_background_compile([this] { load_all(); });
   }
 
-  // The modules compiled and their functions published with limits that know them; then one background
-  // compile fewer.
+  // The modules compiled and their functions published with limits that know them.
   void load_all() {
     try {
       std::vector<void*> loaded;
@@ -147,9 +131,6 @@ class FusedCudaKernel final : public Kernel {
       background_error_ = e.what();
       failed_.store(true, std::memory_order_release);
     }
-    Background& b = background();
-    std::lock_guard<std::mutex> lock(b.mu);
-    if (--b.running == 0) b.idle.notify_all();
   }
 
   bool compiling() const override {
@@ -283,6 +264,8 @@ class FusedCudaKernel final : public Kernel {
   std::atomic<bool> loaded_, failed_{false}, abandoned_{false};
 };
 
+}  // namespace
+
 // EMBER_CUDA_BACKGROUND=0: every module compiles when the plan is built (for measuring what deferring saves
 // the first call, or for a first call that should already run the kernels later calls keep).
 // Read per kernel (when the plan is built, never per call), so that tests can switch it.
@@ -291,7 +274,36 @@ bool background_compiles() {
   return !(v && std::string(v) == "0");
 }
 
-}  // namespace
+std::shared_future<void> start_background_compile(std::function<void()> compile) {
+  Background& b = background();
+  {
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (b.running++ == 0 && !b.exit_waits) {
+      // A compile still running when the process exits would go on using NVRTC and the driver while their
+      // libraries finalize: exit waits for it (atexit handlers run before libraries' finalizers).
+      std::atexit(wait_for_background_compiles);
+      b.exit_waits = true;
+    }
+  }
+  count_background_compile();
+  auto run = [compile = std::move(compile)] {
+    try {
+      compile();
+    } catch (...) {  // `compile` keeps its own failures; nothing may escape the count below
+    }
+    Background& b = background();
+    std::lock_guard<std::mutex> lock(b.mu);
+    if (--b.running == 0) b.idle.notify_all();
+  };
+  try {
+    return std::async(std::launch::async, run).share();
+  } catch (const std::system_error&) {  // no thread to be had: compiled here instead
+    run();
+    std::promise<void> done;
+    done.set_value();
+    return done.get_future().share();
+  }
+}
 
 void wait_for_background_compiles() {
   Background& b = background();

@@ -4,6 +4,8 @@
 #include "ember/runtime.h"
 #include "kernels/program.h"
 
+#include <functional>
+#include <future>
 #include <memory>
 #include <string>
 
@@ -23,5 +25,13 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
 // Waits until every deferred kernel's compile (above) has finished: then calls run the kernels they will
 // keep running (bench/ times steady state after this).
 void wait_for_background_compiles();
+
+// Whether modules no cache holds compile on a thread of their own (EMBER_CUDA_BACKGROUND, default on; read
+// when a plan is built, never per call).
+bool background_compiles();
+
+// Runs `compile` on a thread of its own, counted among the compiles wait_for_background_compiles() and the
+// process's exit wait for; its future. `compile` keeps its own failures (what it throws is dropped).
+std::shared_future<void> start_background_compile(std::function<void()> compile);
 
 }  // namespace ember::cuda

@@ -10,8 +10,14 @@
 //  3. A fast path of the plan (runtime.h): anything it was not made for (ceil_mode, dilation, another
 //     dtype, NVRTC missing) runs ATen's op. The output's layout is the input's suggested memory format,
 //     as ATen's.
+//  4. The module (one per element size) starts loading when the plan is built: where neither the process
+//     nor the disk cache holds it, NVRTC compiles it on a thread of its own, as the fused kernels'
+//     (cuda_kernel.h), and calls meanwhile run ATen's op; a call being captured into a CUDA graph waits for
+//     it. Compiled at the first call instead, it had held up resnet50 b64 bf16's first call by 0.33 s (H200,
+//     torch.profiler).
 #include "ember/error.h"
 #include "ember/runtime.h"
+#include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
 #include "kernels/pool_args.h"
 
@@ -22,6 +28,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <future>
 #include <mutex>
 
 namespace ember::cuda {
@@ -122,9 +129,10 @@ class MaxPool final : public FastPath {
     const int64_t n = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
     const int64_t oh = (h + 2 * ph_ - kh_) / sh_ + 1, ow = (w + 2 * pw_ - kw_) / sw_ + 1;
     if (h + 2 * ph_ < kh_ || w + 2 * pw_ < kw_ || oh <= 0 || ow <= 0) return false;  // ATen's error
-    const int slot = t == c10::kFloat ? 0 : (t == c10::kHalf ? 1 : 2);
     const int device = x.get_device();
-    void* const* functions = entries(slot, device);
+    c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+    void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
+    void* const* functions = entries(slot_of(t), device, stream);
     if (!functions) return false;
     const at::MemoryFormat format = x.suggest_memory_format();
     at::Tensor out = at::empty({n, c, oh, ow}, x.options().memory_format(format));
@@ -145,9 +153,7 @@ class MaxPool final : public FastPath {
       const int64_t threads = 256;
       const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>((total + threads - 1) / threads,
                                                                     static_cast<int64_t>(multiprocessor_count(device)) * 8));
-      c10::Device dev(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
       c10::DeviceGuard guard(dev);
-      void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(dev).native_handle();
       launch(functions[vec ? 1 : 0], static_cast<unsigned>(blocks), static_cast<unsigned>(threads), stream, &p, device);
     }
     buffers[output_] = std::move(out);
@@ -160,25 +166,56 @@ class MaxPool final : public FastPath {
            std::to_string(calls_.load(std::memory_order_relaxed)) + " calls)";
   }
 
- private:
-  // The module for an element type, compiled at its first use (once per process for all pools of the
-  // type; identical sources compile once, driver.cpp); null where NVRTC fails, and ATen runs instead.
-  static void* const* entries(int slot, int device) {
-    struct Loaded {
-      std::once_flag once;
-      std::vector<void*> functions;
-    };
-    static Loaded loaded[3][16];
-    if (device < 0 || device >= 16) return nullptr;
-    Loaded& l = loaded[slot][device];
-    std::call_once(l.once, [&] {
-      try {
-        l.functions = compile(pool_source(slot == 0 ? 4 : 2, slot == 1), std::vector<std::string>{"ember_max_pool", "ember_max_pool_vec"}, device);
-      } catch (const std::exception&) {
-        l.functions.clear();
-      }
+ public:
+  // The module slot of an element type: float, half, bfloat16.
+  static int slot_of(c10::ScalarType t) { return t == c10::kFloat ? 0 : (t == c10::kHalf ? 1 : 2); }
+
+  // Starts loading the module of an element type for `device`, once per process for all pools of the type
+  // (identical sources compile once, driver.cpp): from the process or the disk cache now, else with NVRTC on
+  // a thread of its own unless EMBER_CUDA_BACKGROUND=0 (then now).
+  static void start(int slot, int device) {
+    if (device < 0 || device >= kDevices) return;
+    Loaded& l = loaded(slot, device);
+    std::call_once(l.once, [&l, slot, device] {
+      auto load = [&l, slot, device] {
+        try {
+          l.functions = compile(pool_source(slot == 0 ? 4 : 2, slot == 1), std::vector<std::string>{"ember_max_pool", "ember_max_pool_vec"}, device);
+        } catch (const std::exception&) {
+          l.functions.clear();  // ATen's op runs
+        }
+        l.ready.store(true, std::memory_order_release);
+      };
+      if (background_compiles() && !has_image(pool_source(slot == 0 ? 4 : 2, slot == 1), device))
+        l.pending = start_background_compile(load);
+      else
+        load();
     });
+  }
+
+  // The module's two functions; null while it compiles (unless `stream` is being captured: then after its
+  // compile) or where NVRTC failed.
+  static void* const* entries(int slot, int device, void* stream) {
+    if (device < 0 || device >= kDevices) return nullptr;
+    start(slot, device);
+    Loaded& l = loaded(slot, device);
+    if (!l.ready.load(std::memory_order_acquire)) {
+      if (!capturing(stream)) return nullptr;
+      l.pending.wait();
+    }
     return l.functions.size() == 2 ? l.functions.data() : nullptr;
+  }
+
+ private:
+  static constexpr int kDevices = 16;
+  struct Loaded {
+    std::once_flag once;
+    std::atomic<bool> ready{false};
+    std::vector<void*> functions;  // written once, before ready
+    std::shared_future<void> pending;
+  };
+  static Loaded& loaded(int slot, int device) {
+    static Loaded all[3][kDevices];
+    return all[slot][device];
   }
 
   uint32_t input_, output_;
@@ -189,6 +226,10 @@ class MaxPool final : public FastPath {
 std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step) {
   std::optional<MaxPoolArgs> a = max_pool_args(n, step, /*cuda=*/true);
   if (!a || a->indices >= 0) return nullptr;  // read indices (training): ATen's op writes them
+  // max_pool_args checked that the input is a 4-D CUDA tensor value.
+  const TensorType& t = n.args[0].value->type.tensor;
+  if (t.dtype == c10::kFloat || t.dtype == c10::kHalf || t.dtype == c10::kBFloat16)
+    MaxPool::start(MaxPool::slot_of(t.dtype), t.device.has_index() ? t.device.index() : 0);
   return std::make_shared<MaxPool>(a->input, a->output, a->kh, a->kw, a->sh, a->sw, a->ph, a->pw);
 }
 

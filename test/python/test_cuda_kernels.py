@@ -513,6 +513,55 @@ def test_max_pool_without_indices(dtype, channels_last, channels, window):
     assert max_pool_fast_paths() >= 2, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
 
 
+def test_max_pool_module_compiles_in_background():
+    """With background compiles on and no cache, the pooling module starts compiling when the plan is built
+    (kernels/cuda/pool.cpp): calls before it loads run ATen's op, every call is exact, and after
+    ember.wait_for_compiles() calls run ember's kernel. In a process of its own, since the module compiles once
+    per process."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json
+        import torch
+        import torch.nn.functional as F
+        import ember, ember.backend
+
+        graphs = []
+        original = ember.backend.compile_fx_graph
+        def counting(gm, config, kind, pinned=None):
+            graphs.append(original(gm, config, kind, pinned))
+            return graphs[-1]
+        ember.backend.compile_fx_graph = counting
+
+        def calls():  # the pooling fast path's count, from its description "... without indices (N calls)"
+            text = graphs[0].describe().split("cuda max pool 3x3 without indices (")[1]
+            return int(text.split(" calls)")[0])
+
+        x = torch.randn(2, 16, 13, 11, device="cuda", dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+        x[0, 3, 4, 5] = float("nan")
+        fn = lambda x: F.max_pool2d(torch.relu(x * 2), 3, 2, 1)
+        compiled = torch.compile(fn, backend="ember", options={"fallback": "raise"})
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), fn(x), atol=0, rtol=0, equal_nan=True)
+            first = calls()
+            ember.wait_for_compiles()
+            for _ in range(2):
+                out = compiled(x)
+                assert out.stride() == fn(x).stride()
+                torch.testing.assert_close(out, fn(x), atol=0, rtol=0, equal_nan=True)
+        print(json.dumps({"first": first, "later": calls()}))
+    """)
+    env = {**os.environ, "EMBER_CUDA_BACKGROUND": "1", "EMBER_CACHE_DIR": "off"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    assert counts["later"] == counts["first"] + 2, counts  # both later calls ran ember's kernel
+
+
 def test_max_pool_with_indices_read_stays_aten():
     """Training needs the indices for the backward: the pooling stays ATen's, and gradients match."""
     x = torch.randn(2, 8, 9, 9, device="cuda", requires_grad=True)
