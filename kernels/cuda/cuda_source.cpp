@@ -858,11 +858,11 @@ class Printer {
   // many registers as it likes (80-100 for softmax's w4, 237 for a 16-bit w8), which leaves a quarter of
   // the threads or fewer and too few bytes in flight. Those of one full input and one full output with
   // at most 32 values per thread (softmax, log_softmax, a scorer) are held to 64 registers (4 blocks of
-  // 256 threads per multiprocessor, half its threads); 16-bit rows of several full inputs held in at
-  // most 48 registers to 85 (6 blocks of 128: GPT-2's bf16 residual + bias + layer norm as w4 takes 80
-  // registers there and ran 18.0 us against 19.9 at 96 registers under 2 blocks of 256, H200, 8192 x
-  // 768); the rest to 128 (2 blocks of 256): tighter bounds spilled (layer norm's w2 at 64, the 64-value
-  // w8 at 80). Block variants launch with up to 1024 threads, where any bound would be tight: they stay
+  // 256 threads per multiprocessor, half its threads); rows of several full inputs held in at most 48
+  // registers (held_rows_fit) to 85 (6 blocks of 128: GPT-2's bf16 residual + bias + layer norm as w4
+  // takes 80 registers there and ran 18.0 us against 19.9 at 96 registers under 2 blocks of 256, H200,
+  // 8192 x 768; an f32 layer norm + GELU as w8 77 registers); the rest to 128 (2 blocks of 256): tighter
+  // bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with up to 1024 threads, where any bound would be tight: they stay
   // unbounded. The CudaCodegen.BoundedVariantsAndColumnKernelsDoNotSpill test checks every bounded
   // variant of its corpus with ptxas. call_plan.cpp launches a warp variant with the threads its bound
   // allows.
@@ -876,9 +876,11 @@ class Printer {
     return "__launch_bounds__(256, 2) ";
   }
 
-  // 16-bit rows of at most 32 values per thread (w4) whose rows read before the output phase fit in
-  // kMaxHeldWords16 registers.
-  bool held_rows_fit(int chunks) const { return width_ == 8 && chunks <= 4 && held_words(chunks) <= kMaxHeldWords16; }
+  // f32 and 16-bit rows of at most 32 values per thread (f32 w8, 16-bit w4) whose rows read before the
+  // output phase fit in kMaxHeldWords registers.
+  bool held_rows_fit(int chunks) const {
+    return width_ >= 4 && chunks * width_ <= 32 && held_words(chunks) <= kMaxHeldWords;
+  }
 
   // The registers a thread of `chunks` vectors holds for the rows of the full inputs that a phase before
   // the output phase reads (rows_cached loads those whole; the output phase's own a vector at a time).
@@ -981,8 +983,8 @@ class Printer {
   // the row length is known at compile time, only the one chosen for it.
   std::vector<RowVariant> row_variants(const std::string& name) const {
     if (p_.rank == 0) return {};
-    // Every full input's row counts, including those the output phase reads a vector at a time; 16-bit
-    // rows may instead count the registers that hold the rows read before the output phase, packed.
+    // Every full input's row counts, including those the output phase reads a vector at a time; rows
+    // may instead count the registers that hold the rows read before the output phase (16-bit packed).
     size_t full_inputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
@@ -1045,13 +1047,16 @@ class Printer {
   static constexpr double kMaxUnrolledCost = 64;   // element_cost()'s units per thread of flat_vec's body
   static constexpr int64_t kAlwaysLaunchable = 256;  // threads any kernel's registers allow in one block
   static constexpr size_t kMaxCachedValues = 64;  // floats per thread held for the full inputs
-  // 16-bit rows: registers per thread for the rows of the inputs read before the output phase, packed
-  // two values to a register. Counting values alone kept every bf16 layer norm of 768 columns a block
-  // per row. GPT-2's residual + bias + layer norm (three such inputs, weight and bias read in the output
-  // phase) took 18.0 us as w4 (48 registers of rows, 80 in all) against b1's 22.6 (H200, 8192 rows, a
-  // micro-benchmark of the generated source; b1: 96 threads per row, 10 blocks per multiprocessor, a
-  // barrier and a block reduction twice per row).
-  static constexpr size_t kMaxHeldWords16 = 48;
+  // Registers per thread for the rows of the inputs read before the output phase (16-bit values packed
+  // two to a register). Counting values alone kept every layer norm with a weight and bias of 768 or
+  // 1024 columns a block per row (b1: a barrier and a block reduction twice per row). Micro-benchmarks
+  // of the generated sources, H200, 8192 rows:
+  //  - GPT-2's bf16 residual + bias + layer norm, 768 columns (three such inputs, 48 registers of rows,
+  //    weight and bias read in the output phase): w4 18.0 us, b1 22.6.
+  //  - f32 layer norm + GELU, 1024 columns (one such input, 32 registers): w8 24.2-24.3 us, b1
+  //    30.5-30.8; a layer norm of 768 columns: w8 15.0-15.3, b1 19.6-19.8.
+  //  - f32 bias + layer norm, 1024 columns (64 registers, not taken): w8 22.7-22.8, b1 24.0-24.2.
+  static constexpr size_t kMaxHeldWords = 48;
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 

@@ -307,6 +307,24 @@ def test_residual_bias_layer_norm(rows, dtype):
     compare(fn, misaligned(rows, cols, dtype=dtype), h)  # element by element, not 16-byte vectors
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", [768, 1024])
+def test_layer_norm_gelu_linear_layer_norm(cols, dtype):
+    """The harness's LayerNorm-GELU-Linear-LayerNorm as modules, small: the norm + GELU reads one full row
+    before its output phase, which in f32 fits w8's registers (cuda_source.cpp: held_rows_fit), and the
+    second norm may take the linear's bias."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(cols), torch.nn.GELU(), torch.nn.Linear(cols, cols),
+                                torch.nn.LayerNorm(cols)).to("cuda", dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)  # norms' weights and biases not 1 and 0
+    for rows in (3, 1031):
+        x = torch.randn(rows, cols, device="cuda", dtype=dtype) * 3
+        _, kernels = compare(model, x)
+        assert kernels >= 2
+    compare(model, misaligned(5, cols, dtype=dtype))  # element by element, not 16-byte vectors
+
+
 @pytest.mark.parametrize("family", ["softmax", "layer_norm"])
 def test_rows_dynamic_lengths_pick_variants_per_call(family):
     """Symbolic columns: one module holds every variant; each call picks by its row length."""
