@@ -862,10 +862,10 @@ class Printer {
   // registers (held_rows_fit) to 85 (6 blocks of 128: GPT-2's bf16 residual + bias + layer norm as w4
   // takes 80 registers there and ran 18.0 us against 19.9 at 96 registers under 2 blocks of 256, H200,
   // 8192 x 768; an f32 layer norm + GELU as w8 77 registers); the rest to 128 (2 blocks of 256): tighter
-  // bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with up to 1024 threads, where any bound would be tight: they stay
-  // unbounded. The CudaCodegen.BoundedVariantsAndColumnKernelsDoNotSpill test checks every bounded
-  // variant of its corpus with ptxas. call_plan.cpp launches a warp variant with the threads its bound
-  // allows.
+  // bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with up to 1024
+  // threads, where any bound would be tight: they stay unbounded. The test
+  // CudaCodegen.BoundedVariantsAndColumnKernelsDoNotSpill checks every bounded variant of its corpus with
+  // ptxas. call_plan.cpp launches a warp variant with the threads its bound allows.
   std::string launch_bounds(const RowVariant& v) const {
     if (v.mode != RowVariant::Mode::Warp) return "";
     size_t full_inputs = 0, full_outputs = 0;
