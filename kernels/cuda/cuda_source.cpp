@@ -1054,8 +1054,8 @@ class Printer {
   //  - GPT-2's bf16 residual + bias + layer norm, 768 columns (three such inputs, 48 registers of rows,
   //    weight and bias read in the output phase): w4 18.0 us, b1 22.6.
   //  - f32 layer norm + GELU, 1024 columns (one such input, 32 registers): w8 24.2-24.3 us, b1
-  //    30.5-30.8; a layer norm of 768 columns: w8 15.0-15.3, b1 19.6-19.8.
-  //  - f32 bias + layer norm, 1024 columns (64 registers, not taken): w8 22.7-22.8, b1 24.0-24.2.
+  //    30.3-30.8; a layer norm of 768 columns: w8 15.0-15.3, b1 19.6-19.8.
+  //  - f32 bias + layer norm, 1024 columns (64 registers, not taken): w8 22.6-22.8, b1 23.8-24.2.
   static constexpr size_t kMaxHeldWords = 48;
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
