@@ -156,7 +156,7 @@ class Printer {
         o << "extern \"C\" __global__ void "
           << launch_bounds(v) << v.entry
           << "(Params p) { rows_cached<" << v.chunks << ", "
-          << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ">(p); }\n";
+          << (v.mode == RowVariant::Mode::Warp ? "true" : "false") << ", " << (hoists(v) ? "true" : "false") << ">(p); }\n";
     }
     if (!out.vector_entry.empty() || !out.rows.empty()) {
       out.general_text = o.s.substr(0, general_end);
@@ -710,14 +710,15 @@ class Printer {
   //  - inputs stay packed in 32-bit words (a bf16 vector of 8 in 4 registers) and convert where used;
   //  - an input is loaded when the first phase that needs it starts, and its registers free once the
   //    last phase that needs it is done; one that only the output phase reads (a layer norm's weight
-  //    and bias) is loaded a vector at a time inside that phase's column loop;
+  //    and bias) is loaded a vector at a time inside that phase's column loop; in the f32 warp
+  //    variants that hoist (HOIST, hoists()), the rows every row shares load once, before the row loop;
   //  - each output vector is stored as soon as its V values are computed, not held for the whole row;
   //  - a value needed by a later phase is recomputed from the inputs unless it costs a transcendental
   //    or a division (softmax's exp), in which case the phase that first computes it keeps it (a float
   //    per column; at most kMaxKeptRows of them) in the variants where they fit in kMaxKeptValues;
   //    a value rounded to bf16 is kept packed (two per register) instead of rounded again.
   void rows_cached(Source& o) {
-    o << "template <int J, bool WARP> __device__ __forceinline__ void rows_cached(const Params& p) {\n";
+    o << "template <int J, bool WARP, bool HOIST> __device__ __forceinline__ void rows_cached(const Params& p) {\n";
     o << "  constexpr int V = " << width_ << ", E = J * V;\n";
     o << "  __shared__ float shared[32];\n";
     o << "  const int T = WARP ? 32 : (int)blockDim.x;\n";
@@ -742,6 +743,15 @@ class Printer {
     // Packed bf16 values cost E / 2 registers each.
     o << "  constexpr bool PACK = " << (packed_rows ? "E * " + str(packed_rows) + " <= " + str(2 * kMaxKeptValues) : std::string("false"))
       << ";\n";
+    // HOIST: the rows every row shares (row_invariant: a layer norm's weight and bias, a bias added before
+    // it) load once, before the loop, and each row copies its registers from there.
+    for (size_t k = 0; k < p_.inputs.size(); ++k) {
+      if (!row_invariant(k)) continue;
+      o << "  unsigned x" << k << "h[HOIST ? J : 1][" << words(in_type(k)) << "] = {};\n";
+      o << "  if constexpr (HOIST) {\n";
+      load_row_words(o, k, "x" + str(k) + "h", "0");
+      o << "  }\n";
+    }
     o << "  for (i64 row = first; row < p.rows; row += step) {\n";
     row_prologue(o);
     std::vector<bool> loaded(p_.inputs.size(), false);
@@ -862,8 +872,10 @@ class Printer {
   // registers (held_rows_fit) to 85 (6 blocks of 128: GPT-2's bf16 residual + bias + layer norm as w4
   // takes 80 registers there and ran 18.0 us against 19.9 at 96 registers under 2 blocks of 256, H200,
   // 8192 x 768; an f32 layer norm + GELU as w8 77 registers); the rest to 128 (2 blocks of 256): tighter
-  // bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Block variants launch with up to 1024
-  // threads, where any bound would be tight: they stay unbounded. The test
+  // bounds spilled (layer norm's w2 at 64, the 64-value w8 at 80). Variants that hoist the rows every
+  // row shares (hoists()) to 170 (3 blocks of 128: an f32 layer norm + GELU over 1024 columns takes
+  // 165). Block variants launch with up to 1024 threads, where any bound would be tight: they stay
+  // unbounded. The test
   // CudaCodegen.BoundedVariantsAndColumnKernelsDoNotSpill checks every bounded variant of its corpus with
   // ptxas. call_plan.cpp launches a warp variant with the threads its bound allows.
   std::string launch_bounds(const RowVariant& v) const {
@@ -872,6 +884,7 @@ class Printer {
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
     if (v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1) return "__launch_bounds__(256, 4) ";
+    if (hoists(v)) return "__launch_bounds__(128, 3) ";
     if (full_inputs > 1 && held_rows_fit(v.chunks)) return "__launch_bounds__(128, 6) ";
     return "__launch_bounds__(256, 2) ";
   }
@@ -879,16 +892,33 @@ class Printer {
   // f32 and 16-bit rows of at most 32 values per thread (f32 w8, 16-bit w4) whose rows read before the
   // output phase fit in kMaxHeldWords registers.
   bool held_rows_fit(int chunks) const {
-    return width_ >= 4 && chunks * width_ <= 32 && held_words(chunks) <= kMaxHeldWords;
+    return width_ >= 4 && chunks * width_ <= 32 && held_words(chunks, false) <= kMaxHeldWords;
+  }
+
+  // f32 warp variants whose rows held per row fit that budget once the rows every row shares are
+  // hoisted (row_invariant), and the hoisted rows with them kMaxHoistedWords: those load the shared rows
+  // once, before the row loop, instead of once per row (the output phase's a vector at a time, after the
+  // reductions). The registers cost occupancy (3 to 5 blocks of 128 threads per multiprocessor), which
+  // f32 rows, with twice the bytes in flight per register, afford and 16-bit rows did not. Generated
+  // sources, H200, 16384 rows, before -> hoisted: f32 bias + layer norm over 1024 columns b1 43.0 ->
+  // w8 36.7 us; layer norm + GELU 1024 w8 41.5 -> 39.8; layer norm 768 w8 31.0 -> 28.6; bf16 layer norm
+  // 768 w4 19.7 -> 21.8, and GPT-2's bf16 residual + bias + layer norm w4 33.4 -> 40.6.
+  bool hoists(const RowVariant& v) const {
+    if (v.mode != RowVariant::Mode::Warp || width_ != 4 || v.chunks * width_ > 32) return false;
+    size_t hoisted = 0;
+    for (size_t k = 0; k < p_.inputs.size(); ++k)
+      if (row_invariant(k)) hoisted += static_cast<size_t>(v.chunks * words(in_type(k)));
+    const size_t held = held_words(v.chunks, true);
+    return hoisted > 0 && held <= kMaxHeldWords && held + hoisted <= kMaxHoistedWords;
   }
 
   // The registers a thread of `chunks` vectors holds for the rows of the full inputs that a phase before
   // the output phase reads (rows_cached loads those whole; the output phase's own a vector at a time).
-  size_t held_words(int chunks) const {
+  size_t held_words(int chunks, bool hoisted) const {
     const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
     size_t held = 0;
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
-      if (p_.inputs[k].row) continue;
+      if (p_.inputs[k].row || (hoisted && row_invariant(k))) continue;
       for (size_t q = 0; q < phases.targets.size(); ++q)
         if (phases.targets[q] >= 0 && phases.needed[q][p_.inputs[k].reg]) {
           held += static_cast<size_t>(chunks * words(in_type(k)));
@@ -898,14 +928,27 @@ class Printer {
     return held;
   }
 
-  // Input k's row as packed words x<k>[J][W]: vector loads where p.vec says so, else element by element.
+  // Input k's row as packed words x<k>[J][W]: copied from the hoisted x<k>h, or loaded (load_row_words).
   void load_row_input(Source& o, size_t k) {
-    const std::string x = "x" + str(k), t = storage_type(in_type(k)), w = str(words(in_type(k)));
+    const std::string x = "x" + str(k), w = str(words(in_type(k)));
     o << "    unsigned " << x << "[J][" << w << "] = {};\n";
+    if (row_invariant(k)) {
+      o << "    if constexpr (HOIST) {\n";
+      o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
+      o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << x << "[j][w] = " << x << "h[j][w];\n";
+      o << "    } else\n";
+    }
+    load_row_words(o, k, x, "b" + str(k));
+  }
+
+  // Input k's row from element offset `base` into the packed words `x`[J][W]: vector loads where p.vec
+  // says so, else element by element (one statement).
+  void load_row_words(Source& o, size_t k, const std::string& x, const std::string& base) {
+    const std::string t = storage_type(in_type(k)), w = str(words(in_type(k)));
     if (k < static_cast<size_t>(kMaxVectorInputs) && row_vectors_) {
       o << "    if ((p.vec >> " << k << ") & 1u) {\n";
       o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
-      o << "        if ((j * T + lane) * V < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k
+      o << "        if ((j * T + lane) * V < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + " << base
         << " + (j * T + lane) * V, " << x << "[j]);\n";
       o << "    } else {\n";
     } else {
@@ -913,9 +956,23 @@ class Printer {
     }
     o << "#pragma unroll\n      for (int j = 0; j < J; ++j)\n";
     o << "#pragma unroll\n        for (int v = 0; v < V; ++v)\n";
-    o << "          if ((j * T + lane) * V + v < cols) set_elem<" << t << ">(" << x << "[j], v, " << in_ptr(in_type(k), k) << "[b" << k
-      << " + (i64)((j * T + lane) * V + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
+    o << "          if ((j * T + lane) * V + v < cols) set_elem<" << t << ">(" << x << "[j], v, " << in_ptr(in_type(k), k) << "["
+      << base << " + (i64)((j * T + lane) * V + v) * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n";
     o << "    }\n";
+  }
+
+  // Full input k is the same row for every row: over each of the group's leading dimensions (p_.rank
+  // of them but the last; right-aligned) it has no dimension, one of size 1 or one of stride 0.
+  bool row_invariant(size_t k) const {
+    if (p_.inputs[k].row || p_.rank < 2) return false;
+    const TensorType& t = p_.inputs[k].value->type.tensor;
+    for (size_t d = 0; d + 1 < p_.rank; ++d) {
+      if (d + t.sizes.size() < p_.rank) continue;
+      const size_t e = d + t.sizes.size() - p_.rank;
+      const bool one = t.sizes[e].is_constant() && t.sizes[e].value == 1;
+      if (!one && !(t.strides[e].is_constant() && t.strides[e].value == 0)) return false;
+    }
+    return true;
   }
 
   // Input k's dimension aligned with the group's dimension d (right-aligned), or -1 where it has none.
@@ -966,6 +1023,11 @@ class Printer {
   void load_row_chunk(Source& o, size_t k) {
     const std::string x = "x" + str(k) + "c", t = storage_type(in_type(k)), w = str(words(in_type(k)));
     o << "      unsigned " << x << "[" << w << "] = {};\n";
+    if (row_invariant(k)) {
+      o << "      if constexpr (HOIST) {\n";
+      o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << x << "[w] = x" << k << "h[j][w];\n";
+      o << "      } else\n";
+    }
     if (k < static_cast<size_t>(kMaxVectorInputs) && row_vectors_) {
       o << "      if ((p.vec >> " << k << ") & 1u) {\n";
       o << "        if (col0 < cols) ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + b" << k << " + col0, " << x << ");\n";
@@ -995,7 +1057,7 @@ class Printer {
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
       if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues &&
-          !held_rows_fit(chunks))
+          !held_rows_fit(chunks) && !hoists({RowVariant::Mode::Warp, chunks, ""}))
         continue;
       if (!blocks_only) all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
@@ -1057,6 +1119,9 @@ class Printer {
   //    30.3-30.8; a layer norm of 768 columns: w8 15.0-15.3, b1 19.6-19.8.
   //  - f32 bias + layer norm, 1024 columns (64 registers, not taken): w8 22.6-22.8, b1 23.8-24.2.
   static constexpr size_t kMaxHeldWords = 48;
+  // Registers per thread for the held rows and the hoisted ones together (hoists): f32 bias + layer norm
+  // over 1024 columns as w8 holds four rows of 32, 154 registers under __launch_bounds__(128, 3).
+  static constexpr size_t kMaxHoistedWords = 128;
   static constexpr int kMaxKeptValues = 32;         // floats per thread a row kernel keeps across phases
   static constexpr int kMaxKeptRows = 2;            // registers (rows of values) it keeps at most
 
