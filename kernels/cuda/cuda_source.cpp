@@ -913,7 +913,8 @@ class Printer {
   }
 
   // The registers a thread of `chunks` vectors holds for the rows of the full inputs that a phase before
-  // the output phase reads (rows_cached loads those whole; the output phase's own a vector at a time).
+  // the output phase reads (rows_cached loads those whole; the output phase's own a vector at a time);
+  // `hoisted`: leaving out the rows every row shares, which hoists() counts apart.
   size_t held_words(int chunks, bool hoisted) const {
     const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
     size_t held = 0;
