@@ -15,7 +15,10 @@ For each workload and backend it records
                     torch._dynamo.utils.compilation_time_metrics, summed over graphs. first_call_s - dynamo_s is
                     what the backend spent (ATen tracing, its compile, the first run, a lazily compiled backward)
     cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
-                    runs once first), Dynamo's own first use in the process included; cold_dynamo_s its Dynamo share
+                    runs once first), Dynamo's own first use in the process included; cold_dynamo_s its Dynamo share.
+                    With --cold-repeat N, the medians of N such processes per backend, the backends taking turns
+                    process by process (Dynamo's share of one model moved 1.69-2.21 s between fresh processes on
+                    one H200); cold_first_call_samples and cold_dynamo_samples keep every process's
     latency_ms      the median of --repeat individually timed calls after --warmup calls (on CUDA each call is
                     bracketed by torch.cuda.synchronize()), taken in turns: each backend runs one untimed call and
                     then --block timed ones, and the next backend takes over; a steady loop calling one model
@@ -689,6 +692,27 @@ def cold_first_call_in_child(name, backend, args):
     return None
 
 
+def cold_first_calls(result, args):
+    """--cold: each backend's first call on `result`'s workload in fresh processes (cold_first_call_in_child),
+    args.cold_repeat rounds of one process per backend, and their medians into the backend's row."""
+    rows = {b: row for b, row in result.get("backends", {}).items() if b != "eager" and "error" not in row}
+    samples = {b: [] for b in rows}
+    for _ in range(max(1, args.cold_repeat)):
+        for backend in rows:
+            cold = cold_first_call_in_child(result["workload"], backend, args)
+            if cold is not None:
+                samples[backend].append(cold)
+    for backend, row in rows.items():
+        if not samples[backend]:
+            continue
+        seconds = [s for s, _ in samples[backend]]
+        dynamo = [d for _, d in samples[backend] if d is not None]
+        row["cold_first_call_s"] = statistics.median(seconds)
+        row["cold_dynamo_s"] = statistics.median(dynamo) if dynamo else None
+        if args.cold_repeat > 1:
+            row["cold_first_call_samples"], row["cold_dynamo_samples"] = seconds, dynamo
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -707,6 +731,8 @@ def main(argv=None):
                         help="add the 'dynamo' row: Dynamo with the captured graph run eagerly (its per-call floor)")
     parser.add_argument("--cold", action="store_true",
                         help="also time each backend's first call in a process of its own (cold_first_call_s)")
+    parser.add_argument("--cold-repeat", type=int, default=1,
+                        help="with --cold: fresh processes per workload and backend, in turns (medians reported)")
     parser.add_argument("--cold-one", default=None, help=argparse.SUPPRESS)  # WORKLOAD:BACKEND, the child of --cold
     args = parser.parse_args(argv)
     if args.threads:
@@ -756,11 +782,8 @@ def main(argv=None):
 
     if args.cold:
         for r in results:
-            for backend, row in r.get("backends", {}).items():
-                if backend != "eager" and "error" not in row:
-                    cold = cold_first_call_in_child(r["workload"], backend, args)
-                    if cold is not None:
-                        row["cold_first_call_s"], row["cold_dynamo_s"] = cold
+            cold_first_calls(r, args)
+            write_json()
 
     print_table(results)
     write_json()

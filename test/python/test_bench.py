@@ -34,3 +34,22 @@ def test_harness_records_first_call_error_and_both_latencies(harness):
     assert rows["ember"]["graphs"] == 1
     assert rows["ember"]["max_rel_error"] < 1e-5 and rows[harness.FLOOR]["max_rel_error"] == 0
     assert rows["ember"]["compiles_waited_s"] >= 0
+
+
+def test_cold_first_calls_take_the_median_of_fresh_processes(harness):
+    # --cold --cold-repeat 2 on one backend: two fresh processes, their first calls and Dynamo shares kept, the
+    # medians reported; eager and a backend that failed get no fresh process.
+    import argparse
+    import statistics
+
+    result = {"workload": "matmul_softmax", "backends": {"eager": {}, "ember": {}, "inductor": {"error": "x"}}}
+    args = argparse.Namespace(device="cpu", threads=1, cold_repeat=2)
+    harness.cold_first_calls(result, args)
+    rows = result["backends"]
+    assert rows["eager"] == {} and rows["inductor"] == {"error": "x"}
+    samples = rows["ember"]["cold_first_call_samples"]
+    assert len(samples) == 2 and all(s > 0 for s in samples)
+    assert rows["ember"]["cold_first_call_s"] == statistics.median(samples)
+    dynamo = rows["ember"]["cold_dynamo_samples"]
+    assert len(dynamo) == 2 and all(0 < d < s for d, s in zip(dynamo, samples))
+    assert rows["ember"]["cold_dynamo_s"] == statistics.median(dynamo)
