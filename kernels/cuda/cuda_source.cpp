@@ -907,7 +907,7 @@ class Printer {
     if (v.mode != RowVariant::Mode::Warp || width_ != 4 || v.chunks * width_ > 32) return false;
     size_t hoisted = 0;
     for (size_t k = 0; k < p_.inputs.size(); ++k)
-      if (row_invariant(k)) hoisted += static_cast<size_t>(v.chunks * words(in_type(k)));
+      if (row_invariant(k)) hoisted += static_cast<size_t>(used_chunks(v.chunks) * words(in_type(k)));
     const size_t held = held_words(v.chunks, true);
     return hoisted > 0 && held <= kMaxHeldWords && held + hoisted <= kMaxHoistedWords;
   }
@@ -917,6 +917,7 @@ class Printer {
   // `hoisted`: leaving out the rows every row shares, which hoists() counts apart.
   size_t held_words(int chunks, bool hoisted) const {
     const RowPhases phases = plan_row_phases(p_, kMaxKeptRows);
+    chunks = used_chunks(chunks);
     size_t held = 0;
     for (size_t k = 0; k < p_.inputs.size(); ++k) {
       if (p_.inputs[k].row || (hoisted && row_invariant(k))) continue;
@@ -927,6 +928,17 @@ class Printer {
         }
     }
     return held;
+  }
+
+  // The chunks of a warp variant's row (J) that hold columns: all of them where the row length is a run-time
+  // value; where the types fix it, those that start below it, since the others' loads and registers compile
+  // away (`(j * T + lane) * V < cols` is false for every lane). f32 rows of 768 columns take 6 of w8's 8:
+  // BERT's and GPT-2's f32 residual + bias + layer norm then hold 48 registers of rows, not 64.
+  int used_chunks(int chunks) const {
+    const std::optional<int64_t> cols = static_cols();
+    if (!cols) return chunks;
+    const int64_t per_chunk = int64_t{32} * width_;
+    return static_cast<int>(std::clamp<int64_t>((*cols + per_chunk - 1) / per_chunk, 1, chunks));
   }
 
   // Input k's row as packed words x<k>[J][W]: copied from the hoisted x<k>h, or loaded (load_row_words).
