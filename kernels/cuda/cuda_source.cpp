@@ -441,7 +441,11 @@ class Printer {
   // Vectors per thread per iteration in flat_vec: 4 for one or two full inputs (up to 128 bytes in flight
   // per thread), fewer where more inputs would hold more registers than they buy, and fewer where the
   // unrolled elements would be more code than kMaxUnrolledCost: ptxas's time grows with the copies, and
-  // U changed none of the bandwidth benchmark's kernels by more than a point (README).
+  // U changed none of the bandwidth benchmark's kernels by more than a point (README). One where an
+  // element runs an op as costly as erff or logf or more (heaviest_op() >= 2): such kernels are bound by
+  // instruction issue, not bytes, and U's registers cost resident blocks. BERT's f32 bias + erf GELU
+  // over 1024 x 3072 (H200, generated source, one wave): U=4 47 registers, 5 blocks per multiprocessor,
+  // 9.0 us; U=2 6 blocks 8.3; U=1 8 blocks 7.8 (4096 rows: 31.9, 30.5, 29.0).
   int flat_unroll() const {
     // Late-loaded inputs (inside the compute loop) count half: their registers do not multiply by U,
     // but their values do. (resnet50's bf16 batch norm + add + relu, two full and four per-channel
@@ -456,7 +460,7 @@ class Printer {
       return u == 1 || u == 2 || u == 4 ? u : 0;
     }();
     if (forced) return forced;
-    int u = n <= 2 ? 4 : (n <= 4 ? 2 : 1);
+    int u = heaviest_op() >= 2 ? 1 : (n <= 2 ? 4 : (n <= 4 ? 2 : 1));
     while (u > 1 && u * width_ * element_cost() > kMaxUnrolledCost) u /= 2;
     return u;
   }
@@ -466,22 +470,29 @@ class Printer {
   // division 1.3, tanhf 1.2, sqrtf 1.1; the fast forms and plain arithmetic are a few instructions.
   double element_cost() const {
     double cost = 0;
-    for (const Instr& i : p_.code) {
-      const bool fast = rounded_[i.dst];
-      switch (i.op) {
-        case OpCode::Sin: case OpCode::Cos: case OpCode::Pow: cost += 5; break;
-        case OpCode::GeluBackward: cost += 3; break;
-        case OpCode::Log: case OpCode::Log1p: case OpCode::Expm1: case OpCode::Erf: case OpCode::Gelu: cost += 2; break;
-        case OpCode::Exp: cost += fast ? 0.2 : 1; break;
-        case OpCode::Sigmoid: case OpCode::Silu: cost += fast ? 0.5 : 1.8; break;
-        case OpCode::Div: case OpCode::Reciprocal: cost += fast ? 0.3 : 1.4; break;
-        case OpCode::Tanh: cost += approx_tanh_[i.dst] ? 0.2 : 1.3; break;
-        case OpCode::GeluTanh: cost += 1.5; break;
-        case OpCode::Sqrt: cost += 1.2; break;
-        default: cost += 0.1; break;
-      }
-    }
+    for (const Instr& i : p_.code) cost += op_cost(i);
     return cost;
+  }
+  // The costliest single op of an element, in the same units.
+  double heaviest_op() const {
+    double most = 0;
+    for (const Instr& i : p_.code) most = std::max(most, op_cost(i));
+    return most;
+  }
+  double op_cost(const Instr& i) const {
+    const bool fast = rounded_[i.dst];
+    switch (i.op) {
+      case OpCode::Sin: case OpCode::Cos: case OpCode::Pow: return 5;
+      case OpCode::GeluBackward: return 3;
+      case OpCode::Log: case OpCode::Log1p: case OpCode::Expm1: case OpCode::Erf: case OpCode::Gelu: return 2;
+      case OpCode::Exp: return fast ? 0.2 : 1;
+      case OpCode::Sigmoid: case OpCode::Silu: return fast ? 0.5 : 1.8;
+      case OpCode::Div: case OpCode::Reciprocal: return fast ? 0.3 : 1.4;
+      case OpCode::Tanh: return approx_tanh_[i.dst] ? 0.2 : 1.3;
+      case OpCode::GeluTanh: return 1.5;
+      case OpCode::Sqrt: return 1.2;
+      default: return 0.1;
+    }
   }
 
   // The elementwise values at column `col`: full inputs, then every full instruction before `end`.
