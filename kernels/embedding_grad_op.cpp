@@ -1,6 +1,7 @@
 // ember::embedding_grad: an embedding's weight gradient as a fresh zero table plus one index_add_ of the
 // gradient rows, which ATen's CUDA kernel adds with atomics (decompositions.py puts it in place of
-// aten::embedding_dense_backward for CUDA graphs, outside deterministic mode, without scale_grad_by_freq).
+// aten::embedding_dense_backward without scale_grad_by_freq: for CUDA graphs outside deterministic mode, for
+// float32 and float64 CPU ones always, the CPU's index_add_ adding in index order).
 //  1. Why: ATen's embedding_dense_backward sorts the indices and walks their runs. In BERT-base's training
 //     step (H100, 8x128 tokens) its three calls took 116 us of GPU time besides the 30 us zero fill of the
 //     30522 x 768 word table; the index_adds take ~15 us. The order of the additions into one row then varies
@@ -9,12 +10,39 @@
 //     out of place, and ATen's out-of-place index_add copies the whole zero table first (63 us there).
 //  3. Rows whose index is padding_idx add nothing (ATen's rule); 16-bit gradients accumulate in f32 and are
 //     rounded once at the end, as ATen's kernel accumulates.
+//  4. On the CPU (float32 and float64 tables, decompositions.py) the zero table is fresh anonymous memory,
+//     which reads as zero and costs a page only where a row is written: at::zeros writes every page. BERT-base's
+//     word table (30522 x 768 floats, 94 MB) took 113-115 ms of its training step's fill_ on the 2-core host,
+//     in eager as under ember, nearly all page faults. The additions are ATen's CPU index_add_, in index order.
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_add.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>
+#define EMBER_HAVE_MMAP 1
+#endif
+
 namespace ember {
 namespace {
+
+// Tables smaller than this are filled by at::zeros: a mapping of their own costs a system call each way.
+constexpr int64_t kFreshPagesBytes = int64_t{1} << 20;
+
+// A zero CPU tensor in fresh anonymous pages (item 4), or at::zeros where it is small or no mapping is had.
+at::Tensor zeros_cpu(int64_t rows, int64_t width, const at::TensorOptions& options) {
+#ifdef EMBER_HAVE_MMAP
+  const c10::ScalarType dtype = c10::typeMetaToScalarType(options.dtype());
+  const int64_t bytes = rows * width * static_cast<int64_t>(c10::elementSize(dtype));
+  if (bytes >= kFreshPagesBytes) {
+    void* p = mmap(nullptr, static_cast<size_t>(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED)
+      return at::from_blob(p, {rows, width}, [bytes](void* q) { munmap(q, static_cast<size_t>(bytes)); }, options);
+  }
+#endif
+  return at::zeros({rows, width}, options);
+}
 
 at::Tensor embedding_grad(const at::Tensor& grad, const at::Tensor& indices, c10::SymInt num_weights,
                           int64_t padding_idx) {
@@ -29,6 +57,21 @@ at::Tensor embedding_grad(const at::Tensor& grad, const at::Tensor& indices, c10
   return narrow ? out.to(grad.scalar_type()) : out;
 }
 
+// Real CPU tensors (fake and meta ones take the function above): float32 and float64 gradients into a table of
+// fresh pages.
+at::Tensor embedding_grad_cpu(const at::Tensor& grad, const at::Tensor& indices, c10::SymInt num_weights,
+                              int64_t padding_idx) {
+  if (grad.scalar_type() != at::kFloat && grad.scalar_type() != at::kDouble)
+    return embedding_grad(grad, indices, std::move(num_weights), padding_idx);
+  const int64_t width = grad.size(-1);
+  const at::Tensor flat = indices.reshape({-1});
+  at::Tensor rows = grad.reshape({flat.size(0), width});
+  if (padding_idx >= 0) rows = rows.masked_fill(flat.eq(padding_idx).unsqueeze(1), 0);
+  at::Tensor out = zeros_cpu(num_weights.expect_int(), width, rows.options());
+  out.index_add_(0, flat, rows);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ember, m) {
@@ -36,5 +79,6 @@ TORCH_LIBRARY_FRAGMENT(ember, m) {
 }
 
 TORCH_LIBRARY_IMPL(ember, CompositeExplicitAutograd, m) { m.impl("embedding_grad", &embedding_grad); }
+TORCH_LIBRARY_IMPL(ember, CPU, m) { m.impl("embedding_grad", &embedding_grad_cpu); }
 
 }  // namespace ember

@@ -16,8 +16,9 @@ Kept whole, and why:
   combine graph then returned an alias of its input, which torch's scan rejects ("scan might be aliasing
   the input or the output"; inductor fails the same way on torch 2.13). Kept, it is a copy through ATen.
 
-Replaced: on CUDA, embedding_dense_backward becomes ember::embedding_grad (kernels/embedding_grad_op.cpp: a
-zero table and one atomic index_add_) outside deterministic mode and without scale_grad_by_freq;
+Replaced: embedding_dense_backward becomes ember::embedding_grad (kernels/embedding_grad_op.cpp: a zero table
+and one index_add_) without scale_grad_by_freq: on CUDA outside deterministic mode (its index_add_ adds with
+atomics), on the CPU for float32 and float64 gradients (its zero table costs only the pages written);
 EMBER_EMBEDDING_GRAD=aten keeps ATen's kernel.
 """
 
@@ -113,10 +114,16 @@ def decomposition_table(for_export=False):
 
 
 def embedding_grad(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
-    """aten.embedding_dense_backward on CUDA as ember::embedding_grad; NotImplemented keeps the op."""
+    """aten.embedding_dense_backward as ember::embedding_grad on CUDA and on the CPU (module docstring);
+    NotImplemented keeps the op."""
     import torch
 
-    if not grad_output.is_cuda or scale_grad_by_freq or torch.are_deterministic_algorithms_enabled():
+    if scale_grad_by_freq:
+        return NotImplemented
+    if grad_output.is_cuda:
+        if torch.are_deterministic_algorithms_enabled():
+            return NotImplemented
+    elif grad_output.device.type != "cpu" or grad_output.dtype not in (torch.float32, torch.float64):
         return NotImplemented
     from . import _C  # noqa: F401  (registers the ember:: ops)
 

@@ -1,6 +1,8 @@
 """Normalizations (batch / layer / group norm, running stats included), softmax, attention, embedding,
 losses. Forward and backward against eager."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -29,7 +31,6 @@ def test_batch_norm_running_stats_over_steps(device):
     from helpers import compile_ember
 
     bn = nn.BatchNorm1d(5, momentum=0.3).to(device)
-    import copy
 
     bn_c = copy.deepcopy(bn)
     compiled = compile_ember(bn_c)
@@ -206,6 +207,47 @@ def test_embedding_grad_op_matches_atens(device, dtype):
         want = torch.ops.aten.embedding_dense_backward(grad.float(), idx, 50, padding_idx, False).to(dtype)
         assert got.dtype == dtype and got.shape == (50, 24)
         torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_embedding_grad_op_on_fresh_pages(dtype):
+    """ember::embedding_grad's CPU kernel: a table of 1 MiB or more starts as fresh zero pages (no fill), and gets
+    ATen's values: repeated indices accumulate in index order, the padding row gets nothing. The table is an
+    ordinary tensor: it takes an in-place add, is written everywhere, and outlives the call's other tensors."""
+    from ember import _C  # noqa: F401  loads libember, which registers the op
+
+    num_weights, width = 5000, 96  # 1.8 MiB in float32
+    grad = torch.randn(3, 70, width, dtype=dtype)
+    idx = torch.randint(0, num_weights, (3, 70))
+    idx[0, :6] = 4999
+    idx[2, :4] = 3
+    for padding_idx in (-1, 3):
+        got = torch.ops.ember.embedding_grad(grad, idx, num_weights, padding_idx)
+        want = torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
+        assert got.dtype == dtype and got.shape == (num_weights, width) and got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    del grad, want
+    got += 1
+    assert torch.equal(got[1000], torch.ones(width, dtype=dtype))
+    got.mul_(2)
+    assert got.sum().item() > 0
+
+
+def test_cpu_embedding_gradient_runs_as_one_index_add():
+    """A CPU float32 embedding's weight gradient is ember::embedding_grad in the backward plan, with eager's values
+    (its table over 1 MiB: fresh pages); a bfloat16 one keeps ATen's embedding_dense_backward."""
+    emb = nn.Embedding(4000, 80, padding_idx=1)
+    idx = torch.randint(0, 4000, (6, 40))
+    idx[0, :4] = 1
+    idx[2, :9] = 5
+    check(Wrap(lambda m, i: m.emb(i) * 3, emb=emb), idx, **MATMUL_TOL)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "ember::embedding_grad" in listing and "embedding_dense_backward" not in listing, listing
+    EMBER_GRAPHS.clear()
+    torch._dynamo.reset()
+    check(Wrap(lambda m, i: m.emb(i) * 3, emb=copy.deepcopy(emb).to(torch.bfloat16)), idx, atol=2e-2, rtol=2e-2)
+    listing = "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "embedding_dense_backward" in listing and "ember::embedding_grad" not in listing, listing
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
