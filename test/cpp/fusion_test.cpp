@@ -1161,6 +1161,5 @@ TEST(CudaCodegen, BoundedVariantsAndColumnKernelsDoNotSpill) {
   EXPECT_EQ(columns, 9);  // columns_ (one group) and columns_2d_ (two), in f32, f16 and bf16
 }
 
-
 }  // namespace
 }  // namespace ember
