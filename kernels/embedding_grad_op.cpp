@@ -20,6 +20,8 @@
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #ifdef __linux__
 #include <sys/mman.h>
 
@@ -69,15 +71,21 @@ at::Tensor zeros_cpu(int64_t rows, int64_t width, const at::TensorOptions& optio
   return at::zeros({rows, width}, options);
 }
 
+// The gradient as rows, one per index, those of padding_idx zeroed (ATen's rule), and the indices flat.
+std::pair<at::Tensor, at::Tensor> gradient_rows(const at::Tensor& grad, const at::Tensor& indices,
+                                                int64_t padding_idx) {
+  at::Tensor flat = indices.reshape({-1});
+  at::Tensor rows = grad.reshape_symint({flat.sym_size(0), grad.sym_size(-1)});
+  if (padding_idx >= 0) rows = rows.masked_fill(flat.eq(padding_idx).unsqueeze(1), 0);
+  return {std::move(rows), std::move(flat)};
+}
+
 at::Tensor embedding_grad(const at::Tensor& grad, const at::Tensor& indices, c10::SymInt num_weights,
                           int64_t padding_idx) {
-  const c10::SymInt width = grad.sym_size(-1);
-  const at::Tensor flat = indices.reshape({-1});
-  at::Tensor rows = grad.reshape_symint({flat.sym_size(0), width});
-  if (padding_idx >= 0) rows = rows.masked_fill(flat.eq(padding_idx).unsqueeze(1), 0);
+  auto [rows, flat] = gradient_rows(grad, indices, padding_idx);
   const bool narrow = grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16;
   if (narrow) rows = rows.to(at::kFloat);
-  at::Tensor out = at::zeros_symint({std::move(num_weights), width}, rows.options());
+  at::Tensor out = at::zeros_symint({std::move(num_weights), grad.sym_size(-1)}, rows.options());
   out.index_add_(0, flat, rows);
   return narrow ? out.to(grad.scalar_type()) : out;
 }
@@ -88,11 +96,8 @@ at::Tensor embedding_grad_cpu(const at::Tensor& grad, const at::Tensor& indices,
                               int64_t padding_idx) {
   if (grad.scalar_type() != at::kFloat && grad.scalar_type() != at::kDouble)
     return embedding_grad(grad, indices, std::move(num_weights), padding_idx);
-  const int64_t width = grad.size(-1);
-  const at::Tensor flat = indices.reshape({-1});
-  at::Tensor rows = grad.reshape({flat.size(0), width});
-  if (padding_idx >= 0) rows = rows.masked_fill(flat.eq(padding_idx).unsqueeze(1), 0);
-  at::Tensor out = zeros_cpu(num_weights.expect_int(), width, rows.options());
+  const auto [rows, flat] = gradient_rows(grad, indices, padding_idx);
+  at::Tensor out = zeros_cpu(num_weights.expect_int(), grad.size(-1), rows.options());
   out.index_add_(0, flat, rows);
   return out;
 }
