@@ -208,7 +208,16 @@ class Lowering {
       return out(emit(OpCode::Sub, x(1, "other"), a));
     }
     if (op == "aten::mul.Tensor" || op == "aten::mul.Scalar") return out(emit(OpCode::Mul, x(0, "self"), x(1, "other")));
-    if (op == "aten::div.Tensor" || op == "aten::div.Scalar") return out(emit(OpCode::Div, x(0, "self"), x(1, "other")));
+    if (op == "aten::div.Tensor" || op == "aten::div.Scalar") {
+      // x / 2^k is x * 2^-k exactly (both are the rounded value of one real number), and a product is cheaper
+      // than a division: softmax(x / 8)'s row kernel no longer keeps the quotient (cuda/row_phases.cpp: costly).
+      Operand d = x(1, "other");
+      int e = 0;
+      if (d.kind == Operand::Kind::Imm && std::isnormal(d.imm) && std::fabs(std::frexp(d.imm, &e)) == 0.5f &&
+          std::isnormal(1.f / d.imm))
+        return out(emit(OpCode::Mul, x(0, "self"), Operand::constant(1.f / d.imm)));
+      return out(emit(OpCode::Div, x(0, "self"), d));
+    }
     if (op == "aten::maximum") return out(emit(OpCode::Max, x(0, "self"), x(1, "other")));
     if (op == "aten::minimum") return out(emit(OpCode::Min, x(0, "self"), x(1, "other")));
     if (op == "aten::where.self") return out(emit(OpCode::Where, x(0, "condition"), x(1, "self"), x(2, "other")));

@@ -133,6 +133,24 @@ def test_nan_inf_propagation(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+def test_division_by_powers_of_two_is_exact(device, dtype):
+    """A division by a power of two runs as a product by its reciprocal (kernels/program.cpp): the same bits
+    as eager's division, subnormal quotients, NaN, infinities and signed zeros included; other divisors
+    stay divisions."""
+    x = torch.randn(4099, device=device, dtype=torch.float32) * 1e3
+    x[:64] = torch.randn(64, device=device) * 1e-36  # subnormal quotients in float32
+    x[64:70] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3e38], device=device)
+    x = x.to(dtype)
+
+    def fn(x):
+        y = x + 0.0
+        return y / 8, y / 0.25, y / -2, y / 1024, y / 3, y / 0.1
+
+    check(fn, x, grad=False, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nan_in_max_and_min(device):
     x = torch.randn(4, 6, device=device)
     x[1, 2] = float("nan")
