@@ -45,8 +45,9 @@ RowPhases plan_row_phases(const Program& p, int max_kept) {
     ph.targets.push_back(-1);
     roots.push_back(outs);
   }
-  // The full registers a phase needs, down to inputs and row registers.
-  auto closure = [&](const std::vector<int>& from) {
+  // The full registers a phase needs, down to inputs and row registers; below a register in `stop`,
+  // nothing (a packed value read back: what it was computed from is not needed again).
+  auto closure = [&](const std::vector<int>& from, const std::vector<bool>* stop) {
     std::vector<bool> need(regs, false);
     std::vector<int> work = from;
     while (!work.empty()) {
@@ -54,36 +55,42 @@ RowPhases plan_row_phases(const Program& p, int max_kept) {
       work.pop_back();
       if (r < 0 || static_cast<size_t>(r) >= regs || need[r] || p.reg_is_row[r]) continue;
       need[r] = true;
-      if (def[r] < 0) continue;
+      if (def[r] < 0 || (stop && (*stop)[r])) continue;
       for (const Operand* a : {&p.code[def[r]].a, &p.code[def[r]].b, &p.code[def[r]].c})
         if (a->kind == Operand::Kind::Reg) work.push_back(a->index);
     }
     return need;
   };
-  for (const std::vector<int>& r : roots) ph.needed.push_back(closure(r));
-  int kept_rows = 0;
-  for (size_t q = 0; q < roots.size(); ++q)
-    for (size_t r = 0; r < regs; ++r) {
-      if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || def[r] < 0 || !costly(p.code[def[r]].op)) continue;
-      bool later = false;
-      for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
-      if (!later || kept_rows == max_kept) continue;
-      ph.kept_in[r] = static_cast<int>(q);
-      ++kept_rows;
-    }
+  for (const std::vector<int>& r : roots) ph.needed.push_back(closure(r, nullptr));
   // A value rounded to bf16 is exact in 16 bits: kept packed, it costs what the input it usually
   // comes from costs (which then frees), and spares later phases the rounding's integer work.
   int packed_rows = 0;
   for (size_t q = 0; q < roots.size(); ++q)
     for (size_t r = 0; r < regs; ++r) {
-      if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || ph.packed_in[r] >= 0 || def[r] < 0 ||
-          p.code[def[r]].op != OpCode::RoundBFloat16)
-        continue;
+      if (!ph.needed[q][r] || ph.packed_in[r] >= 0 || def[r] < 0 || p.code[def[r]].op != OpCode::RoundBFloat16) continue;
       bool later = false;
       for (size_t l = q + 1; l < roots.size(); ++l) later |= ph.needed[l][r];
       if (!later || packed_rows == max_kept) continue;
       ph.packed_in[r] = static_cast<int>(q);
       ++packed_rows;
+    }
+  // What a later phase reads of an earlier one's values where the packed ones are read back: a value
+  // that only a packed one needs (softmax(x / d)'s quotient, under its rounding) is not worth keeping.
+  std::vector<std::vector<bool>> reads(roots.size());
+  for (size_t l = 0; l < roots.size(); ++l) {
+    std::vector<bool> stop(regs, false);
+    for (size_t r = 0; r < regs; ++r) stop[r] = ph.packed_in[r] >= 0 && ph.packed_in[r] < static_cast<int>(l);
+    reads[l] = closure(roots[l], &stop);
+  }
+  int kept_rows = 0;
+  for (size_t q = 0; q < roots.size(); ++q)
+    for (size_t r = 0; r < regs; ++r) {
+      if (!ph.needed[q][r] || ph.kept_in[r] >= 0 || ph.packed_in[r] >= 0 || def[r] < 0 || !costly(p.code[def[r]].op)) continue;
+      bool later = false;
+      for (size_t l = q + 1; l < roots.size(); ++l) later |= reads[l][r];
+      if (!later || kept_rows == max_kept) continue;
+      ph.kept_in[r] = static_cast<int>(q);
+      ++kept_rows;
     }
   return ph;
 }
