@@ -765,7 +765,7 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         EXPECT_EQ(src.rows[0].entry, warp) << label;
         const std::string bound = f32 ? "__launch_bounds__(128, 3) " : "__launch_bounds__(128, 6) ";
         EXPECT_NE(src.text.find(bound + warp + "("), std::string::npos) << label;
-        EXPECT_NE(src.text.find(f32 ? "rows_cached<8, true, true>" : "rows_cached<4, true, false>"), std::string::npos) << label;
+        EXPECT_NE(src.text.find(f32 ? "rows_cached<8, true, true, false>" : "rows_cached<4, true, false, false>"), std::string::npos) << label;
         // A row length the types fix compiles the chosen variant alone.
         EXPECT_EQ(src.rows.size(), 1u) << label;
         EXPECT_NE(src.text.find("c, v)"), std::string::npos) << label;  // get_elem(x<k>c, v)
@@ -774,7 +774,7 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         // One row held per row, the others shared: w8, hoisting them (b1 before, for the bias + norm).
         ASSERT_EQ(src.rows.size(), 1u) << label;
         EXPECT_EQ(src.rows[0].entry, "k_w8") << label;
-        EXPECT_NE(src.text.find("__launch_bounds__(128, 3) k_w8(Params p) { rows_cached<8, true, true>"), std::string::npos) << label;
+        EXPECT_NE(src.text.find("__launch_bounds__(128, 3) k_w8(Params p) { rows_cached<8, true, true, false>"), std::string::npos) << label;
         EXPECT_NE(src.text.find("unsigned x2h[HOIST ? J : 1]"), std::string::npos) << label;
       }
       if (label.rfind("layer_norm_3000", 0) == 0) {
@@ -1160,6 +1160,7 @@ TEST(CudaCodegen, BoundedVariantsAndColumnKernelsDoNotSpill) {
   EXPECT_GT(bounded, 0);
   EXPECT_EQ(columns, 9);  // columns_ (one group) and columns_2d_ (two), in f32, f16 and bf16
 }
+
 
 }  // namespace
 }  // namespace ember

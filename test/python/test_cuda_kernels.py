@@ -276,6 +276,28 @@ def test_rows_many_rows_and_3d():
     compare(entropy, torch.randn(4, 196, 768, device="cuda"))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "misaligned", "strided_3d"])
+def test_rows_load_the_next_row_ahead(layout):
+    """bf16 softmax(x / 8) over 1024 columns (bench/bandwidth.py's case): its warp variant loads each warp's
+    next row while the row before computes (loads_ahead in cuda_source.cpp). 20000 rows give every warp of
+    the one-wave grid several, by vector loads, element loads, and offsets through a strided leading dim."""
+
+    def fn(x):
+        return torch.softmax(x / 8, -1)
+
+    if layout == "contiguous":
+        x = torch.randn(20000, 1024, device="cuda", dtype=torch.bfloat16) * 8
+    elif layout == "misaligned":
+        x = (torch.randn(20000 * 1024 + 1, device="cuda", dtype=torch.bfloat16) * 8)[1:].view(20000, 1024)
+        assert x.data_ptr() % 16 != 0
+    else:
+        x = (torch.randn(40, 1000, 1024, device="cuda", dtype=torch.bfloat16) * 8)[::2]  # rows 2 x 1000 apart
+    x[(5, 3) if x.dim() == 2 else (2, 5, 3)] = float("nan")
+    x[(7, 9) if x.dim() == 2 else (3, 7, 9)] = float("inf")
+    _, kernels = compare(fn, x)
+    assert kernels >= 1
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("cols", [768, 1024, 2048])
 @pytest.mark.parametrize("family", list(ROW_FNS))
