@@ -362,7 +362,10 @@ class Printer {
     o << "      if (chunk >= chunks) break;\n";
     for (size_t k = 0; k < p_.inputs.size(); ++k)
       if (late_load(k)) load(k, "      ");
-    for (size_t k = 0; k < p_.outputs.size(); ++k) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k) {
+      o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+      if (out_type(k) == c10::kBFloat16) o << "      float f" << k << "[V];\n";  // converted a vector at once (f2bf_words)
+    }
     // Two elements at a time (V is even), so that bf16 roundings go two to a conversion instruction
     // (bf_round2): with one each, the conversions bounded GPT-2's bf16 gelu_new (eight roundings per
     // element) on the H100.
@@ -393,12 +396,19 @@ class Printer {
       }
       each_lane([&](const std::string&) { o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n"; });
     }
-    for (size_t k = 0; k < p_.outputs.size(); ++k)
+    for (size_t k = 0; k < p_.outputs.size(); ++k) {
+      if (out_type(k) == c10::kBFloat16) {
+        each_lane([&](const std::string& v) { o << "        f" << k << "[" << v << "] = " << stored(k) << ";\n"; });
+        continue;
+      }
       each_lane([&](const std::string& v) {
-        o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", " << v << ", "
-          << from_float(out_type(k), stored(k)) << ");\n";
+        o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", " << v << ", " << from_float(out_type(k), stored(k))
+          << ");\n";
       });
+    }
     o << "      }\n";
+    for (size_t k = 0; k < p_.outputs.size(); ++k)
+      if (out_type(k) == c10::kBFloat16) o << "      f2bf_words<" << words(out_type(k)) << ">(f" << k << ", y" << k << ");\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
       o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
     o << "    }\n  }\n";
@@ -817,7 +827,10 @@ class Printer {
         if (per_chunk[k]) load_row_chunk(o, k);
       if (output_phase)
         for (size_t k = 0; k < p_.outputs.size(); ++k)
-          if (!p_.outputs[k].row) o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+          if (!p_.outputs[k].row) {
+            o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
+            if (vector_converted(k)) o << "      float f" << k << "[V];\n";  // converted a vector at once (f2bf_words)
+          }
       // Every column is computed, those past the row's end from zeros, and only the reduction and the
       // stores are masked: branching around each column costed the unrolled code a third more registers.
       o << "#pragma unroll\n      for (int v = 0; v < V; ++v) {\n";
@@ -857,11 +870,16 @@ class Printer {
         o << "    else " << reg(i.dst) << " = block_reduce<" << reduction_kind(i) << ">(acc" << n << ", shared);\n";
         if (i.op == OpCode::RowMean) o << "    " << reg(i.dst) << " /= (float)cols;\n";
       } else {
-        for (size_t k = 0; k < p_.outputs.size(); ++k)
-          if (!p_.outputs[k].row)
-            o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, "
-              << from_float(out_type(k), stored(k)) << ");\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k) {
+          if (p_.outputs[k].row) continue;
+          if (vector_converted(k))
+            o << "        f" << k << "[v] = " << stored(k) << ";\n";
+          else
+            o << "        set_elem<" << storage_type(out_type(k)) << ">(y" << k << ", v, " << from_float(out_type(k), stored(k)) << ");\n";
+        }
         o << "      }\n";
+        for (size_t k = 0; k < p_.outputs.size(); ++k)
+          if (vector_converted(k)) o << "      f2bf_words<" << words(out_type(k)) << ">(f" << k << ", y" << k << ");\n";
         if (row_vectors_) {
           o << "      if (p.vec & " << std::to_string(kVectorOutputs) << "u) {\n";
           o << "        if (col0 < cols) {\n";
@@ -1007,6 +1025,15 @@ class Printer {
     size_t full_outputs = 0;
     for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
     return full_outputs <= 1 ? found : -1;
+  }
+
+  // Whether the row kernels convert full output k a vector at a time (f2bf_words): a bf16 output, the group's
+  // only full one. With two (GPT-2's residual + bias + layer norm writes the sum and the norm) the vector of
+  // floats held per output spilled under the 85-register bound, and the element-wise form stays.
+  bool vector_converted(size_t k) const {
+    size_t full_outputs = 0;
+    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
+    return !p_.outputs[k].row && out_type(k) == c10::kBFloat16 && full_outputs == 1;
   }
 
   // Warp variants of ahead_input()'s groups whose row takes at most kMaxAheadWords registers a thread: each
