@@ -168,6 +168,35 @@ def test_flat_strided_vector_entry_misaligned_one_input(dtype):
     assert kernels >= 1
 
 
+@pytest.mark.parametrize("rows", [1, 3000])
+def test_bf16_stores_keep_atens_nan_bits(rows):
+    """bf16 outputs convert a vector per cvt.rn.bf16x2 pair (f2bf_words), whose NaN is 0x7fff: where a vector
+    holds a NaN (of either sign, any payload) the stored bits must still be ATen's 0x7fc0, for a flat kernel
+    and a row kernel, and every other element must round as eager's."""
+    x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16) * 4
+    bits = x.view(torch.int16)
+    bits[0, 5] = 0x7FC1  # a NaN with a payload
+    bits[0, 18] = -0x0001  # 0xffff: a negative NaN
+    x[0, 31] = float("inf")
+    x[-1, 1023] = float("nan")
+
+    def flat(x):
+        return x * 3 + 1
+
+    def rows_fn(x):
+        return torch.softmax(x / 8, -1)
+
+    for fn in (flat, rows_fn):
+        compiled = compile_ember(fn)
+        with torch.no_grad():
+            expected, actual = fn(x), compiled(x)
+        if fn is flat:  # the row kernel's sums may round otherwise than eager's
+            assert torch.equal(actual.view(torch.int16), expected.view(torch.int16))
+        nan = expected.isnan()
+        assert torch.equal(actual.isnan(), nan)
+        assert torch.equal(actual.view(torch.int16)[nan], expected.view(torch.int16)[nan])
+
+
 def test_flat_mixed_dtypes_and_bool():
     def fn(x, h, m):
         return torch.where(m, x.float() * 2, h.float()).exp().half(), (x * 3 > 0)
