@@ -996,6 +996,9 @@ class Printer {
       o << "#pragma unroll\n        for (int w = 0; w < " << w << "; ++w) " << x << "[j][w] = " << x << "n[j][w];\n";
       o << "      if (row + step < p.rows) {\n";
       o << "        const i64 next = row + step;\n";
+      // Element loads OR into their words (set_elem), which still hold this row.
+      o << "#pragma unroll\n        for (int j = 0; j < J; ++j)\n";
+      o << "#pragma unroll\n          for (int w = 0; w < " << w << "; ++w) " << x << "n[j][w] = 0u;\n";
       row_offset(o, k, "next", "n");
       load_row_words(o, k, x + "n", "n");
       o << "      }\n";
