@@ -136,18 +136,24 @@ def test_nan_inf_propagation(device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
 def test_division_by_powers_of_two_is_exact(device, dtype):
     """A division by a power of two runs as a product by its reciprocal (kernels/program.cpp): the same bits
-    as eager's division, subnormal quotients, NaN, infinities and signed zeros included; other divisors
-    stay divisions."""
+    as eager's division, subnormal quotients, NaN, infinities and signed zeros included. Other divisors stay
+    divisions, correctly rounded; eager's CUDA kernel multiplies by the divisor's reciprocal instead (a CPU
+    scalar), an ulp away in a third of the elements (H200, session 38), so those compare within tolerance."""
     x = torch.randn(4099, device=device, dtype=torch.float32) * 1e3
     x[:64] = torch.randn(64, device=device) * 1e-36  # subnormal quotients in float32
     x[64:70] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3e38], device=device)
     x = x.to(dtype)
 
-    def fn(x):
+    def powers(x):
         y = x + 0.0
-        return y / 8, y / 0.25, y / -2, y / 1024, y / 3, y / 0.1
+        return y / 8, y / 0.25, y / -2, y / 1024
 
-    check(fn, x, grad=False, atol=0, rtol=0)
+    def others(x):
+        y = x + 0.0
+        return y / 3, y / 0.1
+
+    check(powers, x, grad=False, atol=0, rtol=0)
+    check(others, x, grad=False, atol=0 if device == "cpu" else None, rtol=0 if device == "cpu" else None)
 
 
 @pytest.mark.parametrize("device", DEVICES)
