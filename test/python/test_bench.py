@@ -53,3 +53,21 @@ def test_cold_first_calls_take_the_median_of_fresh_processes(harness):
     dynamo = rows["ember"]["cold_dynamo_samples"]
     assert len(dynamo) == 2 and all(0 < d < s for d, s in zip(dynamo, samples))
     assert rows["ember"]["cold_dynamo_s"] == statistics.median(dynamo)
+
+
+def test_cold_over_picks_the_workloads_above_the_ratio(harness):
+    # --cold-over 0.25: fresh processes only where ember's in-process first call took over a quarter of
+    # inductor's, or where either is missing.
+    def result(ember, inductor):
+        rows = {"eager": {"first_call_s": 0.01}}
+        if ember is not None:
+            rows["ember"] = {"first_call_s": ember}
+        if inductor is not None:
+            rows["inductor"] = {"first_call_s": inductor}
+        return {"workload": "w", "backends": rows}
+
+    assert harness.cold_wanted(result(0.183, 0.354), 0.25)
+    assert not harness.cold_wanted(result(0.071, 3.48), 0.25)
+    assert harness.cold_wanted(result(0.071, 3.48), 0.0)
+    assert harness.cold_wanted(result(0.071, None), 0.25)
+    assert harness.cold_wanted(result(None, 3.48), 0.25)
