@@ -364,7 +364,7 @@ class Printer {
       if (late_load(k)) load(k, "      ");
     for (size_t k = 0; k < p_.outputs.size(); ++k) {
       o << "      unsigned y" << k << "[" << words(out_type(k)) << "] = {};\n";
-      if (out_type(k) == c10::kBFloat16) o << "      float f" << k << "[V];\n";  // converted a vector at once (f2bf_words)
+      if (flat_vector_converted(k)) o << "      float f" << k << "[V];\n";  // converted a vector at once (f2bf_words)
     }
     // Two elements at a time (V is even), so that bf16 roundings go two to a conversion instruction
     // (bf_round2): with one each, the conversions bounded GPT-2's bf16 gelu_new (eight roundings per
@@ -397,7 +397,7 @@ class Printer {
       each_lane([&](const std::string&) { o << "        float " << reg(n.dst) << " = " << expr(n) << ";\n"; });
     }
     for (size_t k = 0; k < p_.outputs.size(); ++k) {
-      if (out_type(k) == c10::kBFloat16) {
+      if (flat_vector_converted(k)) {
         each_lane([&](const std::string& v) { o << "        f" << k << "[" << v << "] = " << stored(k) << ";\n"; });
         continue;
       }
@@ -408,7 +408,7 @@ class Printer {
     }
     o << "      }\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
-      if (out_type(k) == c10::kBFloat16) o << "      f2bf_words<" << words(out_type(k)) << ">(f" << k << ", y" << k << ");\n";
+      if (flat_vector_converted(k)) o << "      f2bf_words<" << words(out_type(k)) << ">(f" << k << ", y" << k << ");\n";
     for (size_t k = 0; k < p_.outputs.size(); ++k)
       o << "      st_words<" << words(out_type(k)) << ">(" << out_ptr(out_type(k), k) << " + chunk * V, y" << k << ");\n";
     o << "    }\n  }\n";
@@ -1036,7 +1036,16 @@ class Printer {
   bool vector_converted(size_t k) const {
     size_t full_outputs = 0;
     for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    return !p_.outputs[k].row && out_type(k) == c10::kBFloat16 && full_outputs == 1;
+    return !p_.outputs[k].row && full_outputs == 1 && flat_vector_converted(k);
+  }
+  // The flat kernels' test: every bf16 output. EMBER_CUDA_BF16_STORE=element (for measuring) keeps the
+  // element-wise conversion everywhere.
+  bool flat_vector_converted(size_t k) const {
+    static const bool element = [] {
+      const char* v = std::getenv("EMBER_CUDA_BF16_STORE");
+      return v && std::string(v) == "element";
+    }();
+    return out_type(k) == c10::kBFloat16 && !element;
   }
 
   // Warp variants of ahead_input()'s groups whose row takes at most kMaxAheadWords registers a thread: each
