@@ -44,9 +44,10 @@ __device__ __forceinline__ void bf_round2(float a, float b, float& ra, float& rb
 // A vector's 2 * W floats f as bf16 into words w (element 2i the low half, 2i + 1 the high), rounded as f2bf:
 // sm_80's cvt.rn.bf16x2.f32 per pair, one instruction where bf_bits takes seven per value, and the integer
 // form only where one of them is NaN (the cvt gives 0x7fff, bf_bits c10's host 0x7fc0), behind one branch per
-// vector: a select per element spilled the 64-register row kernels. (Eager's own CUDA kernels store 0x7fff,
-// c10::BFloat16 using __float2bfloat16 on sm_80+, as seen on the H200 in session 38; f2bf keeps 0x7fc0.) The integer form per element was a third of bf16
-// softmax(x / 8)'s instructions: over 32768 x 1024 on the H200 48.5 -> 39.7 us, a copy of its bytes 34.4.
+// vector: a select per element spilled the 64-register row kernels. (Eager's own CUDA kernels store 0x7fff:
+// c10::BFloat16 converts with __float2bfloat16 on sm_80+, as seen on the H200 in session 38.) The integer
+// form per element was a third of bf16 softmax(x / 8)'s instructions: over 32768 x 1024 on the H200 48.5 ->
+// 39.7 us, a copy of its bytes 34.4.
 template <int W> __device__ __forceinline__ void f2bf_words(const float* f, unsigned* w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   bool nan = false;

@@ -920,10 +920,9 @@ class Printer {
   // ptxas. call_plan.cpp launches a warp variant with the threads its bound allows.
   std::string launch_bounds(const RowVariant& v) const {
     if (v.mode != RowVariant::Mode::Warp) return "";
-    size_t full_inputs = 0, full_outputs = 0;
+    size_t full_inputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
-    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    if (v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs <= 1) return "__launch_bounds__(256, 4) ";
+    if (v.chunks * width_ <= 32 && full_inputs <= 1 && full_outputs() <= 1) return "__launch_bounds__(256, 4) ";
     if (hoists(v)) return "__launch_bounds__(128, 3) ";
     if (full_inputs > 1 && held_rows_fit(v.chunks)) return "__launch_bounds__(128, 6) ";
     return "__launch_bounds__(256, 2) ";
@@ -1025,19 +1024,19 @@ class Printer {
       if (found >= 0 || row_invariant(k)) return -1;
       found = static_cast<int>(k);
     }
-    size_t full_outputs = 0;
-    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    return full_outputs <= 1 ? found : -1;
+    return full_outputs() <= 1 ? found : -1;
+  }
+
+  size_t full_outputs() const {
+    size_t n = 0;
+    for (const ProgramOutput& out : p_.outputs) n += !out.row;
+    return n;
   }
 
   // Whether the row kernels convert full output k a vector at a time (f2bf_words): a bf16 output, the group's
   // only full one. With two (GPT-2's residual + bias + layer norm writes the sum and the norm) the vector of
   // floats held per output spilled under the 85-register bound, and the element-wise form stays.
-  bool vector_converted(size_t k) const {
-    size_t full_outputs = 0;
-    for (const ProgramOutput& out : p_.outputs) full_outputs += !out.row;
-    return !p_.outputs[k].row && full_outputs == 1 && flat_vector_converted(k);
-  }
+  bool vector_converted(size_t k) const { return !p_.outputs[k].row && full_outputs() == 1 && flat_vector_converted(k); }
   // The flat kernels' test: every bf16 output. EMBER_CUDA_BF16_STORE=element (for measuring) keeps the
   // element-wise conversion everywhere.
   bool flat_vector_converted(size_t k) const {
@@ -1052,8 +1051,8 @@ class Printer {
   // row's loads are issued a row early, into registers of their own, so that they arrive while the row before
   // computes. A warp's row is otherwise a chain (load, reduce, reduce, store) whose loads the other warps of
   // its multiprocessor (32, under the 64-register bound) do not hide. Generated source for softmax(x / 8)
-  // over 32768 x 1024 bf16, w4, H200: 52.0 -> 48.6 us (the exps kept, which the product by 1 / 8 in
-  // kernels/program.cpp allows: 56.7 before either); a copy of the same bytes 34.4.
+  // over 32768 x 1024 bf16, w4, H200: 52.0 -> 48.6 us (its exps kept; 56.7 with them recomputed); a copy of
+  // the same bytes 34.4.
   // Only where the row length is fixed (a run-time length's masks take registers) and a value rounded to bf16
   // is kept packed, which frees the input's own registers after the first phase: elsewhere (f16, rows of a
   // run-time length) ptxas spilled under the 64-register bound.
