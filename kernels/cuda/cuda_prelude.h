@@ -10,27 +10,23 @@ typedef long long i64;
 __device__ __forceinline__ float h2f(unsigned short h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
 __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
-// bf16 rounding (to nearest even, every NaN to 0x7fc0: ATen's c10::BFloat16) of f, as the high half
-// of a float's bits. sm_80's one-instruction cvt.rn.bf16x2.f32 gives the same bits for non-NaN floats,
-// but the NaN select it then needs made ptxas spill the 64-register row kernels: integer form kept.
+// bf16 rounding (to nearest even) of f, as the high half of a float's bits, with eager's NaN: its CUDA
+// kernels convert through c10::BFloat16, which on sm_80+ is __float2bfloat16 (cvt.rn.bf16.f32: every NaN
+// to 0x7fff, seen on the H200 in session 38) and before sm_80 the integer form below (every NaN to 0x7fc0).
 __device__ __forceinline__ unsigned bf_bits(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short b; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f)); return ((unsigned)b) << 16;
+#else
   unsigned u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc00000u;
   return (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-}
-__device__ __forceinline__ unsigned short f2bf(float f) { return (unsigned short)(bf_bits(f) >> 16); }
-// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops. Values that stay in registers need no
-// canonical NaN (any NaN acts alike in what follows; stores go through f2bf), so from sm_80 on this is
-// one cvt instruction instead of the integer form's seven: GPT-2's bf16 gelu_new (eight roundings per
-// element) took 84 us per call on the H100 so, against 105 us (inductor, which does not round between
-// ops: 54 us).
-__device__ __forceinline__ float bf_round(float f) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  unsigned short b; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f)); return __uint_as_float(((unsigned)b) << 16);
-#else
-  return __uint_as_float(bf_bits(f));
 #endif
 }
+__device__ __forceinline__ unsigned short f2bf(float f) { return (unsigned short)(bf_bits(f) >> 16); }
+// bf2f(f2bf(f)), the rounding eager applies between two bf16 ops: from sm_80 on one cvt instruction
+// instead of the integer form's seven (GPT-2's bf16 gelu_new, eight roundings per element, took 84 us per
+// call on the H100 so, against 105 us; inductor, which does not round between ops: 54 us).
+__device__ __forceinline__ float bf_round(float f) { return __uint_as_float(bf_bits(f)); }
 // bf_round of two values with one conversion (sm_80+: cvt.rn.bf16x2.f32 packs a in the high half, b in
 // the low), where the conversion unit is what limits a kernel.
 __device__ __forceinline__ void bf_round2(float a, float b, float& ra, float& rb) {
@@ -41,22 +37,12 @@ __device__ __forceinline__ void bf_round2(float a, float b, float& ra, float& rb
   ra = bf_round(a); rb = bf_round(b);
 #endif
 }
-// A vector's 2 * W floats f as bf16 into words w (element 2i the low half, 2i + 1 the high), rounded as f2bf:
-// sm_80's cvt.rn.bf16x2.f32 per pair, one instruction where bf_bits takes seven per value, and the integer
-// form only where one of them is NaN (the cvt gives 0x7fff, bf_bits c10's host 0x7fc0), behind one branch per
-// vector: a select per element spilled the 64-register row kernels. (Eager's own CUDA kernels store 0x7fff:
-// c10::BFloat16 converts with __float2bfloat16 on sm_80+, as seen on the H200 in session 38.) The integer
-// form per element was a third of bf16 softmax(x / 8)'s instructions: over 32768 x 1024 on the H200 48.5 ->
-// 39.7 us, a copy of its bytes 34.4.
+// A vector's 2 * W floats f as bf16 into words w (element 2i the low half, 2i + 1 the high), rounded as f2bf.
+// From sm_80 on ptxas pairs the two conversions of a word into one F2FP.BF16.F32.PACK_AB; the integer
+// form per element was a third of bf16 softmax(x / 8)'s instructions (over 32768 x 1024 on the H200 48.5 ->
+// 39.7 us, a copy of its bytes 34.4). An explicit cvt.rn.bf16x2.f32 per pair gives the same pairs but made
+// ptxas spill the row index of bf16 softmax's 64-register w4 variant.
 template <int W> __device__ __forceinline__ void f2bf_words(const float* f, unsigned* w) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  bool nan = false;
-#pragma unroll
-  for (int i = 0; i < 2 * W; ++i) nan |= f[i] != f[i];
-#pragma unroll
-  for (int i = 0; i < W; ++i) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(w[i]) : "f"(f[2 * i + 1]), "f"(f[2 * i]));
-  if (!nan) return;
-#endif
 #pragma unroll
   for (int i = 0; i < W; ++i) w[i] = (bf_bits(f[2 * i]) >> 16) | (bf_bits(f[2 * i + 1]) & 0xffff0000u);
 }
