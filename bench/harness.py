@@ -4,6 +4,7 @@
     python bench/harness.py --device cuda --repeat 50
     python bench/harness.py --only mlp_b64,mlp_b1 --no-inductor
     python bench/harness.py --list
+    python bench/harness.py --device cuda --cold --cold-only --only gpt2_b4_s128  # first calls in fresh processes only
 
 For each workload and backend it records
     first_call_s    the first call, compile included (torch._dynamo.reset() and a garbage collection before it;
@@ -16,11 +17,14 @@ For each workload and backend it records
                     what the backend spent (ATen tracing, its compile, the first run, a lazily compiled backward)
     cold_first_call_s   with --cold: the same in a fresh process per workload and backend (fresh caches; eager
                     runs once first), Dynamo's own first use in the process included; cold_dynamo_s its Dynamo share.
+                    The processes fork from a server that imported torch, Dynamo and the workloads' packages
+                    (fresh_processes), which no backend's first call includes either way.
                     With --cold-repeat N, the medians of N such processes per backend, the backends taking turns
                     process by process (Dynamo's share of one model moved 1.69-2.21 s between fresh processes on
                     one H200); cold_first_call_samples and cold_dynamo_samples keep every process's. With
                     --cold-over R, only workloads whose in-process ratio of ember's first call to inductor's is
-                    over R (the in-process ratio flatters inductor, whose compile finds what earlier workloads warmed)
+                    over R (the in-process ratio flatters inductor, whose compile finds what earlier workloads warmed).
+                    --cold-only skips the in-process part: a suite's fresh processes split over runs with --only
     latency_ms      the median of --repeat individually timed calls after --warmup calls (on CUDA each call is
                     bracketed by torch.cuda.synchronize()), taken in turns: each backend runs one untimed call and
                     then --block timed ones, and the next backend takes over; a steady loop calling one model
@@ -647,10 +651,16 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def cold_first_call(name, backend, device):
-    """The child of --cold: in this fresh process (fresh cache folders), eager runs once (the device, its
-    libraries and the model warmed as any program's first eager call would), then `backend`'s first call is
-    timed, Dynamo's own first use in the process included. Prints 'cold <seconds> <Dynamo's share or nan>'."""
+def cold_first_call(name, backend, device, threads=0, env=None):
+    """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in this fresh process
+    (a child of the fork server, fresh_processes): the cache variables set to `env` (fresh cache folders for what
+    it leaves out), eager runs once (the device, its libraries and the model warmed as any program's first eager
+    call would), then the backend's first call is timed, Dynamo's own first use in the process included."""
+    for key in CACHE_ENV:
+        os.environ.pop(key, None)
+    os.environ.update(env or {})
+    if threads:
+        torch.set_num_threads(threads)
     torch._dynamo.config.suppress_errors = False
     made = disable_inductor_caches()
     try:
@@ -662,35 +672,67 @@ def cold_first_call(name, backend, device):
             fn = compile_with(model, backend)
             before_call(backend)
             seconds, _, dynamo = timed_first_call(fn, inputs, device)
-        print(f"cold {seconds:.6f} {float('nan') if dynamo is None else dynamo:.6f}", flush=True)
+        return seconds, dynamo
     finally:
         shutil.rmtree(made, ignore_errors=True)
-    return 0
+
+
+def _cold_child(connection, *args):
+    """The target of a fork server's child: cold_first_call's value, or the error's text, sent back."""
+    try:
+        connection.send(cold_first_call(*args))
+    except BaseException as e:
+        connection.send(error_text(e))
+    connection.close()
+
+
+_FRESH = None
+
+
+def fresh_processes():
+    """(multiprocessing context, module) for --cold's fresh processes: a fork server, started once, that imported
+    this file (as the module `harness`: torch, Dynamo) and the workloads' packages but never touched the device;
+    each child forked from it starts as a fresh process would after those imports. Spawning a new interpreter
+    per child spent about 15 s each on an H200 host, mostly on imports that are neither backend's first call."""
+    global _FRESH
+    if _FRESH is None:
+        import multiprocessing
+
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["harness", "torchvision", "transformers"])  # the missing ones are skipped
+        import harness  # the children's copy of this file, found by name (the caller's may be __main__)
+
+        _FRESH = context, harness
+    return _FRESH
 
 
 def cold_first_call_in_child(name, backend, args):
-    """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in a child process
-    (cold_first_call), or None."""
-    import subprocess
-
-    command = [sys.executable, os.path.abspath(__file__), "--device", args.device, "--cold-one", f"{name}:{backend}"]
-    if args.threads:
-        command += ["--threads", str(args.threads)]
+    """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in a fresh process
+    (cold_first_call in a child of the fork server), or None."""
+    context, module = fresh_processes()
     # Fresh cache folders for the child, unless the caller chose them (not this process's fresh ones).
-    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
-    env.update(_CALLER_CACHE_ENV)
+    env = dict(_CALLER_CACHE_ENV)
     fresh = tempfile.mkdtemp(prefix="ember-bench-cuda-cache-")
     env.setdefault("CUDA_CACHE_PATH", fresh)
     print(f"[harness] {name} {backend}: first call in a fresh process ...", file=sys.stderr, flush=True)
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=module._cold_child, args=(send, name, backend, args.device, args.threads, env))
     try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        child.start()
+        send.close()
+        try:
+            got = receive.recv()
+        except EOFError:
+            got = "the process ended without a result"
+        child.join()
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
-    for line in done.stdout.splitlines():
-        if line.startswith("cold "):
-            seconds, dynamo = (float(x) for x in line.split()[1:3])
-            return seconds, None if math.isnan(dynamo) else dynamo
-    print(f"[harness] {name} {backend}: the fresh process failed: {done.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+    if isinstance(got, tuple):
+        return got
+    print(f"[harness] {name} {backend}: the fresh process failed (exit code {child.exitcode}): {got}", file=sys.stderr)
     return None
 
 
@@ -702,6 +744,17 @@ def cold_wanted(result, over):
     rows = result.get("backends", {})
     ember, inductor = rows.get("ember", {}).get("first_call_s"), rows.get("inductor", {}).get("first_call_s")
     return over <= 0 or not ember or not inductor or ember / inductor > over
+
+
+def cold_only_result(w, device, backends):
+    """--cold-only: the result dict run_workload would start, with an empty row per compiling backend for
+    cold_first_calls to fill."""
+    result = {"workload": w.name, "shape": w.describe(device), "small_batch": w.small_batch, "training": w.training,
+              "backends": {b: {} for b in backends if b != "eager"}}
+    missing = w.missing()
+    if missing:
+        result["skipped"] = f"needs {', '.join(missing)}"
+    return result
 
 
 def cold_first_calls(result, args):
@@ -748,13 +801,12 @@ def main(argv=None):
     parser.add_argument("--cold-over", type=float, default=0.0,
                         help="with --cold: fresh processes only for workloads whose in-process first call under ember "
                              "took more than this share of inductor's (e.g. 0.25, the first-call target)")
-    parser.add_argument("--cold-one", default=None, help=argparse.SUPPRESS)  # WORKLOAD:BACKEND, the child of --cold
+    parser.add_argument("--cold-only", action="store_true",
+                        help="with --cold: fresh processes only, no in-process first calls or latencies (a suite's "
+                             "first calls split over several runs)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.cold_one:
-        return cold_first_call(*args.cold_one.split(":"), device=args.device)
-
     if args.list:
         for w in WORKLOADS.values():
             flags = [f for f, on in (("small_batch", w.small_batch), ("training", w.training)) if on]
@@ -789,7 +841,10 @@ def main(argv=None):
     try:
         for name in names:
             print(f"[harness] {name} ...", file=sys.stderr, flush=True)
-            results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup, args.block))
+            if args.cold and args.cold_only:
+                results.append(cold_only_result(WORKLOADS[name], args.device, backends))
+            else:
+                results.append(run_workload(WORKLOADS[name], args.device, backends, args.repeat, args.warmup, args.block))
             write_json()  # after each workload, so a run stopped by a time limit keeps what it measured
     finally:
         if made_cache_dir:
