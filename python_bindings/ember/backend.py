@@ -517,7 +517,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
     from .decompositions import decomposition_table
 
-    if _NVRTC_WARM_UP and any(getattr(x, "is_cuda", False) for x in example_inputs):
+    if _NVRTC_WARM_UP != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
@@ -582,9 +582,10 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
     return direct if direct is not None else compiled_fn
 
 
-# EMBER_NVRTC_WARMUP=0: NVRTC starts at the first kernel compile instead (for measuring what the warm-up's
-# overlap with the tracing gains).
-_NVRTC_WARM_UP = os.environ.get("EMBER_NVRTC_WARMUP", "1") != "0"
+# When NVRTC's first use in the process starts, on a thread of its own: EMBER_NVRTC_WARMUP=import where
+# torch.compile resolves backend="ember" in a process already using CUDA (overlapping Dynamo's tracing), =entry at
+# the backend's entry (overlapping AOTAutograd's), =0 at the first kernel compile (no warm-up).
+_NVRTC_WARM_UP = os.environ.get("EMBER_NVRTC_WARMUP", "import")
 
 
 def _warm_up_if_cuda_in_use():
@@ -594,7 +595,7 @@ def _warm_up_if_cuda_in_use():
     import sys
 
     torch = sys.modules.get("torch")
-    if _NVRTC_WARM_UP and torch is not None and torch.cuda.is_initialized():
+    if _NVRTC_WARM_UP not in ("0", "entry") and torch is not None and torch.cuda.is_initialized():
         from . import _C
 
         _C.warm_up_cuda_compiler()
