@@ -224,8 +224,12 @@ class Rewriter {
 }  // namespace
 
 void fuse_addmm_activation(Graph& graph, PassContext&) {
-  // Biases first, so that an activation after a bias added to an mm finds the addmm it became. Each rewrite
-  // changes use counts, so each round recounts; a round rewrites at most one node per matmul.
+  // Biases first, so that an activation after a bias added to an mm finds the addmm it became. A round counts
+  // uses once and rewrites every node it can. The counts go stale as it rewrites, but only ever in the direction
+  // that declines: a value a rewrite leaves keeps its old (higher) count, a value it makes has none. So what a
+  // round declines because of that, the next round (counted afresh) takes. Recounting after every rewrite, as
+  // this did before, made the pass quadratic in a model's depth (GPT-2's and BERT's graphs 11-18 ms on the
+  // H200 host; the test's 96-layer stack 83.5 -> 9.7 ms on the 2-core host, the same graph out).
   for (int stage = 0; stage < 3; ++stage) {
     bool changed = true;
     while (changed) {
@@ -233,12 +237,8 @@ void fuse_addmm_activation(Graph& graph, PassContext&) {
       Rewriter rewriter(graph);
       std::vector<Node*> nodes;
       for (const auto& n : graph.nodes()) nodes.push_back(n.get());
-      for (Node* n : nodes) {
-        if (stage == 0 ? rewriter.bias(*n) : stage == 1 ? rewriter.activation(*n) : rewriter.unfold_bias(*n)) {
-          changed = true;
-          break;
-        }
-      }
+      for (Node* n : nodes)
+        changed |= stage == 0 ? rewriter.bias(*n) : stage == 1 ? rewriter.activation(*n) : rewriter.unfold_bias(*n);
     }
   }
 }

@@ -511,6 +511,43 @@ TEST(PadMatmul, SixteenBitLmHeadComputesPaddedRowsAndReturnsAStridedView) {
   EXPECT_NE(row_major.find("return (%m_cols)"), std::string::npos) << row_major;
 }
 
+// A stack of transformer-like layers on CUDA: each layer's mm + bias + tanh-GELU becomes one
+// _addmm_activation and its second linear's bias moves into the residual add's kernel, in every layer.
+std::string deep_stack(int layers) {
+  std::string text = "graph(%h0: f32[8, 16]{16, 1}@cuda:0, %w1: f32[16, 64]{64, 1}@cuda:0, %b1: f32[64]{1}@cuda:0, "
+                     "%w2: f32[64, 16]{16, 1}@cuda:0, %b2: f32[16]{1}@cuda:0, %r0: f32[2, 4, 16]{64, 16, 1}@cuda:0):\n";
+  for (int i = 1; i <= layers; ++i) {
+    const std::string p = std::to_string(i - 1), s = std::to_string(i);
+    text += "  %ma" + s + ": f32[8, 64]{64, 1}@cuda:0 = aten::mm(%h" + p + ", %w1)\n";
+    text += "  %va" + s + ": f32[2, 4, 64]{256, 64, 1}@cuda:0 = aten::view(%ma" + s + ", [2, 4, 64])\n";
+    text += "  %a" + s + ": f32[2, 4, 64]{256, 64, 1}@cuda:0 = aten::add.Tensor(%va" + s + ", %b1)\n";
+    text += "  %g" + s + ": f32[2, 4, 64]{256, 64, 1}@cuda:0 = aten::gelu(%a" + s + ", approximate=\"tanh\")\n";
+    text += "  %u" + s + ": f32[8, 64]{64, 1}@cuda:0 = aten::view(%g" + s + ", [8, 64])\n";
+    text += "  %mb" + s + ": f32[8, 16]{16, 1}@cuda:0 = aten::addmm(%b2, %u" + s + ", %w2)\n";
+    text += "  %vb" + s + ": f32[2, 4, 16]{64, 16, 1}@cuda:0 = aten::view(%mb" + s + ", [2, 4, 16])\n";
+    text += "  %r" + s + ": f32[2, 4, 16]{64, 16, 1}@cuda:0 = aten::add.Tensor(%vb" + s + ", %r" + p + ")\n";
+    text += "  %h" + s + ": f32[8, 16]{16, 1}@cuda:0 = aten::view(%r" + s + ", [8, 16])\n";
+  }
+  return text + "  return (%h" + std::to_string(layers) + ")\n";
+}
+
+size_t count(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST(AddmmActivation, EveryLayerOfADeepStackInOnePass) {
+  const std::string out = run_passes({fuse_addmm_activation, eliminate_dead_code}, deep_stack(24));
+  EXPECT_EQ(count(out, "= aten::_addmm_activation("), 24u) << out;
+  EXPECT_EQ(count(out, "_biased: "), 24u) << out;
+  EXPECT_EQ(count(out, "= aten::addmm("), 0u) << out;
+  // The same as each layer alone: the first layer's lines of the stack are the one-layer stack's.
+  const std::string one = run_passes({fuse_addmm_activation, eliminate_dead_code}, deep_stack(1));
+  const std::string first_layer = one.substr(one.find('\n') + 1, one.find("  return") - one.find('\n') - 1);
+  EXPECT_NE(out.find(first_layer), std::string::npos) << one << "\n" << out;
+}
+
 TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
   // A linear on a 3-D input followed by a residual add and a layer norm: the bias add goes after the view,
   // where the fuse pass puts it in one group with the residual add and the layer norm.
