@@ -9,8 +9,10 @@ time minus ember's compile), ember's compile (lowering, passes, code generation,
 the backend returned, and the rest (Dynamo's guards and its tail); then when the kernels compiling in the background
 (ember.wait_for_compiles) had all loaded. Prints that line and ember.explain's split of ember's compile (passes,
 codegen, NVRTC summed over its threads, modules compiled).
-KEEP_CACHE=1 keeps EMBER_CACHE_DIR and CUDA_CACHE_PATH as set (warm kernel caches). LATE_WARM_UP=1 starts NVRTC's warm-up at
-the backend's entry, as where ember.backend was imported before CUDA was in use. PROFILE=<n> prints cProfile's
+KEEP_CACHE=1 keeps EMBER_CACHE_DIR and CUDA_CACHE_PATH as set (warm kernel caches). EAGER_FIRST=1 runs the model
+eagerly once before (the device, its libraries and the model warmed, as harness.py --cold's processes do).
+LATE_WARM_UP=1 starts NVRTC's warm-up at the backend's entry, as where ember.backend was imported before CUDA was in
+use. PROFILE=<n> prints cProfile's
 top n functions of the first call by own time and by cumulative time; PROFILE_DUMP=<file> also writes its stats there
 (for pstats: print_callees and the like).
 """
@@ -95,6 +97,9 @@ def main():
         # in use; this script imported it earlier, so it makes that call itself
         ember.backend._warm_up_if_cuda_in_use()
     with grad():
+        if os.environ.get("EAGER_FIRST"):
+            model(*inputs)
+            sync()
         fn = torch.compile(model, backend=backend)
         profile = int(os.environ.get("PROFILE", "0"))
         if profile:
