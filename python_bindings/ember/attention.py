@@ -47,6 +47,10 @@ _CONSTANT_METHODS = {
     "type", "masked_fill", "transpose", "permute", "contiguous", "repeat", "eq", "ne", "lt", "le", "gt", "ge",
     "logical_and", "logical_or", "logical_not", "__and__", "__or__", "__invert__", "add", "sub", "mul",
     "new_ones", "new_zeros", "new_full", "cumsum", "tril", "triu",
+    # the operators as methods: torch 2.11's Dynamo records `a == b` on tensors as call_method __eq__ (2.13 as
+    # operator.eq), which is how transformers 5.17 compares GPT-2's packed-sequence ids in its causal mask
+    "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
+    "__mul__", "__rmul__", "__neg__", "__rand__", "__ror__", "__xor__", "__rxor__", "__getitem__",
 }
 _MAX_CONSTANT_ELEMENTS = 1 << 24  # a mask larger than this is left to the kernel
 

@@ -123,6 +123,15 @@ def _positions(n, device):
     return torch.arange(n, device=device) + 0
 
 
+def _segments(n, device, split=None):
+    """Packed-sequence ids of one row of n positions (transformers' cumsum of position steps): all 0, or a
+    second sequence from position `split` on."""
+    steps = torch.ones(1, n, dtype=torch.long, device=device)
+    if split is not None:
+        steps = steps.masked_fill(torch.arange(n, device=device) == split, 0)
+    return (steps != 1).cumsum(-1)
+
+
 # Masks built inside the graph from constants, as transformers 5.17 builds them under torch.compile.
 CONSTANT_MASKS = {
     # (the mask for an L x L attention, what ember makes of it: dropped, is_causal or kept)
@@ -134,6 +143,14 @@ CONSTANT_MASKS = {
     "first_key_hidden": (lambda n, d: (_positions(n, d) >= 1)[None, :].expand(n, n), "kept"),
     "below_diagonal_and_first_key": (lambda n, d: torch.ones(n, n, dtype=torch.bool, device=d).tril(-1)
                                      | torch.eye(n, dtype=torch.bool, device=d)[0], "kept"),
+    # GPT-2's under transformers 5.17: causal, and the same packed sequence (segment ids all 0), its
+    # comparisons as the operator methods torch 2.11's Dynamo records (call_method __eq__, __le__, __and__)
+    "causal_packed_methods": (lambda n, d: _positions(n, d)[None, None, None, :].__le__(
+        _positions(n, d)[None, None, :, None]).__and__(_segments(n, d)[:, None, :, None].__eq__(
+            _segments(n, d)[:, None, None, :])).expand(2, 1, n, n), "causal"),
+    "two_segments_methods": (lambda n, d: _positions(n, d)[None, None, None, :].__le__(
+        _positions(n, d)[None, None, :, None]).__and__(_segments(n, d, split=3)[:, None, :, None].__eq__(
+            _segments(n, d, split=3)[:, None, None, :])).expand(2, 1, n, n), "kept"),
 }
 
 
