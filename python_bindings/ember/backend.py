@@ -513,7 +513,6 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
         return gm.forward
 
     import torch._functorch.config
-    from torch._dynamo.backends.common import aot_autograd
 
     from .decompositions import decomposition_table
 
@@ -538,7 +537,7 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
 
         return compile_one
 
-    backend = aot_autograd(
+    backend = _aot_autograd(
         fw_compiler=compiler("forward"),
         bw_compiler=compiler("backward"),
         inference_compiler=compiler("inference"),
@@ -580,6 +579,36 @@ def ember_backend(gm, example_inputs, mode=None, options=None):
     if direct is None:
         direct = _training_call(gm, example_inputs, training)
     return direct if direct is not None else compiled_fn
+
+
+def _aot_autograd(**kwargs):
+    """A backend that hands the graph to AOTAutograd with these compilers, as torch._dynamo.backends.common's
+    aot_autograd does, without importing what that wrapper imports for its logging switch (torch._inductor.debug,
+    and through it Inductor's scheduler and IR: 60 ms of a fresh process's first call on the 2-core host). Under
+    TORCH_COMPILE_DEBUG=1, whose logs that switch writes, the wrapper itself runs."""
+    if os.environ.get("TORCH_COMPILE_DEBUG", "0") == "1":
+        from torch._dynamo.backends.common import aot_autograd
+
+        return aot_autograd(**kwargs)
+
+    def backend(gm, example_inputs):
+        from torch._dynamo import disable
+        from torch._dynamo.utils import counters, flatten_graph_inputs
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
+            return flatten_graph_inputs(gm, example_inputs, backend)  # AOTAutograd takes tensors and scalars
+        backward = kwargs["bw_compiler"]
+
+        def bw_compiler(*args, **kw):  # Dynamo traces neither the compiler nor the backward it returns
+            return disable(disable(backward)(*args, **kw))
+
+        counters["aot_autograd"]["total"] += 1
+        compiled = aot_module_simplified(gm, example_inputs, **{**kwargs, "bw_compiler": bw_compiler})
+        counters["aot_autograd"]["ok"] += 1
+        return disable(compiled)
+
+    return backend
 
 
 # When NVRTC's first use in the process starts, on a thread of its own: EMBER_NVRTC_WARMUP=import where
