@@ -8,7 +8,9 @@
 #include <ATen/ops/empty_strided.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 
 namespace ember::cuda {
 namespace {
@@ -17,9 +19,26 @@ constexpr unsigned kThreads = 256;
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Enough blocks for `work_items` at `per_block` each, at most one wave of `entry`.
-unsigned blocks_for(int64_t work_items, int64_t per_block, const LaunchLimits& limits, size_t entry, unsigned threads) {
-  return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, limits.wave(entry, threads)));
+// Which groups' grids take every block their work fills instead of one wave (call_plan.h):
+// EMBER_CUDA_GRID=flat (flat groups; the default), =rows (flat and row groups) or =wave (none, as before
+// session 41). Column groups keep one wave: their row chunks are sized to it. Read once; for measuring.
+enum class FullGrids { None, Flat, FlatAndRows };
+
+FullGrids full_grids() {
+  static const FullGrids kinds = [] {
+    const char* v = std::getenv("EMBER_CUDA_GRID");
+    const std::string s = v ? v : "";
+    return s == "wave" ? FullGrids::None : (s == "rows" ? FullGrids::FlatAndRows : FullGrids::Flat);
+  }();
+  return kinds;
+}
+
+// Enough blocks for `work_items` at `per_block` each: at most one wave of `entry` where `capped`, else
+// every block the work fills (the grid-stride loops then run once), within a grid's x limit.
+unsigned blocks_for(int64_t work_items, int64_t per_block, const LaunchLimits& limits, size_t entry, unsigned threads,
+                    bool capped = true) {
+  const int64_t most = capped ? limits.wave(entry, threads) : int64_t{0x7fffffff};
+  return static_cast<unsigned>(std::clamp<int64_t>((work_items + per_block - 1) / per_block, 1, most));
 }
 
 // Every aligned stride 0 (or its dimension of size 1): one value for all elements.
@@ -97,8 +116,9 @@ void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t in
     strided |= !(((masks[0] | masks[1] | masks[2] | masks[3]) >> k) & 1u);
   plan.entry = vector ? (strided ? 2 : 1) : 0;
   plan.threads = kThreads;
-  plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads)
-                       : blocks_for(numel, kThreads, limits, plan.entry, kThreads);
+  const bool capped = full_grids() == FullGrids::None;
+  plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads, capped)
+                       : blocks_for(numel, kThreads, limits, plan.entry, kThreads, capped);
 }
 
 // Column groups: a block per tile of 32 columns and chunk of rows (the kernel's shape, cuda_source.cpp:
@@ -129,20 +149,21 @@ void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& sou
     return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
   };
   std::optional<RowVariant> v = choose_row_variant(cols, width, source.rows, launchable);
+  const bool capped = full_grids() != FullGrids::FlatAndRows;
   if (!v) {
     plan.entry = 0;
     plan.threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);
-    plan.blocks = blocks_for(rows, 1, limits, 0, plan.threads);
+    plan.blocks = blocks_for(rows, 1, limits, 0, plan.threads, capped);
     return;
   }
   plan.entry = 1 + index_of(*v);
   if (v->mode == RowVariant::Mode::Warp) {
     plan.threads = static_cast<unsigned>(std::min<int64_t>(kThreads, limits.most_threads(plan.entry) / 32 * 32));
-    plan.blocks = blocks_for(rows, plan.threads / 32, limits, plan.entry, plan.threads);
+    plan.blocks = blocks_for(rows, plan.threads / 32, limits, plan.entry, plan.threads, capped);
     return;
   }
   plan.threads = static_cast<unsigned>(std::max<int64_t>(block_threads(*v, cols, width), 32));
-  plan.blocks = blocks_for(rows, 1, limits, plan.entry, plan.threads);
+  plan.blocks = blocks_for(rows, 1, limits, plan.entry, plan.threads, capped);
 }
 
 }  // namespace

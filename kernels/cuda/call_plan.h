@@ -11,11 +11,14 @@
 //    the rows split into chunks of at least kColumnChunkRows over blockIdx.y, up to one wave in all,
 //    and each chunk's results go to a workspace the launcher provides (CallPlan::workspace_floats,
 //    ::counters); a column input's strides are aligned to the kept shape and stored at the kept dims;
-//  - grids are at most one wave: the blocks of the chosen size that every multiprocessor holds at
-//    once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid of
-//    SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
+//  - flat grids take every block their work fills (each thread's U vectors once): on an H200, x * sigmoid(x)
+//    + y over 64M f32 ran 189 us so against 218 us in one wave of persistent blocks with grid-stride loops
+//    (a standalone copy of the kernel's shape; 128 us for cudaMemcpy's 512 MB);
+//  - row and column grids are at most one wave: the blocks of the chosen size that every multiprocessor
+//    holds at once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid
+//    of SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
 //    resident blocks, leaving SMs idle for the second; a single wave of persistent blocks keeps every
-//    SM busy to the end, and the kernels keep enough bytes in flight per thread to need no more.
+//    SM busy to the end. EMBER_CUDA_GRID (call_plan.cpp) switches these for measuring.
 #pragma once
 
 #include "kernels/cuda/cuda_source.h"
