@@ -12,7 +12,7 @@
 //    and each chunk's results go to a workspace the launcher provides (CallPlan::workspace_floats,
 //    ::counters); a column input's strides are aligned to the kept shape and stored at the kept dims;
 //  - flat grids take every block their work fills (each thread's U vectors once): on an H200, x * sigmoid(x)
-//    + y over 64M f32 ran 189 us so against 218 us in one wave of persistent blocks with grid-stride loops
+//    + y over 64M f32 ran 189 us this way against 218 us in one wave of persistent blocks with grid-stride loops
 //    (a standalone copy of the kernel's shape; 128 us for cudaMemcpy's 512 MB);
 //  - row and column grids are at most one wave: the blocks of the chosen size that every multiprocessor
 //    holds at once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid

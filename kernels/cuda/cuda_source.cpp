@@ -294,10 +294,11 @@ class Printer {
   // its strides. The last numel % V elements run one at a time (tail_element).
   //
   // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
-  // issues every input's loads before any compute: U times the bytes in flight of one vector per thread,
-  // which is what keeps a grid of one wave (call_plan.cpp) at copy bandwidth. Loaded vectors stay packed
-  // in 32-bit words and each element converts to float where it is used. The entry without strided
-  // inputs has no index arithmetic in its loop, so it needs far fewer registers than the one with.
+  // issues every input's loads before any compute: U times the bytes in flight of one vector per thread
+  // (flat grids cover their work, call_plan.h; with one wave this had kept them near copy bandwidth).
+  // Loaded vectors stay packed in 32-bit words and each element converts to float where it is used. The
+  // entry without strided inputs has no index arithmetic in its loop, so it needs far fewer registers
+  // than the one with.
   void flat_vector(Source& o) {
     const int unroll = flat_unroll();
     o << "template <bool STRIDED> __device__ __forceinline__ void flat_vec(const Params& p) {\n";
