@@ -310,14 +310,25 @@ class Printer {
     // Inputs read as a repeating period keep their offset per vector and advance it by the loop's step
     // modulo the period (one compare), instead of dividing in every iteration: a channels_last batch
     // norm reads four per-channel inputs so, and the divisions had bound its kernel. (Periods stay
-    // below 2^31, call_plan.cpp checks, so offsets are 32-bit.)
+    // below 2^31, call_plan.cpp checks, so offsets are 32-bit.) Under a grid that covers the work each
+    // thread runs the loop once, so its setup is most of the remainders it takes: the first vector's
+    // offset and the offset between vectors (blockDim.x * V apart) cost one each, the later vectors'
+    // offsets follow by one compare, and the loop's step is taken only where a second iteration exists.
     for (size_t k = 0; k < p_.inputs.size() && k < static_cast<size_t>(kMaxVectorInputs); ++k) {
       if (!((repeat_inputs_ >> k) & 1u)) continue;
+      const std::string period = "(unsigned)p.period[" + str(k) + "]";
       o << "  const bool r" << k << " = (p.inner >> " << k << ") & 1u;\n";
-      o << "  const unsigned rstep" << k << " = r" << k << " ? (unsigned)period_offset(step * U * V, p.period[" << k << "]) : 0u;\n";
-      o << "  unsigned roff" << k << "[U];\n";
-      o << "#pragma unroll\n  for (int u = 0; u < U; ++u) roff" << k << "[u] = r" << k
-        << " ? (unsigned)period_offset(((i64)blockIdx.x * blockDim.x * U + threadIdx.x + (i64)u * blockDim.x) * V, p.period[" << k << "]) : 0u;\n";
+      o << "  const unsigned rstep" << k << " = r" << k << " && step * U < chunks ? (unsigned)period_offset(step * U * V, p.period["
+        << k << "]) : 0u;\n";
+      o << "  unsigned roff" << k << "[U] = {};\n";
+      o << "  if (r" << k << ") {\n";
+      o << "    const unsigned apart = (unsigned)period_offset((i64)blockDim.x * V, p.period[" << k << "]);\n";
+      o << "    roff" << k << "[0] = (unsigned)period_offset(((i64)blockIdx.x * blockDim.x * U + threadIdx.x) * V, p.period[" << k << "]);\n";
+      o << "#pragma unroll\n    for (int u = 1; u < U; ++u) {\n";
+      o << "      roff" << k << "[u] = roff" << k << "[u - 1] + apart;\n";
+      o << "      if (roff" << k << "[u] >= " << period << ") roff" << k << "[u] -= " << period << ";\n";
+      o << "    }\n";
+      o << "  }\n";
     }
     // Vector u of input k into a<k>[u] (`chunk` in scope), by the mode its bits in p select.
     auto load = [&](size_t k, const std::string& ind) {
