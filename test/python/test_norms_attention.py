@@ -75,6 +75,24 @@ def test_group_norm(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm(device, dim):
+    """A weight-normed grouped Conv1d (wav2vec2's positional convolution normalizes over dim=2), training:
+    values and gradients against eager, with the norm one ATen _weight_norm_interface call forward and its
+    backward op backward (decompositions.py keeps it whole)."""
+    import ember
+
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(12, 10, 5, padding=2, groups=2), dim=dim).to(device)
+    with torch.no_grad():
+        conv.parametrizations.weight.original0.uniform_(0.5, 1.5)  # g
+    x = torch.randn(3, 12, 17, device=device)
+    check(conv, x, **MATMUL_TOL)
+    ops = [g.aten_ops for g in ember.explain(conv)(x).graphs]
+    assert [o.get("aten::_weight_norm_interface", 0) for o in ops] == [1, 0], ops
+    assert not any("aten::linalg_vector_norm" in o for o in ops), ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [-1, 0, 1])
 def test_softmax_log_softmax(device, dim):
     check(lambda x: (torch.softmax(x, dim), F.log_softmax(x, dim)), torch.randn(4, 9, 5, device=device) * 3)
