@@ -771,3 +771,47 @@ def test_direct_call_errors_are_clear():
         call(torch.ones(2), torch.ones(2))
     with pytest.raises(EmberError, match="positional"):
         call(x=torch.ones(2))
+
+
+@pytest.mark.parametrize("setting", ["default", "collector off before", "EMBER_PAUSE_GC=0", "compile fails"])
+def test_collector_paused_while_compiling(monkeypatch, setting):
+    """Python's collector is off while ember compiles a graph (forward and backward) and as it was after, also
+    when the compile raises; EMBER_PAUSE_GC=0 leaves it running. Results still match eager."""
+    import gc
+
+    seen = []
+    original = ember.backend.compile_fx_graph
+
+    def spy(*args, **kwargs):
+        seen.append(gc.isenabled())
+        if setting == "compile fails":
+            raise EmberError("made to fail")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ember.backend, "compile_fx_graph", spy)
+    if setting == "EMBER_PAUSE_GC=0":
+        monkeypatch.setenv("EMBER_PAUSE_GC", "0")
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    was = gc.isenabled()
+    if setting == "collector off before":
+        gc.disable()
+    try:
+        if setting == "compile fails":
+            with pytest.raises(Exception, match="made to fail"):
+                torch.compile(copy.deepcopy(model), backend="ember", options={"fallback": "raise"})(x)
+            after = gc.isenabled()
+        else:
+            check(model, x)
+            after = gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+    assert seen, "no graph compiled"
+    if setting == "default" or setting == "compile fails":
+        assert not any(seen) and after
+    elif setting == "collector off before":
+        assert not any(seen) and not after
+    else:
+        assert all(seen) and after
+    assert setting == "compile fails" or len(seen) == 2  # the training graph's forward and backward
