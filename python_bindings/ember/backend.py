@@ -143,7 +143,14 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         if kind == "inference" and os.environ.get("EMBER_PARAMETER_CACHE", "1") != "0":
             cached = pinned
         subgraphs = _compile_subgraphs(subgraphs, config, graph_name)
-        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
+        # Under the Python dispatcher, as the tracing was (and as AOTAutograd compiles): the plan's view steps
+        # take their geometry from meta kernels, and only where those agree with the traced types do they
+        # become fast paths (under plain C++ meta kernels, 12 of BERT-base's views did not: the strides of
+        # size-1 dims differ).
+        from torch._dispatch.python import enable_python_dispatcher
+
+        with enable_python_dispatcher():
+            compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
         compiled._boxed_call = True
         if cached:
             compiled.cache_parameter_steps(cached)

@@ -412,6 +412,29 @@ def test_plain_inference_graph_is_called_directly(monkeypatch, trace):
     assert made == [] if trace == "one_pass" else traced == [None]  # AOTAutograd never ran / was not skipped
 
 
+def test_one_pass_trace_plans_views_as_aot_autograd(monkeypatch, tmp_path):
+    """A graph traced in one pass gets the same view fast paths in its plan as through AOTAutograd: the view
+    of an attention result over a batch of one (its size-1 dim's stride differs between the C++ and the
+    Python meta kernels) among them."""
+
+    def fn(x, w):
+        q = (x @ w).view(1, 8, 2, 4).permute(0, 2, 1, 3)
+        a = F.scaled_dot_product_attention(q, q, q)
+        return a.view(1, 2, 8, 4).transpose(1, 2).reshape(1, 8, 8) + 1
+
+    plans = {}
+    for trace in ("1", "0"):
+        monkeypatch.setenv("EMBER_DIRECT_TRACE", trace)
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="ember", options={"debug_dir": str(tmp_path / trace)})
+        with torch.no_grad():
+            x, w = torch.randn(1, 8, 8), torch.randn(8, 8)
+            torch.testing.assert_close(compiled(x, w), fn(x, w))
+        (plan,) = (tmp_path / trace).glob("*plan.txt")
+        plans[trace] = plan.read_text()
+    assert plans["1"].count("fast path: view") == plans["0"].count("fast path: view") == 6
+
+
 def test_one_pass_trace_functionalizes_in_place_intermediates(monkeypatch):
     """In-place ops on intermediates (an inplace ReLU, a masked fill through a view) trace in one pass:
     functionalization makes them out of place."""
