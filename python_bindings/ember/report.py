@@ -4,9 +4,9 @@
     print(report)
 
 The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels,
-oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the graphs that fell back to eager and why, and the compile
-time split into Dynamo and ATen tracing (AOTAutograd, or trace.py's one pass), lowering to IR, ember's passes, code generation and
-plan building.
+oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the graphs that fell back
+to eager and why, and the compile time split into Dynamo and ATen tracing (AOTAutograd, trace.py's one pass or
+joint.py's call-by-call training trace), lowering to IR, ember's passes, code generation and plan building.
 """
 
 import collections

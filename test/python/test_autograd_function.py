@@ -54,7 +54,14 @@ def assert_grads_match(fn, inputs, loss=lambda outs: outs[0].sum(), rtol=1e-5, a
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_training_step_runs_as_one_cpp_function(device, training_calls):
+@pytest.mark.parametrize("trace", ["call_by_call", "aot_autograd"])
+def test_training_step_runs_as_one_cpp_function(monkeypatch, device, trace, training_calls):
+    """Traced call by call (joint.py, the default) or by AOTAutograd (EMBER_TRACE_BY_NODE=0), the training
+    graph becomes one C++ autograd function."""
+    if trace == "aot_autograd":
+        monkeypatch.setenv("EMBER_TRACE_BY_NODE", "0")
+    else:
+        training_calls = record_returns(monkeypatch, ember.backend, "_joint_traced_call")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(17, 33), torch.nn.ReLU(), torch.nn.Linear(33, 5)).to(device)
     step = compiled(lambda x, t: F.cross_entropy(model(x), t))
