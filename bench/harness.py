@@ -731,6 +731,8 @@ def cold_first_call_in_child(name, backend, args):
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
     if isinstance(got, tuple):
+        dynamo = "" if got[1] is None else f" (Dynamo {got[1]:.3f} s)"
+        print(f"[harness] {name} {backend}: first call {got[0]:.3f} s{dynamo}", file=sys.stderr, flush=True)
         return got
     print(f"[harness] {name} {backend}: the fresh process failed (exit code {child.exitcode}): {got}", file=sys.stderr)
     return None
