@@ -254,6 +254,7 @@ class _JointBuilder:
         self.needs_grad = {}  # joint node -> whether its value needs a gradient
         self.gradients = {}  # joint node -> the sum of the gradients it received so far (a joint node)
         self.backward_nodes = set()
+        self.tangent_layouts = []  # per tangent: TangentLayout's (memory format or -1, sizes, strides)
 
     def build(self):
         """(forward, backward, TrainingGraph arguments with "none": which inputs get no gradient)."""
@@ -279,8 +280,9 @@ class _JointBuilder:
                 with self.graph.inserting_after(last):
                     last = self.graph.placeholder(f"tangents_{len(tangents) + 1}")
                 with self.fake_mode:
-                    last.meta["val"] = _gradient_layout(o.meta["val"])
+                    last.meta["val"], layout = _tangent(o.meta["val"])
                 tangents.append(last)
+                self.tangent_layouts.append(layout)
                 self._received(o, last)
         for call in reversed(calls):
             self._backward(*call)
@@ -448,12 +450,26 @@ class _JointBuilder:
             "output_requires_grad": [bool(self.needs_grad[o]) for o in user_outputs],
             "saved_checked": len(saved),
             "saved_unchecked": 0,
-            "tangents": [_tangent_spec(t.meta["val"]) for t in tangents],
+            "tangents": self.tangent_layouts,
             "none": [g is None for g in grads],
         }
         return _make_graph_module(self.root, forward), _make_graph_module(self.root, backward), spec
 
 
-def _tangent_spec(fake):
-    """(memory format or -1, sizes, strides) of a tangent traced as `fake` (see TangentLayout)."""
-    return (-1, list(fake.shape), list(fake.stride()))
+def _tangent(t):
+    """(fake gradient, TangentLayout arguments) for a graph output `t`, laid out as AOTAutograd lays out its
+    tangents in this torch: with the output's strides where it guesses them so
+    (`guess_tangent_strides_as_outputs`) and the output does not overlap itself, else contiguous in the
+    output's memory format (a gradient that arrives otherwise is copied so, python_bindings/training_graph.h).
+    cuDNN's attention backward on torch 2.11 gave wrong gradients for a gradient laid out as its output where
+    eager's was contiguous."""
+    import torch
+
+    from .backend import _MEMORY_FORMATS
+
+    guess = getattr(torch._functorch.config, "guess_tangent_strides_as_outputs", False)
+    if guess and torch._debug_has_internal_overlap(t) != 1:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device), (-1, list(t.shape), list(t.stride()))
+    layout = torch._prims_common.suggest_memory_format(t)
+    fake = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=layout)
+    return fake, (_MEMORY_FORMATS[str(layout)], [], [])
