@@ -208,7 +208,8 @@ def _trace_joint(call, tensors, needs_grad, expected, layouts, decompositions, f
             out = target(*positional, **keywords)
         leaves = _tensor_leaves(out)
         seen["need"] = [bool(t.requires_grad) for t in leaves]
-        seen["last"] = list(get_proxy_mode().tracer.graph.nodes)[-1].name  # the forward part ends here
+        traced_so_far = list(get_proxy_mode().tracer.graph.nodes)  # the forward part ends here
+        seen["last"] = traced_so_far[-1].name if traced_so_far else None  # (None: a call of no tensors)
         wanted, given, supplied = [], [], iter(gradients)
         for t, e in zip(leaves, expected):
             g = next(supplied) if e else None
@@ -226,7 +227,7 @@ def _trace_joint(call, tensors, needs_grad, expected, layouts, decompositions, f
             traced = make_fx(joint, decomposition_table=decompositions)(*fresh, *gradients)
         except Exception as e:
             raise _NotByNode(f"{target}: {type(e).__name__}: {e}") from e
-    forward_nodes, ended = [], False
+    forward_nodes, ended = [], seen["last"] is None
     for n in traced.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
             raise _NotByNode(f"{target} traces to a write ({n.target})")

@@ -79,17 +79,22 @@ def _casts(x, w):
     return (x.to(torch.float64) @ w.double()).float().logsumexp(-1).sum()
 
 
+def _no_tensor_call(x, w):
+    torch._C._log_api_usage_once("ember.test")  # a call Dynamo keeps, of no tensors (as transformers' models make)
+    return torch.ones(6).add(x @ w).sum()
+
+
 def _two_outputs(x, w):
     y = x @ w
     return y.square().mean(), (y > 0).float()  # the second output needs no gradient
 
 
-@pytest.mark.parametrize("fn", [_attention, _chunks, _reused, _integer_path, _broadcast, _casts, _two_outputs],
+@pytest.mark.parametrize("fn", [_attention, _chunks, _reused, _integer_path, _broadcast, _casts, _no_tensor_call, _two_outputs],
                          ids=lambda f: f.__name__.strip("_"))
 def test_traced_call_by_call_matches_eager(monkeypatch, fn):
     """EMBER_TRACE_BY_NODE=1 traces any graph it can call by call: gradients laid out otherwise than the
     outputs (transposes), outputs that get no gradient, a call returning its input, integer values, expands,
-    dtype casts, an output that needs no gradient. Everything against eager on random inputs."""
+    dtype casts, calls of no tensors, an output that needs no gradient. Everything against eager on random inputs."""
     monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
     traces = _traces(monkeypatch)
     x, w = torch.randn(3, 4, 6), torch.randn(6, 6)
