@@ -39,6 +39,7 @@ from .trace import (
     _lazy_graph_modules,
     _map_args,
     _pinned,
+    _resolved_call,
     _returns_alias,
     _stateful,
     _tensor_key,
@@ -293,21 +294,10 @@ class _JointBuilder:
     def _forward(self, node, value, expected):
         """Copies the forward part of `node`'s trace where the node stands; returns what its backward part
         needs, or None where it has none."""
-        import operator
-
-        import torch
-
-        if node.op not in ("call_function", "call_method"):
-            raise _NotByNode(f"a {node.op} node")
-        op, target = node.op, node.target
-        args = _map_args((node.args, node.kwargs), value.__getitem__)
-        if target is operator.getitem and not isinstance(args[0][0], torch.fx.Node):
-            value[node] = args[0][0][args[0][1]]  # an element of a multi-output call's result
+        resolved = _resolved_call(node, value)
+        if resolved is None:
             return None
-        if op == "call_method" and not isinstance(args[0][0], torch.fx.Node):
-            raise _NotByNode(f"{node.name} calls a method of a {type(args[0][0]).__name__}")
-        tensors = _tensor_nodes(args, [])
-        slots = {t: i for i, t in enumerate(tensors)}
+        op, target, args, tensors, slots = resolved
         needs = tuple(self.needs_grad[t] for t in tensors)
         key = (op, target, tuple(_tensor_key(t.meta["val"]) for t in tensors), needs, _arg_key(args, slots))
         wanted = tuple(expected.get(node, ()))

@@ -379,10 +379,28 @@ def _trace_call(call, tensors, decompositions, fake_mode):
     return traced
 
 
-def _trace_by_node(gm, fakes, decompositions, fake_mode):
-    """The traced graph of `gm` built call by call, each distinct call traced once (see the module's text)."""
+def _resolved_call(node, value):
+    """(op kind, target, (args, kwargs), its tensor nodes, their slots) of a Dynamo call whose arguments `value`
+    maps to the new graph's nodes; None where the node only picks an element of a multi-output call's result
+    (value[node] is then set to it)."""
     import operator
 
+    import torch
+
+    if node.op not in ("call_function", "call_method"):
+        raise _NotByNode(f"a {node.op} node")
+    args = _map_args((node.args, node.kwargs), value.__getitem__)
+    if node.target is operator.getitem and not isinstance(args[0][0], torch.fx.Node):
+        value[node] = args[0][0][args[0][1]]
+        return None
+    if node.op == "call_method" and not isinstance(args[0][0], torch.fx.Node):
+        raise _NotByNode(f"{node.name} calls a method of a {type(args[0][0]).__name__}")
+    tensors = _tensor_nodes(args, [])
+    return node.op, node.target, args, tensors, {t: i for i, t in enumerate(tensors)}
+
+
+def _trace_by_node(gm, fakes, decompositions, fake_mode):
+    """The traced graph of `gm` built call by call, each distinct call traced once (see the module's text)."""
     import torch
     import torch.fx
 
@@ -402,17 +420,10 @@ def _trace_by_node(gm, fakes, decompositions, fake_mode):
         if node.op == "output":
             graph.output(_map_args(node.args[0], value.__getitem__))
             continue
-        if node.op not in ("call_function", "call_method"):
-            raise _NotByNode(f"a {node.op} node")
-        op, target = node.op, node.target
-        args = _map_args((node.args, node.kwargs), value.__getitem__)
-        if target is operator.getitem and not isinstance(args[0][0], torch.fx.Node):
-            value[node] = args[0][0][args[0][1]]  # an element of a multi-output call's result
+        call = _resolved_call(node, value)
+        if call is None:
             continue
-        if op == "call_method" and not isinstance(args[0][0], torch.fx.Node):
-            raise _NotByNode(f"{node.name} calls a method of a {type(args[0][0]).__name__}")
-        tensors = _tensor_nodes(args, [])
-        slots = {t: i for i, t in enumerate(tensors)}
+        op, target, args, tensors, slots = call
         key = (op, target, tuple(_tensor_key(t.meta["val"]) for t in tensors), _arg_key(args, slots))
         traced = traces.get(key)
         if traced is None:
