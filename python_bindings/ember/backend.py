@@ -430,9 +430,9 @@ def _traced_call(gm, example_inputs, config):
 
 
 def _joint_traced_call(gm, example_inputs, config):
-    """The C++ DirectCall of a training graph of repeated layers traced call by call without AOTAutograd
-    (joint.py), its forward and backward one C++ autograd function; the Dynamo graph itself where ember could
-    not compile them (and warned); or None: then AOTAutograd traces it."""
+    """The C++ DirectCall of a training graph traced call by call without AOTAutograd (joint.py), its forward
+    and backward one C++ autograd function; the Dynamo graph itself where ember could not compile them (and
+    warned); or None: then AOTAutograd traces it."""
     from .decompositions import decomposition_table
     from .joint import trace_training
 
