@@ -19,6 +19,7 @@ autouse fixture in conftest.py that counts calls into ember's graph compiler).
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -300,3 +301,15 @@ class Wrap(torch.nn.Module):
 
     def forward(self, *inputs):
         return self.fn(self, *inputs)
+
+
+def canonical_ir(traced):
+    """ember's IR text of a traced graph with values and constants renamed in order of appearance."""
+    import ember.lower
+
+    text, _ = ember.lower.lower(traced)
+    names = {}
+    text = re.sub(r"%[A-Za-z_][A-Za-z0-9_]*", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
+    constants = {}
+    return re.sub(r'prim::constant\("([^"]*)"\)',
+                  lambda m: f'prim::constant("c{constants.setdefault(m.group(1), len(constants))}")', text)

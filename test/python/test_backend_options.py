@@ -18,7 +18,7 @@ import ember._C
 import ember.backend
 import ember.lower
 from ember import EmberError
-from helpers import EMBER_GRAPHS, check, compile_ember, record_returns
+from helpers import EMBER_GRAPHS, canonical_ir, check, compile_ember, record_returns
 
 
 def ember_error_in(exc):
@@ -564,16 +564,6 @@ class _Block(torch.nn.Module):
         return torch.cat([right + mixed, left + signed.clamp(-1e3, 1e3) * 1e-6], -1)
 
 
-def _canonical_ir(traced):
-    """ember's IR text of a traced graph with values and constants renamed in order of appearance."""
-    text, _ = ember.lower.lower(traced)
-    names = {}
-    text = re.sub(r"%[A-Za-z_][A-Za-z0-9_]*", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
-    constants = {}
-    return re.sub(r'prim::constant\("([^"]*)"\)',
-                  lambda m: f'prim::constant("c{constants.setdefault(m.group(1), len(constants))}")', text)
-
-
 def _traced_both_ways(monkeypatch, model, *inputs):
     """{EMBER_TRACE_BY_NODE value: canonical IR text} of trace.py's trace of `model`'s Dynamo graph, made
     inside the backend call (where Dynamo's fake mode is found), and whether the graph repeats enough."""
@@ -587,7 +577,7 @@ def _traced_both_ways(monkeypatch, model, *inputs):
         for mode in ("0", "1"):
             monkeypatch.setenv("EMBER_TRACE_BY_NODE", mode)
             graph, _ = ember.trace.trace_inference(gm, example_inputs, decomposition_table())
-            traced[mode] = _canonical_ir(graph)
+            traced[mode] = canonical_ir(graph)
         monkeypatch.delenv("EMBER_TRACE_BY_NODE")
         return gm.forward
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import ember
 import ember._C
 import ember.joint
-from helpers import check, record_returns
+from helpers import canonical_ir, check, record_returns
 
 
 def _traces(monkeypatch):
@@ -46,6 +46,37 @@ def test_repeated_layers_train_without_aot_autograd(monkeypatch):
     check(model, torch.randn(2, 5, 16), atol=1e-5, rtol=1e-4)
     assert [t[0] is not None for t in traces] == [True], [t[2] for t in traces]
     assert len(direct) == 1 and isinstance(direct[0], ember._C.DirectCall)
+
+
+def test_repeated_layers_give_aot_autograds_graphs():
+    """The forward and backward traced call by call are AOTAutograd's (same decompositions, default partition):
+    the same IR text, saved tensors and gradients in the same order, for a stack of transformer-like layers."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from ember.decompositions import decomposition_table
+
+    graphs = {}
+
+    def both_ways(gm, example_inputs):
+        forward, backward, _, _ = ember.joint.trace_training(gm, example_inputs, decomposition_table())
+        graphs["call_by_call"] = (canonical_ir(forward), canonical_ir(backward))
+
+        def keep(kind):
+            def compiler(g, _):
+                graphs.setdefault("aot_autograd", {})[kind] = canonical_ir(g)
+                return make_boxed_func(g.forward)
+            return compiler
+
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return aot_module_simplified(gm, example_inputs, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                         decompositions=decomposition_table())
+
+    model = torch.nn.Sequential(*[Block() for _ in range(6)])
+    torch._dynamo.reset()
+    torch.compile(lambda x: model(x).square().mean(), backend=both_ways, fullgraph=True)(torch.randn(2, 5, 16))
+    aot = graphs["aot_autograd"]
+    assert graphs["call_by_call"] == (aot["forward"], aot["backward"])
 
 
 def _attention(x, w):
