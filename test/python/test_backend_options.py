@@ -325,7 +325,15 @@ def test_entry_point_in_fresh_process(tmp_path):
         def f(x, y):
             return torch.sin(x) + torch.cos(y)
         x, y = torch.randn(8, requires_grad=True), torch.randn(8)
+        import gc
+        from torch._dynamo.convert_frame import register_bytecode_hook
+        thresholds = []
+        register_bytecode_hook(lambda code, new_code: thresholds.append(gc.get_threshold()))
+        before = gc.get_threshold()
         out = torch.compile(f, backend="ember")(x, y)
+        # Importing ember for its entry point installed the hold on full collections for Dynamo's compile
+        # (backend._hold_full_collections_in_dynamo), and the compile restored the thresholds.
+        assert thresholds == [before[:2] + (1 << 30,)] and gc.get_threshold() == before, (thresholds, before)
         out.sum().backward()
         assert "ember" in sys.modules and "ember._C" in sys.modules, "the entry point must load ember"
         torch.testing.assert_close(out, f(x, y))
@@ -784,6 +792,51 @@ def test_direct_call_errors_are_clear():
         call(torch.ones(2), torch.ones(2))
     with pytest.raises(EmberError, match="positional"):
         call(x=torch.ones(2))
+
+
+@pytest.mark.parametrize("setting", ["default", "another backend", "EMBER_PAUSE_GC=0", "compile fails"])
+def test_full_collections_held_off_while_dynamo_compiles_for_ember(monkeypatch, setting):
+    """While Dynamo compiles a frame for ember, the collector's oldest-generation threshold is out of reach (no full
+    collection), and as it was after, also when the compile raises; another backend's compiles and EMBER_PAUSE_GC=0
+    leave it alone. Results still match eager."""
+    import gc
+
+    from torch._dynamo.convert_frame import register_bytecode_hook
+
+    if setting == "EMBER_PAUSE_GC=0":
+        monkeypatch.setenv("EMBER_PAUSE_GC", "0")
+    ember.backend._hold_full_collections_in_dynamo()  # as at import: the fixture's torch._dynamo.reset() dropped it
+    seen = []
+    if setting == "compile fails":
+        def fail(*args, **kwargs):
+            seen.append(gc.get_threshold())  # inside Dynamo's compile, which then ends with the exception
+            raise EmberError("made to fail")
+
+        monkeypatch.setattr(ember.backend, "compile_fx_graph", fail)
+    handle = register_bytecode_hook(lambda code, new_code: seen.append(gc.get_threshold()))
+    before = gc.get_threshold()
+    try:
+        x = torch.randn(8, 16)
+        if setting == "compile fails":
+            with pytest.raises(Exception, match="made to fail"):
+                torch.compile(redundant_one, backend="ember", options={"fallback": "raise"})(x)
+        elif setting == "another backend":
+            torch.testing.assert_close(torch.compile(redundant_one, backend="eager")(x), redundant_one(x))
+        else:
+            check(redundant_one, x, grad=False)
+    finally:
+        handle.remove()
+    assert seen, "Dynamo compiled nothing"
+    assert gc.get_threshold() == before
+    held = before[:2] + (1 << 30,)
+    if setting in ("default", "compile fails"):
+        assert all(t == held for t in seen), seen
+    else:
+        assert all(t == before for t in seen), seen
+
+
+def redundant_one(x):
+    return torch.tanh(x) * torch.tanh(x) + 1
 
 
 @pytest.mark.parametrize("setting", ["default", "collector off before", "EMBER_PAUSE_GC=0", "compile fails"])
