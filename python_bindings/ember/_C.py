@@ -5,7 +5,9 @@ among them) built with another compiler. Loaded the ordinary way, libdnnl.so bin
 with torch 2.11's CUDA wheels, crashes in its first dnnl_primitive_create (seen on the GPU machine:
 SIGSEGV in std::once_flag::_Prepare_execution from libtorch_cpu.so). Loading it first with RTLD_DEEPBIND
 makes it resolve against itself and its own dependencies; the extension's link to it then reuses that
-copy. A C++ program that links libtorch directly is not affected (its own copies come first).
+copy. A C++ program is affected where libtorch comes before libdnnl in its search order: on an AVX2-only host
+libdnnl's f32 matmuls with post-ops ran torch's copy of gemm_info_t's initialization and refused to execute
+(ember then runs them through ATen). ember's C++ tests link libdnnl first (test/cpp/CMakeLists.txt).
 """
 
 import ctypes
