@@ -21,8 +21,11 @@ function, its literal arguments, and the dtype, sizes, strides, offset and devic
 with the same functionalized make_fx and table, into a small graph that every repeat copies: BERT-base is 25
 traces, 0.19-0.20 s, GPT-2 65, 0.38 -> 0.24-0.27 s; the IR is the same text either way. A trace of its own costs
 2-12 ms of make_fx's fixed work (an eval batch norm's the most), so graphs run this way only where Dynamo's own
-values say calls repeat: at least 48 calls, at most a sixth of them distinct (resnet50's 175 calls are 55
-distinct, and took 0.35 -> 0.62 s so). Graphs with anything a call-by-call trace could get wrong keep the
+values say calls repeat: at least 12 calls, at most a sixth of them distinct (resnet50's 175 calls are 55
+distinct, and took 0.35 -> 0.62 s so). Twelve is where it pays with room to spare: 20 x Linear(100, 100)
+(20 calls, 1 distinct) traced in 0.090-0.141 s whole and 0.040-0.045 s so in fresh processes on the 2-core
+host; stacks of 3-24 Linear(64, 64), with or without a ReLU after each, took less so in every size measured
+there (3 calls: 13 -> 8 ms; 12: 56 -> 27 ms; 24 with ReLUs: 51 -> 15 ms). Graphs with anything a call-by-call trace could get wrong keep the
 whole-graph trace: an in-place call or `out=` (functionalization across calls is the whole trace's work), a call
 that changes global state (grad mode, autocast, the RNG seed), arguments of kinds without an exact key.
 EMBER_TRACE_BY_NODE=0 keeps the whole-graph trace, =1 uses the call-by-call one wherever it can.
@@ -230,7 +233,7 @@ class _NotByNode(Exception):
     """The graph keeps the whole-graph trace."""
 
 
-_MIN_CALLS = 48  # below this, or with more than a sixth of the calls distinct, a trace per distinct call costs more
+_MIN_CALLS = 12  # below this, or with more than a sixth of the calls distinct, a trace per distinct call costs more
 
 # Calls that change global state between the calls around them: traced once, their effect would be missing
 # where a repeat is copied instead of run.

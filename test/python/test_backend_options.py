@@ -616,6 +616,31 @@ def test_repeated_layers_trace_by_node_as_the_whole_graph(monkeypatch):
     assert len(by_node) == 2  # and so did the compile, by itself
 
 
+def test_short_stacks_of_one_layer_trace_by_node(monkeypatch):
+    """Twelve calls of one kind (six Linear + ReLU pairs) are enough to go call by call, with the IR the
+    whole-graph trace gives; eleven are not. Compiled, the stack matches eager on fresh inputs."""
+    import ember.trace
+
+    def stack(pairs, extra=()):
+        layers = [m for _ in range(pairs) for m in (torch.nn.Linear(24, 24), torch.nn.ReLU())]
+        return torch.nn.Sequential(*layers, *extra).eval()
+
+    short = _traced_both_ways(monkeypatch, stack(5, [torch.nn.Linear(24, 24)]), torch.randn(3, 24))
+    assert not short["repeats"] and short["1"] == short["0"]
+    model = stack(6)
+    traced = _traced_both_ways(monkeypatch, model, torch.randn(3, 24))
+    assert traced["repeats"] and traced["1"] == traced["0"]
+    assert traced["1"].count("aten::addmm") == 6
+    by_node = record_returns(monkeypatch, ember.trace, "_trace_by_node")
+    torch._dynamo.reset()
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 24)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(by_node) == 1
+
+
 def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
     """In-place calls, and calls that change grad mode, send the graph to the whole-graph trace; results match
     eager."""
