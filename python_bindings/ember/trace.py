@@ -63,16 +63,20 @@ _IN_PLACE_OPERATORS = frozenset(f"{prefix}{op}{suffix}" for prefix, suffix in ((
 
 
 def _in_place(node):
-    """Whether a Dynamo call writes its first argument: relu_, add_, inplace=True, item assignment, +=."""
+    """Whether a Dynamo call writes its first argument: relu_, add_, inplace=True, item assignment, +=. Python's
+    operator functions write only as iadd, iand and the like: and_, or_ and not_ (`mask & other`, as
+    transformers' attention masks combine) only take the underscore of a keyword."""
     import operator
 
     target = node.target
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if target in (operator.setitem, operator.delitem):
+        return True
+    if not isinstance(target, str) and target is getattr(operator, name, None):
+        return name in _IN_PLACE_OPERATORS
     if name.endswith("_") and not name.endswith("__"):
         return True
-    if node.kwargs.get("inplace") is True or target in (operator.setitem, operator.delitem):
-        return True
-    return name in _IN_PLACE_OPERATORS and (isinstance(target, str) or target is getattr(operator, name, None))
+    return node.kwargs.get("inplace") is True or (isinstance(target, str) and name in _IN_PLACE_OPERATORS)
 
 
 def _writes_an_input(gm):

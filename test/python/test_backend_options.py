@@ -641,6 +641,40 @@ def test_short_stacks_of_one_layer_trace_by_node(monkeypatch):
     assert len(by_node) == 1
 
 
+def test_mask_and_or_are_not_writes():
+    """`m & n` and `m | n` call operator.and_ / or_, which write nothing (only `&=` and `|=` do): a graph
+    combining its input masks so neither writes an input nor has state (GPT-2's attention mask is built so;
+    taken as a write, it kept the whole-graph trace), while `&=` on an input still writes. Both match eager."""
+    import ember.trace
+
+    def combine(m, n, x):
+        keep = (m & n) | (x > 1)
+        return torch.where(keep, x, -x)
+
+    def combine_in_place(m, n, x):
+        m &= n
+        return torch.where(m, x, -x)
+
+    for fn, writes in ((combine, False), (combine_in_place, True)):
+        seen = []
+
+        def spy(gm, example_inputs):
+            calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+            seen.append((ember.trace._writes_an_input(gm), any(ember.trace._stateful(n) for n in calls)))
+            return gm.forward
+
+        m, n, x = torch.rand(5, 7) > 0.5, torch.rand(5, 7) > 0.3, torch.randn(5, 7) * 2
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(fn, backend=spy, fullgraph=True)(m.clone(), n, x)
+        assert seen == [(writes, writes)], fn.__name__
+        torch._dynamo.reset()
+        got_m, want_m = m.clone(), m.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(compile_ember(fn)(got_m, n, x), fn(want_m, n, x))
+        assert torch.equal(got_m, want_m)
+
+
 def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
     """In-place calls, and calls that change grad mode, send the graph to the whole-graph trace; results match
     eager."""
