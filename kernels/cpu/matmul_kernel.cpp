@@ -9,9 +9,26 @@
 //  4. Operands neither takes as they are (neither rows nor columns contiguous, an empty dimension, an
 //     addend that is not contiguous) run the same computation through ATen, so every input is correct; so
 //     do a few bfloat16 rows, or rows against row-major weights, unless the weights are packed.
+//  5. Problems of at least kTimedMacs multiply-adds are timed once per shape, oneDNN (its epilogue fused)
+//     against ATen (MKL, then the epilogue as ATen ops), and run by the faster from then on (Library).
+//     oneDNN is not always the faster: Debian's oneDNN 2.6 runs f32 matmuls on an AVX2-only host as
+//     `gemm:jit`, which took 12.4-12.9 ms for [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's
+//     addmm took 7.2-8.5 ms (ViT-base's MLP at batch 1: its four layers 0.87-0.99x of eager). The choice
+//     is process-wide by shape, layout and epilogue; per call a kernel looks it up in its own short list.
+//     EMBER_CPU_MATMUL=onednn|aten, read when a plan is made, takes that library for every size oneDNN
+//     would run, untimed (for measuring);
+//     EMBER_GEMM_LOG=1 prints each timing to stderr.
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 namespace ember::cpu {
 namespace {
@@ -27,12 +44,39 @@ bool plain_strides(const at::Tensor& t, int64_t out[2]) {
   return false;
 }
 
+// Which library runs a problem of at least kTimedMacs multiply-adds (point 5).
+enum class Library : uint8_t { OneDnn, Aten };
+constexpr double kTimedMacs = double(int64_t{1} << 22);  // ~60 us of f32 work on the 2-core host
+
+// EMBER_CPU_MATMUL, read when a kernel is made: 0 times each shape, 1 forces oneDNN, 2 forces ATen.
+int forced_library() {
+  const char* v = std::getenv("EMBER_CPU_MATMUL");
+  std::string s = v ? v : "";
+  return s == "onednn" ? 1 : s == "aten" ? 2 : 0;
+}
+
+// A problem as the timing saw it: sizes, the operands' strides, packed weights or not, and the epilogue.
+using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, std::string>;
+
+std::mutex& chosen_mutex() {
+  static std::mutex mu;
+  return mu;
+}
+std::map<ProblemKey, Library>& chosen() {
+  static auto* choices = new std::map<ProblemKey, Library>();  // never freed: outlives every plan
+  return *choices;
+}
+
+double elapsed_us(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - since).count();
+}
+
 class MatmulKernel final : public Kernel {
  public:
   MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config)
       : dnnl_(std::move(dnnl)), config_(std::move(config)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
-        where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op) {
+        where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()) {
     for (const auto& [constant, value] : m.out_shape) out_shape_.emplace_back(constant, value != nullptr);
   }
 
@@ -99,6 +143,9 @@ class MatmulKernel final : public Kernel {
       return true;
     }
     if (first) return false;
+    const bool timed = forced_ != 0 || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
+    const Library* library = timed ? library_for(call, packing != 0) : nullptr;
+    if (library && *library == Library::Aten) return false;
     *out = at::empty({call.M, call.N}, src.options());
     call.dst = out->data_ptr();
     call.dst_stride = call.N;
@@ -107,7 +154,66 @@ class MatmulKernel final : public Kernel {
     } catch (const std::exception&) {
       return false;  // the ATen path computes the same thing
     }
+    if (timed && !library) choose_library(call, packing, src, weights, bias, addends);
     return true;
+  }
+
+  // The library this kernel took for the problem, or null where none was taken yet (point 5).
+  const Library* library_for(const onednn::MatmulCall& c, bool packed) const {
+    if (forced_) return forced_ == 1 ? &kOneDnn : &kAten;
+    std::lock_guard<std::mutex> lock(libraries_mu_);
+    for (const Shape& s : libraries_)
+      if (s.m == c.M && s.n == c.N && s.k == c.K && s.src_stride[0] == c.src_stride[0] &&
+          s.src_stride[1] == c.src_stride[1] && s.weights_stride[0] == c.weights_stride[0] &&
+          s.weights_stride[1] == c.weights_stride[1] && s.packed == packed)
+        return s.library == Library::OneDnn ? &kOneDnn : &kAten;
+    return nullptr;
+  }
+
+  // After oneDNN ran the call (its first run for this shape: primitive made, weights packed), the process's
+  // choice for the problem, or else a timing of both; kept in this kernel's list.
+  void choose_library(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src, const at::Tensor& weights,
+                      const at::Tensor& bias, const std::vector<at::Tensor>& addends) const {
+    ProblemKey key{c.M, c.N, c.K, c.src_stride[0], c.src_stride[1], c.weights_stride[0], c.weights_stride[1],
+                   packing != 0, text_};
+    Library library = Library::OneDnn;
+    std::unique_lock<std::mutex> lock(chosen_mutex());
+    auto it = chosen().find(key);
+    if (it != chosen().end()) {
+      library = it->second;
+    } else {
+      lock.unlock();  // the timing runs outside the lock: other threads' kernels go on
+      // ATen's first run untimed (its first result's pages are new), then each twice in turns, the faster
+      // run of each counting: single runs on a busy 2-core host were off by up to 1.6x.
+      double onednn_us = 1e300, aten_us = 1e300;
+      try {
+        run_aten(src, weights, bias, addends);
+        for (int round = 0; round < 2; ++round) {
+          auto start = std::chrono::steady_clock::now();
+          dnnl_->run(c, packing);
+          onednn_us = std::min(onednn_us, elapsed_us(start));
+          start = std::chrono::steady_clock::now();
+          run_aten(src, weights, bias, addends);
+          aten_us = std::min(aten_us, elapsed_us(start));
+        }
+      } catch (const std::exception&) {
+        return;  // neither is chosen; the next call times again
+      }
+      // ATen only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
+      if (aten_us < 0.9 * onednn_us) library = Library::Aten;
+      if (std::getenv("EMBER_GEMM_LOG"))
+        std::fprintf(stderr, "ember cpu matmul %lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us -> %s\n",
+                     static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
+                     text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us,
+                     library == Library::Aten ? "aten" : "onednn");
+      lock.lock();
+      library = chosen().try_emplace(key, library).first->second;
+    }
+    lock.unlock();
+    std::lock_guard<std::mutex> mine(libraries_mu_);
+    if (libraries_.size() >= kMaxShapes) libraries_.erase(libraries_.begin());  // a stream of new shapes
+    libraries_.push_back({c.M, c.N, c.K, {c.src_stride[0], c.src_stride[1]}, {c.weights_stride[0], c.weights_stride[1]},
+                          packing != 0, library});
   }
 
   at::Tensor run_aten(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
@@ -127,8 +233,20 @@ class MatmulKernel final : public Kernel {
   bool pack_;
   std::string text_;
   std::string where_;  // "%addmm = aten::addmm", for error messages
+  int forced_;         // forced_library() when the kernel was made
 
   WeightsPacking packing_;
+
+  // The libraries this kernel took, by shape (point 5): a short list, as a kernel sees few shapes.
+  struct Shape {
+    int64_t m, n, k, src_stride[2], weights_stride[2];
+    bool packed;
+    Library library;
+  };
+  static constexpr size_t kMaxShapes = 16;
+  static constexpr Library kOneDnn = Library::OneDnn, kAten = Library::Aten;
+  mutable std::mutex libraries_mu_;
+  mutable std::vector<Shape> libraries_;
 };
 
 }  // namespace

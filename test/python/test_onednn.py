@@ -184,6 +184,50 @@ def test_batch_one_mlp_first_call_then_packed(threads):
 
 
 @needs_onednn
+@pytest.mark.parametrize("library", ["timed", "onednn", "aten"])
+def test_large_problems_match_eager_through_either_library(library, monkeypatch, capfd):
+    """Problems of 2^22 multiply-adds or more run through whichever of oneDNN and ATen was faster when timed
+    (kernels/cpu/matmul_kernel.cpp, point 5); EMBER_CPU_MATMUL forces one. Each way, with a bias and GELU, a
+    residual add and ReLU, or a scale, packed parameter weights and weights passed in, every call matches
+    eager, the call that times included. A problem is timed once per process, so two kernels of the same
+    problem time it once (EMBER_GEMM_LOG's lines), and a weight changed in place is still read."""
+    if library != "timed":
+        monkeypatch.setenv("EMBER_CPU_MATMUL", library)
+    monkeypatch.setenv("EMBER_GEMM_LOG", "1")
+    # Odd sizes of their own (72 x 264 x 232 = 4.4M multiply-adds), so that no earlier test timed them.
+    model = nn.Sequential(nn.Linear(264, 232), nn.GELU(), nn.Linear(232, 264), nn.ReLU()).eval()
+    twin = copy.deepcopy(model)
+    w = torch.randn(232, 264)
+    fns = [
+        lambda x, r: model(x) + r,
+        lambda x, r: twin(x) + r,  # the same problems again, in kernels of their own
+        lambda x, r: torch.relu(F.linear(x, w) * 0.5 + r[:, :232]),
+    ]
+    with torch.no_grad():
+        for fn in fns:
+            compiled = compile_ember(fn)
+            for step in range(4):  # call 1: ATen (first sight), 2: packs and times, 3-4: the library chosen
+                x, r = torch.randn(72, 264), torch.randn(72, 264)
+                torch.testing.assert_close(compiled(x, r), fn(x, r), **MATMUL_TOL)
+                if step == 2:
+                    model[0].weight.mul_(-1.0)
+                    twin[0].weight.mul_(-1.0)
+    assert len(onednn_kernels()) >= 4
+    timed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ember cpu matmul 72x")]
+    if library == "timed":
+        # Each problem once, though twin's kernels meet model's again: model's two packed matmuls (bias + gelu,
+        # bias + relu + add), the scaled one, and the first again on weights changed and not yet repacked.
+        problems = [line.split(":")[0] for line in timed]
+        assert len(problems) == len(set(problems)), "\n".join(timed)
+        assert {"ember cpu matmul 72x232x264 matmul f32 +bias gelu (packed)",
+                "ember cpu matmul 72x264x232 matmul f32 +bias relu add (packed)",
+                "ember cpu matmul 72x232x264 matmul f32 scale (packed)"} <= set(problems), "\n".join(timed)
+        assert all(line.endswith(("-> onednn", "-> aten")) for line in timed), timed
+    else:
+        assert timed == []
+
+
+@needs_onednn
 def test_weights_changed_in_place_between_calls_are_repacked():
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
     compiled = compile_ember(model)
