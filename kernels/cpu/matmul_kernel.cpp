@@ -13,7 +13,7 @@
 //     against ATen (MKL, then the epilogue as ATen ops), and run by the faster from then on (Library).
 //     oneDNN is not always the faster: Debian's oneDNN 2.6 runs f32 matmuls on an AVX2-only host as
 //     `gemm:jit`, which took 12.4-12.9 ms for [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's
-//     addmm took 7.2-8.5 ms (ViT-base's MLP at batch 1: its four layers 0.87-0.99x of eager). The choice
+//     addmm took 6.8-8.5 ms (bench/zoo.py's 4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice
 //     is process-wide by shape, layout and epilogue; per call a kernel looks it up in its own short list.
 //     EMBER_CPU_MATMUL=onednn|aten, read when a plan is made, takes that library for every size oneDNN
 //     would run, untimed (for measuring);
