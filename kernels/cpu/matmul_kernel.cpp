@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 namespace ember::cpu {
@@ -144,8 +145,8 @@ class MatmulKernel final : public Kernel {
     }
     if (first) return false;
     const bool timed = forced_ != 0 || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
-    const Library* library = timed ? library_for(call, packing != 0) : nullptr;
-    if (library && *library == Library::Aten) return false;
+    const std::optional<Library> library = timed ? library_for(call, packing != 0) : std::nullopt;
+    if (library == Library::Aten) return false;
     *out = at::empty({call.M, call.N}, src.options());
     call.dst = out->data_ptr();
     call.dst_stride = call.N;
@@ -158,16 +159,16 @@ class MatmulKernel final : public Kernel {
     return true;
   }
 
-  // The library this kernel took for the problem, or null where none was taken yet (point 5).
-  const Library* library_for(const onednn::MatmulCall& c, bool packed) const {
-    if (forced_) return forced_ == 1 ? &kOneDnn : &kAten;
+  // The library this kernel took for the problem, or none where none was taken yet (point 5).
+  std::optional<Library> library_for(const onednn::MatmulCall& c, bool packed) const {
+    if (forced_) return forced_ == 1 ? Library::OneDnn : Library::Aten;
     std::lock_guard<std::mutex> lock(libraries_mu_);
     for (const Shape& s : libraries_)
       if (s.m == c.M && s.n == c.N && s.k == c.K && s.src_stride[0] == c.src_stride[0] &&
           s.src_stride[1] == c.src_stride[1] && s.weights_stride[0] == c.weights_stride[0] &&
           s.weights_stride[1] == c.weights_stride[1] && s.packed == packed)
-        return s.library == Library::OneDnn ? &kOneDnn : &kAten;
-    return nullptr;
+        return s.library;
+    return std::nullopt;
   }
 
   // After oneDNN ran the call (its first run for this shape: primitive made, weights packed), the process's
@@ -244,7 +245,6 @@ class MatmulKernel final : public Kernel {
     Library library;
   };
   static constexpr size_t kMaxShapes = 16;
-  static constexpr Library kOneDnn = Library::OneDnn, kAten = Library::Aten;
   mutable std::mutex libraries_mu_;
   mutable std::vector<Shape> libraries_;
 };

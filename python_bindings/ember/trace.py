@@ -25,8 +25,8 @@ values say calls repeat: at least 12 calls, at most a sixth of them distinct (re
 distinct, and took 0.35 -> 0.62 s so). Twelve is where it pays with room to spare: 20 x Linear(100, 100)
 (20 calls, 1 distinct) traced in 0.090-0.141 s whole and 0.040-0.045 s so in fresh processes on the 2-core
 host; stacks of 3-24 Linear(64, 64), with or without a ReLU after each, took less so in every size measured
-there (3 calls: 13 -> 8 ms; 12: 56 -> 27 ms; 24 with ReLUs: 51 -> 15 ms). Graphs with anything a call-by-call trace could get wrong keep the
-whole-graph trace: an in-place call or `out=` (functionalization across calls is the whole trace's work), a call
+there (3 calls: 13 -> 8 ms; 12: 56 -> 27 ms; 24 with ReLUs: 51 -> 15 ms). Graphs with anything a call-by-call
+trace could get wrong keep the whole-graph trace: an in-place call or `out=` (functionalization across calls is the whole trace's work), a call
 that changes global state (grad mode, autocast, the RNG seed), arguments of kinds without an exact key.
 EMBER_TRACE_BY_NODE=0 keeps the whole-graph trace, =1 uses the call-by-call one wherever it can.
 """
