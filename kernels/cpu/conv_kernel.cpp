@@ -196,24 +196,15 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   }
   TorchConv t{*conv, *binary, *reorder};
   t.add = !g.ops.empty() && g.ops[0].kind == EpilogueOp::Kind::Add;
-  std::string unary = "none", algorithm;
-  if (!g.ops.empty()) {
-    switch (g.ops.back().kind) {
-      case EpilogueOp::Kind::Relu: unary = "relu"; break;
-      case EpilogueOp::Kind::GeluErf: unary = "gelu", algorithm = "none"; break;
-      case EpilogueOp::Kind::GeluTanh: unary = "gelu", algorithm = "tanh"; break;
-      case EpilogueOp::Kind::Silu: unary = "swish"; break;
-      case EpilogueOp::Kind::Sigmoid: unary = "sigmoid"; break;
-      case EpilogueOp::Kind::Tanh: unary = "tanh"; break;
-      default: break;  // the add alone
-    }
-  }
+  const char* algorithm = nullptr;
+  const char* activation = g.ops.empty() ? nullptr : torch_activation(g.ops.back().kind, &algorithm);
+  std::string unary = activation ? activation : "none";  // none: no op, or the add alone
   t.padding = c10::IValue(std::vector<int64_t>(g.padding, g.padding + 2));
   t.stride = c10::IValue(std::vector<int64_t>(g.stride, g.stride + 2));
   t.dilation = c10::IValue(std::vector<int64_t>(g.dilation, g.dilation + 2));
   t.groups = c10::IValue(g.groups);
   t.unary = c10::IValue(unary);
-  t.algorithm = algorithm.empty() ? c10::IValue() : c10::IValue(algorithm);
+  t.algorithm = algorithm ? c10::IValue(std::string(algorithm)) : c10::IValue();
   t.scalars = c10::IValue(c10::List<std::optional<at::Scalar>>());
   t.binary_attr = c10::IValue(std::string("add"));
   return t;

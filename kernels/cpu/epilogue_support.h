@@ -87,6 +87,21 @@ inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g) {
   return out;
 }
 
+// The name torch's own oneDNN ops (mkldnn::_convolution_pointwise, mkldnn::_linear_pointwise) give an
+// activation as their post-op, with GELU's algorithm in *algorithm (else null); null where `kind` is none.
+inline const char* torch_activation(EpilogueOp::Kind kind, const char** algorithm) {
+  *algorithm = nullptr;
+  switch (kind) {
+    case EpilogueOp::Kind::Relu: return "relu";
+    case EpilogueOp::Kind::GeluErf: *algorithm = "none"; return "gelu";
+    case EpilogueOp::Kind::GeluTanh: *algorithm = "tanh"; return "gelu";
+    case EpilogueOp::Kind::Silu: return "swish";
+    case EpilogueOp::Kind::Sigmoid: return "sigmoid";
+    case EpilogueOp::Kind::Tanh: return "tanh";
+    default: return nullptr;
+  }
+}
+
 // What a claimed group's kernel reads first, in EpilogueGroup::reads() order: src, weights, bias (when the
 // group has one), the addends. *next is left at the reads that follow (a matmul's shape values, then
 // weights_input).
@@ -115,11 +130,15 @@ inline GroupOperands read_operands(const std::vector<c10::IValue>& buffers, cons
   throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
 }
 
-// The epilogue through ATen, in place on y where ATen has the op in place.
+// The epilogue through ATen, in place on y where ATen has the op in place; from ops[first] on, where a library
+// call applied the ones before.
 inline at::Tensor apply_epilogue_with_aten(at::Tensor y, const std::vector<EpilogueOp>& ops,
-                                           const std::vector<at::Tensor>& addends, const std::vector<bool>& is_row) {
+                                           const std::vector<at::Tensor>& addends, const std::vector<bool>& is_row,
+                                           size_t first = 0) {
   size_t a = 0;
-  for (const EpilogueOp& op : ops) {
+  for (size_t i = 0; i < first; ++i) a += ops[i].kind == EpilogueOp::Kind::Add;
+  for (size_t i = first; i < ops.size(); ++i) {
+    const EpilogueOp& op = ops[i];
     switch (op.kind) {
       case EpilogueOp::Kind::Relu: y.relu_(); break;
       case EpilogueOp::Kind::GeluErf: y = at::gelu(y); break;

@@ -10,19 +10,28 @@
 //     addend that is not contiguous) run the same computation through ATen, so every input is correct; so
 //     do a few bfloat16 rows, or rows against row-major weights, unless the weights are packed.
 //  5. Problems of at least kTimedMacs multiply-adds are timed once per shape, oneDNN (its epilogue fused)
-//     against ATen (MKL, then the epilogue as ATen ops), and run by the faster from then on (Library).
-//     oneDNN is not always the faster: Debian's oneDNN 2.6 runs f32 matmuls on an AVX2-only host as
-//     `gemm:jit`, which took 12.4-12.9 ms for [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's
-//     addmm took 6.8-8.5 ms (bench/zoo.py's 4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice
-//     is process-wide by shape, layout and epilogue; per call a kernel looks it up in its own short list.
-//     EMBER_CPU_MATMUL=onednn|aten, read when a plan is made, takes that library for every size oneDNN
-//     would run, untimed (for measuring);
+//     against ATen (MKL, then the epilogue as ATen ops) and, for nn.Linear's layout, torch's own oneDNN
+//     (point 6), and run by the fastest from then on (Library). oneDNN is not always the faster: Debian's
+//     oneDNN 2.6 runs f32 matmuls on an AVX2-only host as `gemm:jit`, which took 12.4-12.9 ms for
+//     [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's addmm took 6.8-8.5 ms (bench/zoo.py's
+//     4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice is process-wide by shape, layout and
+//     epilogue; per call a kernel looks it up in its own short list.
+//     EMBER_CPU_MATMUL=onednn|aten|torch, read when a plan is made, takes that library for every size oneDNN
+//     would run, untimed (for measuring; torch where the call takes the operands, else oneDNN);
 //     EMBER_GEMM_LOG=1 prints each timing to stderr.
+//  6. Torch's own oneDNN (3.x, bundled in its wheel) through mkldnn::_linear_pointwise, the op inductor's CPU
+//     backend calls, with the epilogue's first op as its post-op where it is an activation (its plain form)
+//     or a full-size residual add (its .binary form), the rest as ATen ops. It takes weights in nn.Linear's
+//     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
+//     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -46,14 +55,54 @@ bool plain_strides(const at::Tensor& t, int64_t out[2]) {
 }
 
 // Which library runs a problem of at least kTimedMacs multiply-adds (point 5).
-enum class Library : uint8_t { OneDnn, Aten };
+enum class Library : uint8_t { OneDnn, Aten, Torch };
 constexpr double kTimedMacs = double(int64_t{1} << 22);  // ~60 us of f32 work on the 2-core host
 
-// EMBER_CPU_MATMUL, read when a kernel is made: 0 times each shape, 1 forces oneDNN, 2 forces ATen.
-int forced_library() {
+// EMBER_CPU_MATMUL, read when a kernel is made: nothing times each shape, else the library forced.
+std::optional<Library> forced_library() {
   const char* v = std::getenv("EMBER_CPU_MATMUL");
   std::string s = v ? v : "";
-  return s == "onednn" ? 1 : s == "aten" ? 2 : 0;
+  if (s == "onednn") return Library::OneDnn;
+  if (s == "aten") return Library::Aten;
+  if (s == "torch") return Library::Torch;
+  return std::nullopt;
+}
+
+const char* library_name(Library library) {
+  return library == Library::Aten ? "aten" : library == Library::Torch ? "torch" : "onednn";
+}
+
+// Torch's call (point 6): the operator handles, how many of the epilogue's ops the call applies (0 or 1), and
+// the arguments that never change. Null where this torch has no such op.
+struct TorchLinear {
+  c10::OperatorHandle unary, binary;
+  size_t fused = 0;
+  bool add = false;  // the .binary form: ops[0] is a full-size residual add
+  c10::IValue attr, scalars, algorithm;
+};
+
+std::optional<TorchLinear> torch_linear(const EpilogueGroup& m) {
+  auto find = [](const char* overload) {
+    return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", overload});
+  };
+  auto unary = find(""), binary = find("binary");
+  // (X, W, B, attr, scalars, algorithm) and (X, other, W, B, attr), as torch has declared them for years; a
+  // torch that changed them gets no torch candidate rather than a call on the wrong arguments.
+  if (!unary || !binary || unary->schema().arguments().size() != 6 || binary->schema().arguments().size() != 5)
+    return std::nullopt;
+  TorchLinear t{*unary, *binary};
+  const char* algorithm = nullptr;
+  const char* activation = m.ops.empty() ? nullptr : torch_activation(m.ops[0].kind, &algorithm);
+  std::string attr = "none";  // a scale, a row added, or no op: all of the epilogue as ATen ops
+  if (activation) {
+    attr = activation, t.fused = 1;
+  } else if (!m.ops.empty() && m.ops[0].kind == EpilogueOp::Kind::Add && !m.addend_is_row[0]) {
+    attr = "add", t.fused = 1, t.add = true;
+  }
+  t.attr = c10::IValue(attr);
+  t.scalars = c10::IValue(c10::List<std::optional<at::Scalar>>());
+  t.algorithm = algorithm ? c10::IValue(std::string(algorithm)) : c10::IValue();
+  return t;
 }
 
 // A problem as the timing saw it: sizes, the operands' strides, packed weights or not, and the epilogue.
@@ -77,7 +126,8 @@ class MatmulKernel final : public Kernel {
   MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config)
       : dnnl_(std::move(dnnl)), config_(std::move(config)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
-        where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()) {
+        where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()),
+        torch_(torch_linear(m)) {
     for (const auto& [constant, value] : m.out_shape) out_shape_.emplace_back(constant, value != nullptr);
   }
 
@@ -144,9 +194,18 @@ class MatmulKernel final : public Kernel {
       return true;
     }
     if (first) return false;
-    const bool timed = forced_ != 0 || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
+    const bool timed = forced_ || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
     const std::optional<Library> library = timed ? library_for(call, packing != 0) : std::nullopt;
     if (library == Library::Aten) return false;
+    if (library == Library::Torch && torch_takes(src, weights, bias, addends)) {
+      try {
+        *out = run_torch(src, weights, bias, addends);
+        return true;
+      } catch (const std::exception&) {  // (oneDNN's own errors come through as they are, not as c10::Error)
+        torch_failed_ = true;  // for good: a rejected problem would be rejected again
+        return false;          // the ATen path computes the same thing, and raises what it raises
+      }
+    }
     *out = at::empty({call.M, call.N}, src.options());
     call.dst = out->data_ptr();
     call.dst_stride = call.N;
@@ -161,7 +220,7 @@ class MatmulKernel final : public Kernel {
 
   // The library this kernel took for the problem, or none where none was taken yet (point 5).
   std::optional<Library> library_for(const onednn::MatmulCall& c, bool packed) const {
-    if (forced_) return forced_ == 1 ? Library::OneDnn : Library::Aten;
+    if (forced_) return forced_;
     std::lock_guard<std::mutex> lock(libraries_mu_);
     for (const Shape& s : libraries_)
       if (s.m == c.M && s.n == c.N && s.k == c.K && s.src_stride[0] == c.src_stride[0] &&
@@ -184,11 +243,23 @@ class MatmulKernel final : public Kernel {
       library = it->second;
     } else {
       lock.unlock();  // the timing runs outside the lock: other threads' kernels go on
-      // ATen's first run untimed (its first result's pages are new), then each twice in turns, the faster
-      // run of each counting: single runs on a busy 2-core host were off by up to 1.6x.
-      double onednn_us = 1e300, aten_us = 1e300;
+      // The others' first runs untimed (their first results' pages are new; torch's makes its primitive),
+      // then each twice in turns, the faster run of each counting: single runs on a busy 2-core host were off
+      // by up to 1.6x. Torch's call is a candidate where it takes the operands and runs (it rejects bf16
+      // on hosts without bf16 instructions).
+      double onednn_us = 1e300, aten_us = 1e300, torch_us = 1e300;
+      bool torch = torch_takes(src, weights, bias, addends);
       try {
         run_aten(src, weights, bias, addends);
+      } catch (const std::exception&) {
+        return;  // none is chosen; the next call times again
+      }
+      try {
+        if (torch) run_torch(src, weights, bias, addends);
+      } catch (const std::exception&) {
+        torch = false;
+      }
+      try {
         for (int round = 0; round < 2; ++round) {
           auto start = std::chrono::steady_clock::now();
           dnnl_->run(c, packing);
@@ -196,17 +267,25 @@ class MatmulKernel final : public Kernel {
           start = std::chrono::steady_clock::now();
           run_aten(src, weights, bias, addends);
           aten_us = std::min(aten_us, elapsed_us(start));
+          if (!torch) continue;
+          start = std::chrono::steady_clock::now();
+          run_torch(src, weights, bias, addends);
+          torch_us = std::min(torch_us, elapsed_us(start));
         }
       } catch (const std::exception&) {
-        return;  // neither is chosen; the next call times again
+        return;
       }
-      // ATen only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
-      if (aten_us < 0.9 * onednn_us) library = Library::Aten;
-      if (std::getenv("EMBER_GEMM_LOG"))
-        std::fprintf(stderr, "ember cpu matmul %lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us -> %s\n",
+      // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
+      const double best = std::min(aten_us, torch_us);
+      if (best < 0.9 * onednn_us) library = torch_us < aten_us ? Library::Torch : Library::Aten;
+      if (std::getenv("EMBER_GEMM_LOG")) {
+        char torch_text[48] = "";
+        if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
+        std::fprintf(stderr, "ember cpu matmul %lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s\n",
                      static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
-                     text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us,
-                     library == Library::Aten ? "aten" : "onednn");
+                     text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text,
+                     library_name(library));
+      }
       lock.lock();
       library = chosen().try_emplace(key, library).first->second;
     }
@@ -223,6 +302,32 @@ class MatmulKernel final : public Kernel {
     return apply_epilogue_with_aten(std::move(y), ops_, addends, addend_is_row_);
   }
 
+  // Whether torch's call (point 6) takes these operands: weights in nn.Linear's layout, a contiguous source,
+  // and for the .binary form an addend of the result's shape.
+  bool torch_takes(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
+                   const std::vector<at::Tensor>& addends) const {
+    const bool linear_layout = weights.stride(0) == 1 && (weights.size(1) == 1 || weights.stride(1) == weights.size(0));
+    if (!torch_ || torch_failed_ || !linear_layout || !src.is_contiguous()) return false;
+    if (bias.defined() && !bias.is_contiguous()) return false;
+    return !torch_->add || addends[0].numel() == src.size(0) * weights.size(1);
+  }
+
+  at::Tensor run_torch(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
+                       const std::vector<at::Tensor>& addends) const {
+    const TorchLinear& t = *torch_;
+    c10::IValue b = bias.defined() ? c10::IValue(bias) : c10::IValue();
+    torch::jit::Stack stack;
+    if (t.add) {
+      stack = {c10::IValue(src), c10::IValue(addends[0].reshape({src.size(0), weights.size(1)})),
+               c10::IValue(weights.t()), std::move(b), t.attr};
+      t.binary.callBoxed(&stack);
+    } else {
+      stack = {c10::IValue(src), c10::IValue(weights.t()), std::move(b), t.attr, t.scalars, t.algorithm};
+      t.unary.callBoxed(&stack);
+    }
+    return apply_epilogue_with_aten(std::move(stack[0]).toTensor(), ops_, addends, addend_is_row_, t.fused);
+  }
+
   static constexpr int64_t kFewRows = 8;
   std::unique_ptr<onednn::Matmul> dnnl_;
   onednn::MatmulConfig config_;  // the post-ops, for gemv()
@@ -234,7 +339,9 @@ class MatmulKernel final : public Kernel {
   bool pack_;
   std::string text_;
   std::string where_;  // "%addmm = aten::addmm", for error messages
-  int forced_;         // forced_library() when the kernel was made
+  std::optional<Library> forced_;  // forced_library() when the kernel was made
+  std::optional<TorchLinear> torch_;
+  mutable std::atomic<bool> torch_failed_{false};  // torch's call raised (bf16 on a host without bf16 support)
 
   WeightsPacking packing_;
 

@@ -184,13 +184,14 @@ def test_batch_one_mlp_first_call_then_packed(threads):
 
 
 @needs_onednn
-@pytest.mark.parametrize("library", ["timed", "onednn", "aten"])
+@pytest.mark.parametrize("library", ["timed", "onednn", "aten", "torch"])
 def test_large_problems_match_eager_through_either_library(library, monkeypatch, capfd):
-    """Problems of 2^22 multiply-adds or more run through whichever of oneDNN and ATen was faster when timed
-    (kernels/cpu/matmul_kernel.cpp, point 5); EMBER_CPU_MATMUL forces one. Each way, with a bias and GELU, a
-    residual add and ReLU, or a scale, packed parameter weights and weights passed in, every call matches
-    eager, the call that times included. A problem is timed once per process, so two kernels of the same
-    problem time it once (EMBER_GEMM_LOG's lines), and a weight changed in place is still read."""
+    """Problems of 2^22 multiply-adds or more run through whichever of oneDNN, ATen and torch's own oneDNN
+    (mkldnn::_linear_pointwise) was fastest when timed (kernels/cpu/matmul_kernel.cpp, points 5 and 6);
+    EMBER_CPU_MATMUL forces one. Each way, with a bias and GELU, a bias, ReLU and a residual add, a bias and a
+    residual add (torch's .binary form), or a scale, packed parameter weights and weights passed in, every call
+    matches eager, the call that times included. A problem is timed once per process, so two kernels of the
+    same problem time it once (EMBER_GEMM_LOG's lines), and a weight changed in place is still read."""
     if library != "timed":
         monkeypatch.setenv("EMBER_CPU_MATMUL", library)
     monkeypatch.setenv("EMBER_GEMM_LOG", "1")
@@ -198,10 +199,12 @@ def test_large_problems_match_eager_through_either_library(library, monkeypatch,
     model = nn.Sequential(nn.Linear(264, 232), nn.GELU(), nn.Linear(232, 264), nn.ReLU()).eval()
     twin = copy.deepcopy(model)
     w = torch.randn(232, 264)
+    residual = nn.Linear(264, 264).eval()
     fns = [
         lambda x, r: model(x) + r,
         lambda x, r: twin(x) + r,  # the same problems again, in kernels of their own
         lambda x, r: torch.relu(F.linear(x, w) * 0.5 + r[:, :232]),
+        lambda x, r: residual(x) + r,
     ]
     with torch.no_grad():
         for fn in fns:
@@ -210,21 +213,40 @@ def test_large_problems_match_eager_through_either_library(library, monkeypatch,
                 x, r = torch.randn(72, 264), torch.randn(72, 264)
                 torch.testing.assert_close(compiled(x, r), fn(x, r), **MATMUL_TOL)
                 if step == 2:
-                    model[0].weight.mul_(-1.0)
-                    twin[0].weight.mul_(-1.0)
-    assert len(onednn_kernels()) >= 4
+                    for m in (model[0], twin[0], residual):
+                        m.weight.mul_(-1.0)
+    assert len(onednn_kernels()) >= 5
     timed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ember cpu matmul 72x")]
     if library == "timed":
         # Each problem once, though twin's kernels meet model's again: model's two packed matmuls (bias + gelu,
-        # bias + relu + add), the scaled one, and the first again on weights changed and not yet repacked.
+        # bias + relu + add), the scaled one, the residual one, and the first again on weights changed and not
+        # yet repacked.
         problems = [line.split(":")[0] for line in timed]
         assert len(problems) == len(set(problems)), "\n".join(timed)
         assert {"ember cpu matmul 72x232x264 matmul f32 +bias gelu (packed)",
                 "ember cpu matmul 72x264x232 matmul f32 +bias relu add (packed)",
-                "ember cpu matmul 72x232x264 matmul f32 scale (packed)"} <= set(problems), "\n".join(timed)
-        assert all(line.endswith(("-> onednn", "-> aten")) for line in timed), timed
+                "ember cpu matmul 72x232x264 matmul f32 scale (packed)",
+                "ember cpu matmul 72x264x264 matmul f32 +bias add (packed)"} <= set(problems), "\n".join(timed)
+        assert all(line.endswith(("-> onednn", "-> aten", "-> torch")) for line in timed), timed
+        # torch's call is timed where the weights lie as nn.Linear's: every problem here.
+        assert all(", torch " in line for line in timed), timed
     else:
         assert timed == []
+
+
+@needs_onednn
+def test_torch_linear_leaves_to_aten_what_it_rejects(monkeypatch):
+    """Torch's own oneDNN (EMBER_CPU_MATMUL=torch) on a bf16 problem: hosts without bf16 instructions reject it
+    with oneDNN's own error, which the kernel takes for a no and runs ATen instead, from then on; hosts with
+    them run it. Either way every call matches eager."""
+    monkeypatch.setenv("EMBER_CPU_MATMUL", "torch")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(264, 232), nn.GELU()).eval().to(torch.bfloat16)
+    compiled = compile_ember(model)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(72, 264, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=2e-2, atol=2e-2)
 
 
 @needs_onednn
