@@ -228,8 +228,9 @@ def test_large_problems_match_eager_through_either_library(library, monkeypatch,
                 "ember cpu matmul 72x232x264 matmul f32 scale (packed)",
                 "ember cpu matmul 72x264x264 matmul f32 +bias add (packed)"} <= set(problems), "\n".join(timed)
         assert all(line.endswith(("-> onednn", "-> aten", "-> torch")) for line in timed), timed
-        # torch's call is timed where the weights lie as nn.Linear's: every problem here.
-        assert all(", torch " in line for line in timed), timed
+        # torch's call is timed where the weights lie as nn.Linear's: every problem here (where torch has it).
+        if torch.backends.mkldnn.is_available():
+            assert all(", torch " in line for line in timed), timed
     else:
         assert timed == []
 
