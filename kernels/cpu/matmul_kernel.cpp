@@ -197,7 +197,7 @@ class MatmulKernel final : public Kernel {
     const bool timed = forced_ || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
     const std::optional<Library> library = timed ? library_for(call, packing != 0) : std::nullopt;
     if (library == Library::Aten) return false;
-    if (library == Library::Torch && torch_takes(src, weights, bias, addends)) {
+    if (library == Library::Torch && torch_takes(src, weights)) {
       try {
         *out = run_torch(src, weights, bias, addends);
         return true;
@@ -231,7 +231,7 @@ class MatmulKernel final : public Kernel {
   }
 
   // After oneDNN ran the call (its first run for this shape: primitive made, weights packed), the process's
-  // choice for the problem, or else a timing of both; kept in this kernel's list.
+  // choice for the problem, or else a timing of the libraries; kept in this kernel's list.
   void choose_library(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src, const at::Tensor& weights,
                       const at::Tensor& bias, const std::vector<at::Tensor>& addends) const {
     ProblemKey key{c.M, c.N, c.K, c.src_stride[0], c.src_stride[1], c.weights_stride[0], c.weights_stride[1],
@@ -248,7 +248,7 @@ class MatmulKernel final : public Kernel {
       // by up to 1.6x. Torch's call is a candidate where it takes the operands and runs (it rejects bf16
       // on hosts without bf16 instructions).
       double onednn_us = 1e300, aten_us = 1e300, torch_us = 1e300;
-      bool torch = torch_takes(src, weights, bias, addends);
+      bool torch = torch_takes(src, weights);
       try {
         run_aten(src, weights, bias, addends);
       } catch (const std::exception&) {
@@ -302,14 +302,11 @@ class MatmulKernel final : public Kernel {
     return apply_epilogue_with_aten(std::move(y), ops_, addends, addend_is_row_);
   }
 
-  // Whether torch's call (point 6) takes these operands: weights in nn.Linear's layout, a contiguous source,
-  // and for the .binary form an addend of the result's shape.
-  bool torch_takes(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
-                   const std::vector<at::Tensor>& addends) const {
+  // Whether torch's call (point 6) takes these operands: weights in nn.Linear's layout and a contiguous source
+  // (run_onednn checked the rest: a contiguous bias, contiguous addends of the result's size).
+  bool torch_takes(const at::Tensor& src, const at::Tensor& weights) const {
     const bool linear_layout = weights.stride(0) == 1 && (weights.size(1) == 1 || weights.stride(1) == weights.size(0));
-    if (!torch_ || torch_failed_ || !linear_layout || !src.is_contiguous()) return false;
-    if (bias.defined() && !bias.is_contiguous()) return false;
-    return !torch_->add || addends[0].numel() == src.size(0) * weights.size(1);
+    return torch_ && !torch_failed_ && linear_layout && src.is_contiguous();
   }
 
   at::Tensor run_torch(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,

@@ -238,7 +238,7 @@ def test_large_problems_match_eager_through_either_library(library, monkeypatch,
 @needs_onednn
 def test_torch_linear_leaves_to_aten_what_it_rejects(monkeypatch):
     """Torch's own oneDNN (EMBER_CPU_MATMUL=torch) on a bf16 problem: hosts without bf16 instructions reject it
-    with oneDNN's own error, which the kernel takes for a no and runs ATen instead, from then on; hosts with
+    with oneDNN's own error, which the kernel takes for a no (ATen runs that call, Debian's oneDNN the next); hosts with
     them run it. Either way every call matches eager."""
     monkeypatch.setenv("EMBER_CPU_MATMUL", "torch")
     torch.manual_seed(0)
