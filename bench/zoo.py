@@ -4,6 +4,7 @@
     python bench/zoo.py --device cuda --batch 8 --seq 128
     python bench/zoo.py --device cuda --dtype bf16 --only hf_llama,swin_t
     python bench/zoo.py --train                        # forward + backward: parameter gradients
+    python bench/zoo.py --train --mode reduce-overhead --steps 20   # 20 steps under CUDA graphs: crashes, mismatches
     python bench/zoo.py --dynamic                      # one shape, then two others (automatic dynamic shapes)
     python bench/zoo.py --list
 
@@ -241,9 +242,15 @@ def timed_first(fn, device):
     return out, time.perf_counter() - start
 
 
+def compile_model(model, args):
+    # torch.compile takes mode or options, not both: reduce-overhead is ember's cudagraphs option.
+    options = {"fallback": "raise", "cudagraphs": args.mode == "reduce-overhead"}
+    return torch.compile(model, backend="ember", options=options)
+
+
 def run_inference(name, device, args):
     model, inputs = build(name, device, args)
-    compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+    compiled = compile_model(model, args)
     with torch.no_grad():
         ref = model(*inputs)
         out, first = timed_first(lambda: compiled(*inputs), device)
@@ -271,28 +278,37 @@ def run_training(name, device, args):
         (out.float() * weights[out.shape]).sum().backward()
         return [p.grad for p in params]
 
-    compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+    compiled = compile_model(model, args)
     try:  # twice: a model that cannot take a second step (LeViT's eval-mode bias cache keeps a freed graph)
         step(model)
         ref = [g.clone() if g is not None else None for g in step(model)]
     except RuntimeError as e:
         raise EagerFailed(f"eager's second step fails too: {str(e).splitlines()[0][:150]}") from e
     got, first = timed_first(lambda: step(compiled), device)
-    if any((a is None) != (b is None) for a, b in zip(got, ref)):
-        err = float("inf")
-    else:
-        pairs = [(a, b) for a, b in zip(got, ref) if a is not None]
-        scale = max((b.double().abs().max().item() for _, b in pairs), default=0.0)
-        err = max(((a.double() - b.double()).abs().max().item() for a, b in pairs), default=0.0) / max(scale, 1e-12)
+    err = gradient_error(got, ref)
+    if args.steps > 1:  # the same parameters every step, so every step's gradients are eager's
+        for _ in range(args.steps - 1):
+            got = step(compiled)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return {"err": max(err, gradient_error(got, ref)), "first_s": first, "steps": args.steps}
     eager_s, ember_s = compare_speed(lambda: step(model), lambda: step(compiled), device, args.repeat)
     return {"err": err, "first_s": first, "eager_ms": eager_s * 1e3, "ember_ms": ember_s * 1e3}
+
+
+def gradient_error(got, ref):
+    if any((a is None) != (b is None) for a, b in zip(got, ref)):
+        return float("inf")
+    pairs = [(a, b) for a, b in zip(got, ref) if a is not None]
+    scale = max((b.double().abs().max().item() for _, b in pairs), default=0.0)
+    return max(((a.double() - b.double()).abs().max().item() for a, b in pairs), default=0.0) / max(scale, 1e-12)
 
 
 def run_dynamic(name, device, args):
     """Three shapes in turn (batch, and sequence length for transformers): Dynamo recompiles the second with
     symbolic sizes, which the third reuses."""
     model, inputs = build(name, device, args)
-    compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+    compiled = compile_model(model, args)
     sequences = name.startswith("hf_")
     shapes = [(args.batch + 1, args.seq - 16 if sequences else args.seq), (args.batch + 2, args.seq + 8 if sequences else args.seq)]
     err, start = 0.0, time.perf_counter()
@@ -333,6 +349,8 @@ def run_in_child(name, args, argv):
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
+    if done.returncode < 0:
+        return {"error": f"crashed: signal {-done.returncode}"}
     lines = [x.strip() for x in done.stderr.strip().splitlines() if x.strip()]
     errors = [x for x in lines if "Error" in x or x.startswith("(ember:")]
     return {"error": " ".join(errors[-2:] or lines[-1:])[:400] or f"exit code {done.returncode}"}
@@ -363,6 +381,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     parser.add_argument("--train", action="store_true", help="forward + backward, gradients compared")
     parser.add_argument("--dynamic", action="store_true", help="three input shapes in turn, values compared")
+    parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default")
+    parser.add_argument("--steps", type=int, default=1, help="--train: steps to run (more than 1: untimed)")
     parser.add_argument("--repeat", type=int, default=10, help="calls per timed round")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="err above it is marked (default 1e-3 for f32, 3e-2 for 16-bit)")
@@ -405,7 +425,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump({"device": args.device, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-                   "train": args.train, "dynamic": args.dynamic, "torch": torch.__version__, "results": results},
+                   "train": args.train, "mode": args.mode, "steps": args.steps, "dynamic": args.dynamic, "torch": torch.__version__, "results": results},
                   f, indent=2)
     print(f"wrote {out}")
     return 0
