@@ -102,3 +102,45 @@ def test_no_work_period_labels():
             if WORK_PERIOD.search(line):
                 hits.append(f"{relative}:{number}: {line.strip()[:120]}")
     assert not hits, "internal work-period labels in tracked files:\n" + "\n".join(hits)
+
+
+def _chart_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ember_bench_chart", os.path.join(ROOT, "bench", "chart.py"))
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    return chart
+
+
+def test_benchmark_data_follow_the_schema_and_have_charts():
+    chart = _chart_module()
+    data_dir = os.path.join(ROOT, "docs", "data")
+    names = sorted(f for f in os.listdir(data_dir) if f.endswith(".json"))
+    assert names
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        benchmarks = f.read()
+    for name in names:
+        data = chart.load(os.path.join(data_dir, name))  # raises on a file that breaks the schema
+        assert data["rows"], name
+        png = "img/" + name[:-len(".json")] + ".png"
+        assert os.path.isfile(os.path.join(ROOT, "docs", png)), png
+        assert png in benchmarks, f"docs/benchmarks.md does not show {png}"
+
+
+def test_harness_results_convert_to_the_chart_schema(tmp_path):
+    chart = _chart_module()
+    results = [{"workload": "mlp_b1", "backends": {"eager": {"speedup": 1.0}, "ember": {"speedup": 1.5},
+                                                   "inductor": {"error": "failed"}}},
+               {"workload": "bert_b8_s128", "skipped": "needs transformers"}]
+    machine = {"torch": "2.13.0+cpu", "cpu": "some CPU", "cpu_count": 2, "device": "cpu"}
+    data = chart.from_harness(results, machine, "python bench/harness.py --only mlp_b1", "2026-12-02", "test suite")
+    assert data["backends"] == ["eager", "ember"]
+    assert data["rows"] == [{"workload": "mlp_b1", "speedup": {"eager": 1.0, "ember": 1.5}}]
+    path = tmp_path / "r.json"
+    import json
+
+    path.write_text(json.dumps(data))
+    assert chart.load(str(path))["suite"] == "test suite"
+    pytest.importorskip("matplotlib")
+    assert os.path.getsize(chart.draw(data, str(tmp_path / "r.png"))) > 0
