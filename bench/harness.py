@@ -42,7 +42,8 @@ ember always runs with options={"fallback": "raise"}: a graph ember cannot compi
 eager run timed as ember.
 
 Results: a table on stdout and JSON (default bench/results/harness_<device>.json; bench/results/ is ignored by git),
-and next to the JSON a PNG chart of the speedups (where matplotlib is installed).
+and next to the JSON a PNG chart of the speedups (where matplotlib is installed). --json PATH also writes the
+speedups in bench/chart.py's results schema (suite, date, machine, torch, command, rows), as docs/data/ holds them.
 """
 
 import argparse
