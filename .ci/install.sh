@@ -5,9 +5,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
+# A torch already installed is kept: ember builds against it. Otherwise the CPU build: PyTorch's CPU index first,
+# given 5 s and no retries (it is often unreachable from build machines), then the configured index; torch==2.13.0,
+# the version the tests run on, either way.
 if ! "$PY" -c "import torch" 2>/dev/null; then
   echo "== installing torch (CPU build)"
-  "$PY" -m pip install -q torch==2.13.0
+  if ! "$PY" -m pip install -q --timeout 5 --retries 0 --index-url https://download.pytorch.org/whl/cpu torch==2.13.0; then
+    echo "== PyTorch's CPU index not reachable; torch==2.13.0 from the configured index"
+    "$PY" -m pip install -q torch==2.13.0
+  fi
 fi
 missing=()
 "$PY" -c "import scikit_build_core" 2>/dev/null || missing+=("scikit-build-core>=0.10")

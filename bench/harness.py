@@ -42,7 +42,8 @@ ember always runs with options={"fallback": "raise"}: a graph ember cannot compi
 eager run timed as ember.
 
 Results: a table on stdout and JSON (default bench/results/harness_<device>.json; bench/results/ is ignored by git),
-and next to the JSON a PNG chart of the speedups (where matplotlib is installed).
+and next to the JSON a PNG chart of the speedups (where matplotlib is installed). --json PATH also writes the
+speedups in bench/chart.py's results schema (suite, date, machine, torch, command, rows), as docs/data/ holds them.
 """
 
 import argparse
@@ -623,6 +624,23 @@ def write_chart(results, path):
     return path
 
 
+def write_chart_json(results, args, argv):
+    """--json: the run's speedups in bench/chart.py's results schema."""
+    import datetime
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ember_bench_chart", os.path.join(os.path.dirname(__file__), "chart.py"))
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    command = "python bench/harness.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    modes = args.modes or ("default,reduce-overhead" if args.device == "cuda" else "default")
+    data = chart.from_harness(results, machine_info(args.device), command, datetime.date.today().isoformat(),
+                              f"bench/harness.py on {args.device}, modes {modes}")
+    with open(args.json, "w") as f:
+        json.dump(data, f, indent=2)
+    print(f"wrote {args.json}")
+
+
 def machine_info(device):
     info = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
@@ -789,6 +807,8 @@ def main(argv=None):
     parser.add_argument("--block", type=int, default=10,
                         help="consecutive timed calls per backend per turn for latency_ms (see latency_alternating_ms)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/harness_<device>.json)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the speedups as a results file for bench/chart.py (its docstring has the schema)")
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile(backend='inductor')")
     parser.add_argument("--modes", default=None,
                         help="comma-separated: default, reduce-overhead (default: both on CUDA, default on the CPU)")
@@ -861,6 +881,8 @@ def main(argv=None):
     print_table(results)
     write_json()
     print(f"wrote {out}")
+    if args.json:
+        write_chart_json(results, args, argv)
     png = write_chart(results, os.path.splitext(out)[0] + ".png")
     if png:
         print(f"wrote {png}")

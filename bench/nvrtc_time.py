@@ -3,7 +3,7 @@
     python bench/nvrtc_time.py entropy                 # a bench/harness.py workload, compiled by ember on CUDA
     python bench/nvrtc_time.py --sources a.cu b.cu     # given sources (no GPU needed)
 
-On the H100 host (session 18) ember reported 0.71 s of NVRTC wall time for the entropy scorer's two modules,
+On an H100 host ember once reported 0.71 s of NVRTC wall time for the entropy scorer's two modules,
 while NVRTC compiled the same module source in 17 ms in a process of its own (its third compile). This
 separates the candidates: NVRTC's first compile in a process (initialization, libdevice), the process
 around it (threads, allocator, what torch loaded), and the host's own speed.
@@ -16,10 +16,10 @@ imports nothing else (and, for a workload, in one that initialized torch's CUDA 
 other, then all at once on a thread each (as ember compiles distinct groups). Prints ms per compile, first and
 later ones apart.
 
-What it found (session 19, H100): 17-27 ms per compile in every column, so neither the process nor parallel
-compiles explain session 18's times; those came from each fresh machine's first NVRTC process (explain's
+What it found (H100): 17-27 ms per compile in every column, so neither the process nor parallel
+compiles explained those 0.71 s; those came from each fresh machine's first NVRTC process (explain's
 "nvrtc cpu" and "nvrtc minor faults" show it: CPU-bound, ten times the page faults of later processes).
-Session 27 found why: NVRTC keeps what it compiles in the CUDA driver's compute cache (CUDA_CACHE_PATH, default
+Why, found later: NVRTC keeps what it compiles in the CUDA driver's compute cache (CUDA_CACHE_PATH, default
 ~/.nv/ComputeCache), so a source compiled once on a machine compiles several times faster in every later process,
 and the compiles here (sources ember had just compiled) were of that kind. Set CUDA_CACHE_PATH to a fresh folder
 (or CUDA_CACHE_DISABLE=1) to time a first compile.

@@ -20,8 +20,8 @@ constexpr unsigned kThreads = 256;
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // Which groups' grids take every block their work fills instead of one wave (call_plan.h):
-// EMBER_CUDA_GRID=flat (flat groups; the default), =rows (flat and row groups) or =wave (none, as before
-// session 41). Column groups keep one wave: their row chunks are sized to it. Read once; for measuring.
+// EMBER_CUDA_GRID=flat (flat groups; the default), =rows (flat and row groups) or =wave (none: one wave for
+// every group, the earlier behaviour). Column groups keep one wave: their row chunks are sized to it. Read once; for measuring.
 enum class FullGrids { None, Flat, FlatAndRows };
 
 FullGrids full_grids() {

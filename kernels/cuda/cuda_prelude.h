@@ -12,7 +12,7 @@ __device__ __forceinline__ unsigned short f2h(float f) { unsigned short h; asm("
 __device__ __forceinline__ float bf2f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
 // bf16 rounding (to nearest even) of f, as the high half of a float's bits, with eager's NaN: its CUDA
 // kernels convert through c10::BFloat16, which on sm_80+ is __float2bfloat16 (cvt.rn.bf16.f32: every NaN
-// to 0x7fff, seen on the H200 in session 38) and before sm_80 the integer form below (every NaN to 0x7fc0).
+// to 0x7fff, as seen on an H200) and before sm_80 the integer form below (every NaN to 0x7fc0).
 __device__ __forceinline__ unsigned bf_bits(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   unsigned short b; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f)); return ((unsigned)b) << 16;

@@ -1,7 +1,27 @@
 """ember: a torch.compile backend written in C++.
 
-    model = torch.compile(model, backend="ember")
-    ember.export(model, (x,), "model.ember")      # a package for C++ (ember::load), no Python needed
+    model = torch.compile(model, backend="ember")   # registered on install; no `import ember` needed
+    print(ember.explain(model)(x))                  # what compiled, fused, fell back, and where time went
+    ember.export(model, (x,), "model.ember")        # a package for C++ (ember::load), no Python needed
+    package = ember.load("model.ember", "cpu")      # the same package from Python: package.run([x])
+
+Public API:
+    explain(fn, mode=, options=, dynamic=)   compile fn afresh, call it once, return a report
+    export(model, example_inputs, path, ...) write a package that C++ ember::load runs
+    load(path, device="cpu")                 load a package through the C++ loader
+    wait_for_compiles()                      wait for fused CUDA kernels compiling in the background
+    EmberError                               what ember raises for a graph, option or package it cannot handle
+    ember_backend                            the backend function itself (torch.compile(backend=ember.ember_backend))
+
+A failed compile surfaces at the compiled function's first call as torch._dynamo.exc.BackendCompilerFailed
+(Dynamo wraps the backend's exception); the EmberError is its `inner_exception`:
+
+    try:
+        out = compiled(x)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if not isinstance(e.inner_exception, ember.EmberError):
+            raise
+        ...  # e.inner_exception names the node or option
 
 Importing ember is cheap: the C++ extension, AOTAutograd and the decomposition table load on the
 first compile, not here.
@@ -10,6 +30,7 @@ first compile, not here.
 from .errors import EmberError
 
 __version__ = "0.1.0"
+# The public names. A module-level `config` object, where present, belongs in this list too.
 __all__ = ["EmberError", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
 
 
@@ -25,21 +46,61 @@ def wait_for_compiles():
     _C.wait_for_kernel_compiles()
 
 
+def explain(fn, *, mode=None, options=None, dynamic=None):
+    """Returns a function that compiles `fn` with ember afresh (torch._dynamo.reset() first), calls it once
+    with its arguments and returns the report: graphs compiled and fallen back, each graph's fused kernels,
+    ATen calls and fast paths, and the compile time split by stage. print() it.
+
+        print(ember.explain(model)(x))
+        print(ember.explain(model, mode="reduce-overhead")(x))
+    """
+    from .report import explain as _explain
+
+    return _explain(fn, mode=mode, options=options, dynamic=dynamic)
+
+
+def _export_module():
+    import importlib
+
+    module = importlib.import_module(".export", __name__)
+    # Importing the submodule ember.export binds the name `export` in this package to the module; the
+    # function below takes the name back.
+    globals()["export"] = _export_function
+    return module
+
+
+def export(model, example_inputs, path, dynamic_shapes=None, device=None, strict=False, disable_passes=()):
+    """Exports `model` (an nn.Module, or a torch.export.ExportedProgram) to the package file `path`, which
+    C++ loads with ember::load (include/ember/model.h) and Python with ember.load.
+
+    example_inputs: a tuple of tensors (the model's positional inputs). dynamic_shapes: as for
+    torch.export.export. device: where the package runs ("cpu", "cuda", "cuda:1"); default: the device
+    of the example inputs. A module is moved there on a copy, so the caller's model is left alone.
+    Returns a dict: the package size, the number of CUDA kernel images, and the seconds each step took.
+    Raises EmberError for a model ember cannot compile.
+    """
+    return _export_module().export(model, example_inputs, path, dynamic_shapes=dynamic_shapes, device=device,
+                                   strict=strict, disable_passes=disable_passes)
+
+
+_export_function = export
+
+
+def load(path, device="cpu", reduce_overhead=False):
+    """Loads a package written by ember.export through the C++ loader; `.run(list of tensors)` returns a list
+    of tensors. reduce_overhead=True replays the model's CUDA work through CUDA graphs (CUDA devices only).
+    A truncated, damaged, other-version or other-device package raises an error saying which."""
+    return _export_module().load(path, device=device, reduce_overhead=reduce_overhead)
+
+
 def __getattr__(name):
     if name == "ember_backend":
         from .backend import ember_backend
 
         return ember_backend
-    if name == "explain":
-        from .report import explain
-
-        return explain
-    if name in ("export", "load"):
-        import importlib
-
-        export_module = importlib.import_module(".export", __name__)
-
-        # Importing the submodule ember.export bound the name to the module; the function takes it back.
-        globals()["export"], globals()["load"] = export_module.export, export_module.load
-        return globals()[name]
     raise AttributeError(f"module 'ember' has no attribute {name!r}")
+
+
+def __dir__():
+    # The public names first of all: help(ember) and dir(ember) list these; a `config` defined here joins them.
+    return sorted(set(__all__) | ({"config"} & set(globals())))

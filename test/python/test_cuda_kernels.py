@@ -173,7 +173,7 @@ def test_bf16_stores_round_as_eager(rows):
     """bf16 outputs convert with eager's rounding and eager's NaN (of either sign, any payload, in): a flat
     kernel's outputs must be eager's bits, NaNs included; a row kernel's NaNs must fall where eager's do, with
     eager's bits (its sums may round otherwise than eager's). Eager's CUDA kernels store __float2bfloat16's
-    0x7fff on sm_80+ (seen on the H200 in session 38), c10's host rule 0x7fc0 before."""
+    0x7fff on sm_80+ (as seen on an H200), c10's host rule 0x7fc0 before."""
     x = torch.randn(rows, 1024, device="cuda", dtype=torch.bfloat16) * 4
     bits = x.view(torch.int16)
     bits[0, 5] = 0x7FC1  # a NaN with a payload

@@ -296,7 +296,7 @@ def test_mlp_training_step_matches_eager():
 
 @pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
 def test_transformer_encoder_layer(train):
-    # The quickstart's model: the MHA fast path off so that eager and ember both run it op by op.
+    # The quickstart's --model transformer: the MHA fast path off so that eager and ember both run it op by op.
     torch.backends.mha.set_fastpath_enabled(False)
     try:
         model = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)

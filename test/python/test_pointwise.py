@@ -138,7 +138,7 @@ def test_division_by_powers_of_two_is_exact(device, dtype):
     """A division by a power of two runs as a product by its reciprocal (kernels/program.cpp): the same bits
     as eager's division, subnormal quotients, NaN, infinities and signed zeros included. Other divisors stay
     divisions, correctly rounded; eager's CUDA kernel multiplies by the divisor's reciprocal instead (a CPU
-    scalar), an ulp away in a third of the elements (H200, session 38), so those compare within tolerance."""
+    scalar), an ulp away in a third of the elements (as seen on an H200), so those compare within tolerance."""
     x = torch.randn(4099, device=device, dtype=torch.float32) * 1e3
     x[:64] = torch.randn(64, device=device) * 1e-36  # subnormal quotients in float32
     x[64:70] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3e38], device=device)
