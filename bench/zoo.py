@@ -383,6 +383,8 @@ def main(argv=None):
     parser.add_argument("--dynamic", action="store_true", help="three input shapes in turn, values compared")
     parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default")
     parser.add_argument("--steps", type=int, default=1, help="--train: steps to run (more than 1: untimed)")
+    parser.add_argument("--no-tf32", action="store_true",
+                        help="convolutions and matmuls in full f32 (cuDNN's TF32 convolutions differ by ~1e-3 between algorithms)")
     parser.add_argument("--repeat", type=int, default=10, help="calls per timed round")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="err above it is marked (default 1e-3 for f32, 3e-2 for 16-bit)")
@@ -393,6 +395,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.batch = args.batch or default_batch(args.device)
     args.seq = args.seq or default_seq(args.device)
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     if args.child:
         return child(args.child, args)
     if args.list:
