@@ -100,7 +100,8 @@ class InPlaceBinary final : public FastPath {
     const at::Tensor& dst = swap ? *b : *a;
     const at::Tensor& src = swap ? *a : *b;
     if (dst.use_count() != 1 || !dst.has_storage() || dst.storage().use_count() != 1 || dst.scalar_type() != dtype ||
-        !dst.device().is_cpu() || dst.requires_grad() || !dst.is_non_overlapping_and_dense() || src.dim() > dst.dim())
+        !dst.device().is_cpu() || dst.requires_grad() || !dst.is_non_overlapping_and_dense() || src.dim() > dst.dim() ||
+        dst.is_conj() || dst.is_neg())  // an out= result would keep the lazy conjugate or negation bit
       return false;
     for (int64_t d = 1; d <= src.dim(); ++d) {
       const int64_t s = src.size(-d);

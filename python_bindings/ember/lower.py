@@ -209,10 +209,27 @@ class _Lowering:
             return _MEMORY_FORMATS[x]
         if isinstance(x, (list, tuple)):
             return "[" + ", ".join(self.literal(i, node) for i in x) + "]"
+        if isinstance(x, complex):
+            return self.complex_constant(x, node)
         if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and x.node.is_constant():
             return self.literal(x.node.maybe_as_int() if isinstance(x, torch.SymInt) else x.node.constant, node)
         raise EmberError(
             f"node {node.name} ({node.target}): argument of unsupported kind {type(x).__name__}")
+
+    def complex_constant(self, x, node):
+        """A complex Python number (torch.polar's backward multiplies by 1j) as a 0-dim constant tensor of the
+        node's complex dtype on its device: the IR has no complex literal, and a 0-dim tensor of the result's
+        dtype promotes as the scalar would. Only Tensor arguments take it (aten() switches a .Scalar overload
+        to its .Tensor twin first)."""
+        val = self.val_of(node)
+        val = val[0] if isinstance(val, (list, tuple)) and val else val
+        dtype = val.dtype if isinstance(val, torch.Tensor) and val.is_complex() else torch.complex64
+        device = val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
+        name = f"{node.name}_complex{sum(1 for k in self.constants if k.startswith(node.name + '_complex'))}"
+        key = self.constant_prefix + name
+        self.constants[key] = torch.tensor(x, dtype=dtype, device=device)
+        self.lines.append(f"  {self.decl(name, self.constants[key])} = prim::constant({string_text(key)})")
+        return "%" + name
 
     def val_of(self, node):
         if "val" in node.meta:
@@ -328,10 +345,24 @@ class _Lowering:
         decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
         self.lines.append(f"  {decls} = {call}")
 
-    def aten(self, node):
+    def tensor_twin(self, node):
+        """For an op given a complex number in a Scalar argument: the overload taking a Tensor there with the
+        same argument names (aten.mul.Scalar -> aten.mul.Tensor), else the op itself."""
         schema = node.target._schema
-        returns = schema.returns
-        name = op_name(node.target)
+        scalar_slots = [i for i, (a, arg) in enumerate(zip(node.args, schema.arguments))
+                        if isinstance(a, complex) and isinstance(arg.type, torch.NumberType)]
+        if not scalar_slots:
+            return node.target
+        packet = node.target.overloadpacket
+        twin = getattr(packet, "Tensor", None)
+        if twin is None or [a.name for a in twin._schema.arguments] != [a.name for a in schema.arguments]:
+            raise EmberError(f"node {node.name} ({node.target}): a complex Scalar argument, and no Tensor overload")
+        return twin
+
+    def aten(self, node):
+        target = self.tensor_twin(node) if any(isinstance(a, complex) for a in node.args) else node.target
+        returns = target._schema.returns
+        name = op_name(target)
         call = f"{name}({self.call_args(node)})"
         if not returns:
             self.names[node] = node.name

@@ -245,3 +245,18 @@ def test_short_rows_strided_and_broadcast_inputs(device):
     m = (torch.randn(30, 40, device=device) > 0).t()  # a bool mask, transposed: rows of 30
     check(lambda m, p, q: torch.where(m, p, q * 2), m, torch.randn(40, 30, device=device),
           torch.randn(40, 1, device=device), grad=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_polar_gradient_graph_with_a_complex_scalar(device):
+    """torch.polar's backward multiplies by 1j (a complex Scalar, lowered as a 0-dim constant of the .Tensor
+    overload) and multiplies a lazily conjugated clone (never reused in place: the result would keep the bit)."""
+    torch.manual_seed(0)
+    r = torch.rand(7, device=device) + 0.1
+    theta = torch.randn(7, device=device)
+    check(lambda a, b: torch.polar(a, b * 2).abs() * torch.polar(a, b).angle(), r, theta, grad=True)
+
+
+def test_complex_scalar_times_tensor():
+    x = torch.randn(5, dtype=torch.complex64)
+    check(lambda t: t * (2 - 1j) + 1j, x)
