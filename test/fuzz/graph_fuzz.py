@@ -9,7 +9,8 @@ crash, hang, error) are shrunk (shrink.py) and written as standalone reproducers
 DIR/<kind>_<seed>.py (test/fuzz/repros by default), which test/python/test_fuzz_repros.py runs. Graphs
 ember refuses (an EmberError, so they run eagerly with a warning) are no failure; they are counted as
 refusals, with their messages. A failure that backend="aot_eager" shows too is torch's (Dynamo or
-AOTAutograd), not ember's: counted as "upstream", no failure. Exits 1 on any failure.
+AOTAutograd), not ember's: counted as "upstream", no failure. A shrunk failure with the SIGNATURE of a
+repro marked KNOWN_OPEN is that open bug: counted, no new repro. Exits 1 on any other failure.
 """
 
 import argparse
@@ -116,7 +117,8 @@ class Pool:
 
 
 def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=True, log=print):
-    """Runs count programs; returns (counts, failures, refusals)."""
+    """Runs count programs; returns (counts, new failures, refusals). A failure whose shrunk program has the
+    SIGNATURE of a KNOWN_OPEN reproducer in test/fuzz/repros is counted as "known", not as a new failure."""
     sys.path.insert(0, HERE)
     import program as prog_mod
     import shrink
@@ -124,6 +126,7 @@ def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=Tr
     counts = collections.Counter()
     refusals = collections.Counter()
     failures = []
+    new_failures = []  # the failures that are no KNOWN_OPEN reproducer's bug
     pool = Pool(workers, device, mode, timeout)
     try:
         for (_, s), result in pool.run([("seed", seed + i) for i in range(count)]):
@@ -140,11 +143,17 @@ def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=Tr
             program = result.get("program") or prog_mod.generate(s)
             if shrink_failures:
                 program, result = shrink.shrink(pool, program, result, log=log)
+            known = shrink.known_open(program, result, os.path.join(HERE, "repros")) if shrink_failures else None
+            if known:
+                counts["known"] += 1
+                log(f"seed {s}: {result['kind']}: the open bug of repros/{known} ({len(program['ops'])} ops shrunk)")
+                continue
             path = shrink.write_repro(out, s, result, program, device, mode)
             log(f"seed {s}: {result['kind']} ({len(program['ops'])} ops after shrinking) -> {path}")
+            new_failures.append((s, result))
     finally:
         pool.close()
-    return counts, failures, refusals
+    return counts, new_failures, refusals
 
 
 def main(argv=None):
@@ -173,7 +182,8 @@ def main(argv=None):
         print(f"  refused {n}x: {message}")
     print(f"fuzz: {args.count} programs, {counts['mismatch']} mismatches, {counts['crash']} crashes, "
           f"{counts['hang']} hangs, {counts['error']} errors, {counts['refusal']} refusals "
-          f"({counts['upstream']} failing under aot_eager too, {counts['invalid']} rejected by eager, "
+          f"({counts['known']} failures are open bugs with a repro, {counts['upstream']} failing under aot_eager too, "
+          f"{counts['invalid']} rejected by eager, "
           f"{time.time() - start:.0f} s)")
     return 1 if failures else 0
 

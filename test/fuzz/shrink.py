@@ -139,3 +139,25 @@ def write_repro(out, seed, result, program, device, mode):
         f.write(header + source.replace("import torch.nn.functional as F\n", "import torch.nn.functional as F\n\n" + meta, 1))
     json.dumps(program)  # the program stays plain data
     return path
+
+
+def known_open(program, result, folder):
+    """The name of the KNOWN_OPEN reproducer in folder whose SIGNATURE this shrunk failure has, or None."""
+    import glob
+    import importlib.util
+
+    tags = {op["tag"] for op in program["ops"]}
+    empty = any(0 in spec["shape"] for spec in program["inputs"])
+    for path in sorted(glob.glob(os.path.join(folder, "*.py"))):
+        spec = importlib.util.spec_from_file_location("fuzz_known_" + os.path.basename(path)[:-3], path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sig = getattr(module, "SIGNATURE", None)
+        if not getattr(module, "KNOWN_OPEN", None) or not sig or getattr(module, "KIND", None) != result["kind"]:
+            continue
+        if not set(sig["tags"]) <= tags or (sig.get("empty_input") and not empty):
+            continue
+        if sig.get("differs") and sig["differs"] not in result["detail"]:
+            continue
+        return os.path.basename(path)
+    return None

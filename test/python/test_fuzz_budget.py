@@ -1,7 +1,9 @@
 """A fixed-seed budget of the graph fuzzer (test/fuzz/graph_fuzz.py): random programs, eager against ember.
 
 Runs in two worker processes; a failure's shrunk reproducer lands in a temporary folder, named in the
-assertion message (copy it to test/fuzz/repros/ to keep it). EMBER_FUZZ_COUNT changes the budget.
+assertion message (copy it to test/fuzz/repros/ to keep it). A failure that shrinks to the SIGNATURE of a
+KNOWN_OPEN reproducer is that open bug (its repro xfails in test_fuzz_repros.py) and does not fail this
+test. EMBER_FUZZ_COUNT changes the budget.
 """
 
 import os
@@ -15,7 +17,7 @@ sys.path.insert(0, FUZZ)
 
 import graph_fuzz  # noqa: E402
 
-COUNT = int(os.environ.get("EMBER_FUZZ_COUNT", "300"))
+COUNT = int(os.environ.get("EMBER_FUZZ_COUNT", "600"))
 
 
 @pytest.mark.slow

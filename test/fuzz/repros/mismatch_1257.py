@@ -11,6 +11,8 @@ SEED = 1257
 DEVICE = 'cpu'
 MODE = 'default'
 KNOWN_OPEN = "backend/runtime/plan.cpp StaticView: as_strided of a view with a storage offset adds the offsets; as_strided's offset is absolute"
+# A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
+SIGNATURE = {'tags': ['as_strided'], 'differs': None}
 PROGRAM = {'inputs': [{'dtype': 'float32',
              'grad': False,
              'layout': 'transposed',

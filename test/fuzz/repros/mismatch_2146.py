@@ -11,6 +11,8 @@ SEED = 2146
 DEVICE = 'cpu'
 MODE = 'default'
 KNOWN_OPEN = "backend/runtime/plan.cpp StaticView: as_strided's storage_offset is absolute, but the view fast path adds it to the input's own storage offset (input is a slice with offset != 0), reading past the data"
+# A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
+SIGNATURE = {'tags': ['as_strided'], 'differs': None}
 PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'sliced', 'shape': [0, 5, 1], 'special': False}],
  'ops': [{'args': ['i0'], 'expr': '{0}.contiguous().as_strided((2, 2), (2, 1), 1)', 'tag': 'as_strided'},
          {'args': ['v0'], 'expr': '{0} * 3', 'tag': 'scalar'}]}

@@ -11,6 +11,8 @@ SEED = 2846
 DEVICE = 'cpu'
 MODE = 'default'
 KNOWN_OPEN = 'kernels/cpu/epilogue_support.h: relu fused into the oneDNN convolution as an eltwise_relu post-op maps NaN to 0; torch.relu keeps NaN'
+# A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
+SIGNATURE = {'tags': ['conv2d'], 'differs': 'NaN at'}
 PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'contig', 'shape': [2, 5, 1, 2], 'special': True}],
  'ops': [{'args': ['i0'], 'expr': 'torch.split({0}, 2, dim=1)[-1]', 'tag': 'split'},
          {'args': ['v0'],
