@@ -10,7 +10,7 @@ KIND = 'mismatch'
 SEED = 2958
 DEVICE = 'cpu'
 MODE = 'default'
-KNOWN_OPEN = 'kernels/program.cpp emit(): an instruction whose operands are all constants (the alpha*scalar of add(x, 3, alpha=2)) is marked a row register; a column-reduction group runs row instructions only after the reduction, so the full-phase add reads it before it is computed (0)'
+# Fixed: lower.py folds alpha into the number (_fold_scalar_alpha); the C++ root cause is kernels/program.cpp emit().
 # A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
 SIGNATURE = {'tags': ['add_alpha_s'], 'differs': None}
 PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'contig', 'shape': [2, 1, 1, 1], 'special': False}],
