@@ -72,3 +72,14 @@ def test_integer_and_bool_reductions(device):
         return i.sum(0), i.sum(-1, dtype=torch.float32), b.any(-1), b.all(0), b.sum(), i.amax(1), i.float().mean()
 
     check(fn, torch.randint(-5, 5, (4, 6), device=device), torch.rand(4, 6, device=device) > 0.3, grad=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["mean", "amax", "sum"])
+def test_column_reduction_of_add_with_scalar_alpha(device, op):
+    # add(x, 3, alpha=2) before a reduction over the leading dims: the scalar times alpha was read as 0
+    # (found by test/fuzz/graph_fuzz.py, repro mismatch_2958).
+    fns = {"mean": torch.mean, "amax": torch.amax, "sum": torch.sum}
+    for x in (torch.randn(2, 1, 1, device=device), torch.randn(8, 3, 5, device=device)):
+        check(lambda t: fns[op](torch.add(t, 3, alpha=2), dim=(0, 1), keepdim=True), x)
+        check(lambda t: fns[op](torch.sub(t, 0.5, alpha=3), dim=0), x)

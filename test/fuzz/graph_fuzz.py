@@ -1,0 +1,192 @@
+"""Differential graph fuzzer: random torch programs, eager against torch.compile(backend="ember").
+
+    python3 test/fuzz/graph_fuzz.py --count 300 --seed 0 --device cpu --mode default --workers 2 --out DIR
+
+Program i has seed S + i (program.py generates it, check.py compares eager and ember). Each case runs in a
+worker process (multiprocessing, spawn): a worker that dies is a crash (segfault, abort) and is replaced,
+one that takes longer than --timeout seconds is a hang and is killed and replaced. Failures (mismatch,
+crash, hang, error) are shrunk (shrink.py) and written as standalone reproducers to
+DIR/<kind>_<seed>.py (test/fuzz/repros by default), which test/python/test_fuzz_repros.py runs. Graphs
+ember refuses (an EmberError, so they run eagerly with a warning) are no failure; they are counted as
+refusals, with their messages. A failure that backend="aot_eager" shows too is torch's (Dynamo or
+AOTAutograd), not ember's: counted as "upstream", no failure. A shrunk failure with the SIGNATURE of a
+repro marked KNOWN_OPEN is that open bug: counted, no new repro. Exits 1 on any other failure.
+"""
+
+import argparse
+import collections
+import multiprocessing as mp
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAILURES = ("mismatch", "crash", "hang", "error")
+
+
+def _worker_main(conn, device, mode):
+    sys.path.insert(0, HERE)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    import check
+    import program as prog_mod
+
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        what, payload = task
+        if what == "seed":
+            program = prog_mod.generate(payload)
+        else:
+            program = payload
+        result = check.check_program(program, device, mode)
+        if result["kind"] == "invalid" and what == "seed" and any(s.get("grad") for s in program["inputs"]):
+            # Usually an in-place op on a value autograd saved: the same program without gradients.
+            for spec in program["inputs"]:
+                spec["grad"] = False
+            result = check.check_program(program, device, mode)
+        result["program"] = program
+        conn.send(result)
+
+
+class Pool:
+    """Worker processes that run one case at a time each; crashed and hung ones are replaced."""
+
+    def __init__(self, workers, device, mode, timeout):
+        self.device, self.mode, self.timeout = device, mode, timeout
+        self.ctx = mp.get_context("spawn")
+        self.slots = [self._start() for _ in range(workers)]
+
+    def _start(self):
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker_main, args=(child, self.device, self.mode), daemon=True)
+        proc.start()
+        child.close()
+        return {"proc": proc, "conn": parent, "task": None, "since": 0.0}
+
+    def run(self, tasks):
+        """Yields (task, result) for each task (what, payload); the order is the order of completion."""
+        tasks = list(tasks)
+        pending = collections.deque(tasks)
+        done = 0
+        while done < len(tasks):
+            for slot in self.slots:
+                if slot["task"] is None and pending:
+                    slot["task"], slot["since"] = pending.popleft(), time.time()
+                    slot["conn"].send(slot["task"])
+            busy = [s for s in self.slots if s["task"] is not None]
+            ready = mp.connection.wait([s["conn"] for s in busy] + [s["proc"].sentinel for s in busy], timeout=1.0)
+            for i, slot in enumerate(self.slots):
+                if slot["task"] is None:
+                    continue
+                task = slot["task"]
+                result = None
+                if slot["conn"] in ready:
+                    try:
+                        result = slot["conn"].recv()
+                    except (EOFError, OSError):
+                        result = None
+                if result is None and (slot["proc"].sentinel in ready or not slot["proc"].is_alive()):
+                    slot["proc"].join(1)
+                    result = {"kind": "crash", "detail": f"worker died with exit code {slot['proc'].exitcode}",
+                              "refused": []}
+                    self.slots[i] = self._start()
+                elif result is None and time.time() - slot["since"] > self.timeout:
+                    slot["proc"].kill()
+                    slot["proc"].join(5)
+                    result = {"kind": "hang", "detail": f"no result after {self.timeout} s", "refused": []}
+                    self.slots[i] = self._start()
+                if result is not None:
+                    self.slots[i]["task"] = None
+                    done += 1
+                    yield task, result
+
+    def close(self):
+        for slot in self.slots:
+            try:
+                slot["conn"].send(None)
+            except OSError:
+                pass
+        for slot in self.slots:
+            slot["proc"].join(5)
+            if slot["proc"].is_alive():
+                slot["proc"].kill()
+
+
+def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=True, log=print):
+    """Runs count programs; returns (counts, new failures, refusals). A failure whose shrunk program has the
+    SIGNATURE of a KNOWN_OPEN reproducer in test/fuzz/repros is counted as "known", not as a new failure."""
+    sys.path.insert(0, HERE)
+    import program as prog_mod
+    import shrink
+
+    counts = collections.Counter()
+    refusals = collections.Counter()
+    failures = []
+    new_failures = []  # the failures that are no KNOWN_OPEN reproducer's bug
+    pool = Pool(workers, device, mode, timeout)
+    try:
+        for (_, s), result in pool.run([("seed", seed + i) for i in range(count)]):
+            kind = result["kind"]
+            counts[kind] += 1
+            for message in result.get("refused", []):
+                refusals[message.split("\n")[0][:160]] += 1
+            if kind == "upstream":
+                log(f"seed {s}: upstream (aot_eager fails the same program too): {result['detail'][:300]}")
+            if kind in FAILURES:
+                log(f"seed {s}: {kind}: {result['detail'][:500]}")
+                failures.append((s, result))
+        for s, result in failures:
+            program = result.get("program") or prog_mod.generate(s)
+            if shrink_failures:
+                program, result = shrink.shrink(pool, program, result, log=log)
+            known = shrink.known_open(program, result, os.path.join(HERE, "repros")) if shrink_failures else None
+            if known:
+                counts["known"] += 1
+                log(f"seed {s}: {result['kind']}: the open bug of repros/{known} ({len(program['ops'])} ops shrunk)")
+                continue
+            path = shrink.write_repro(out, s, result, program, device, mode)
+            log(f"seed {s}: {result['kind']} ({len(program['ops'])} ops after shrinking) -> {path}")
+            new_failures.append((s, result))
+    finally:
+        pool.close()
+    return counts, new_failures, refusals
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--count", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--mode", choices=("default", "reduce-overhead"), default="default")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before it counts as a hang")
+    ap.add_argument("--out", default=os.path.join(HERE, "repros"), help="folder for the reproducer files")
+    ap.add_argument("--no-shrink", action="store_true")
+    args = ap.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("fuzz: --device cuda asked for, but this machine has no CUDA device; nothing run")
+            return 0
+    elif args.mode == "reduce-overhead":
+        print("fuzz: note: reduce-overhead captures CUDA graphs; on CPU it checks repeated calls only")
+    start = time.time()
+    counts, failures, refusals = fuzz(args.count, args.seed, args.device, args.mode, args.workers, args.out,
+                                      args.timeout, not args.no_shrink)
+    for message, n in refusals.most_common(15):
+        print(f"  refused {n}x: {message}")
+    print(f"fuzz: {args.count} programs, {counts['mismatch']} mismatches, {counts['crash']} crashes, "
+          f"{counts['hang']} hangs, {counts['error']} errors, {counts['refusal']} refusals "
+          f"({counts['known']} failures are open bugs with a repro, {counts['upstream']} failing under aot_eager too, "
+          f"{counts['invalid']} rejected by eager, "
+          f"{time.time() - start:.0f} s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

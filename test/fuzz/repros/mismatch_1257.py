@@ -1,0 +1,49 @@
+"""Reproducer found by test/fuzz/graph_fuzz.py (seed 1257, --device cpu --mode default).
+
+mismatch: call 0: output 0: max error 4.92 (allowed 0.0001 x magnitude 3.93); expected 2.30252, got -2.61332
+"""
+
+import torch
+import torch.nn.functional as F
+
+KIND = 'mismatch'
+SEED = 1257
+DEVICE = 'cpu'
+MODE = 'default'
+KNOWN_OPEN = "backend/runtime/plan.cpp StaticView: as_strided of a view with a storage offset adds the offsets; as_strided's offset is absolute"
+# A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
+SIGNATURE = {'tags': ['as_strided'], 'differs': None}
+PROGRAM = {'inputs': [{'dtype': 'float32',
+             'grad': False,
+             'layout': 'transposed',
+             'shape': [4, 11, 16],
+             'special': False}],
+ 'ops': [{'args': ['i0'], 'expr': '{0}.contiguous().as_strided((2, 191), (191, 1), 1)', 'tag': 'as_strided'},
+         {'args': ['v0'], 'expr': '{0}.contiguous().as_strided((3, 127), (127, 1), 1)', 'tag': 'as_strided'}]}
+
+
+def _sprinkle(t, g):
+    """A few NaN, +-Inf and denormal values at seeded positions."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return t
+    for value in (float("nan"), float("inf"), -float("inf"), 1e-41, -3e-39):
+        if torch.rand((), generator=g) < 0.5:
+            flat[torch.randint(0, flat.numel(), (), generator=g)] = value
+    return flat.reshape(t.shape)
+
+
+def make_inputs(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    t = torch.randn([4, 16, 11], generator=g)
+    t = t.to(device=device, dtype=torch.float32)
+    t = t.transpose(-1, -2)
+    out.append(t)
+    return out
+
+
+def program(i0):
+    v0 = i0.contiguous().as_strided((2, 191), (191, 1), 1)
+    v1 = v0.contiguous().as_strided((3, 127), (127, 1), 1)
+    return (v1,)

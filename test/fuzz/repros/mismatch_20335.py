@@ -1,0 +1,49 @@
+"""Reproducer found by test/fuzz/graph_fuzz.py (seed 20335, --device cpu --mode default).
+
+mismatch: call 0: output 0: NaN at 1 positions where the other side has a number
+"""
+
+import torch
+import torch.nn.functional as F
+
+KIND = 'mismatch'
+SEED = 20335
+DEVICE = 'cpu'
+MODE = 'default'
+KNOWN_OPEN = "kernels/cpu/interpreter.cpp reduce(): a row_sum over an empty row of a register with no data (r.p null) returns r.s * n, which is NaN when r.s is NaN (0/0 of softmax's or layer_norm's empty row); a sum over nothing must be 0"
+# A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
+SIGNATURE = {'tags': [], 'differs': 'NaN at', 'empty_input': True}
+PROGRAM = {'inputs': [{'dtype': 'int32', 'grad': False, 'layout': 'contig', 'shape': [0], 'special': False}],
+ 'ops': [{'args': ['i0', 'i0'], 'expr': 'torch.div({0}, {1}.abs() + 1)', 'tag': 'div'},
+         {'args': ['v0'],
+          'expr': 'F.layer_norm({0}, [0], torch.full([0], 1.5, dtype={0}.dtype, device={0}.device), '
+                  'torch.full([0], -0.25, dtype={0}.dtype, device={0}.device))',
+          'tag': 'layer_norm'},
+         {'args': ['v1'], 'expr': 'torch.sum({0}, dim=(0,), keepdim=True)', 'tag': 'sum'}]}
+
+
+def _sprinkle(t, g):
+    """A few NaN, +-Inf and denormal values at seeded positions."""
+    flat = t.reshape(-1)
+    if flat.numel() == 0:
+        return t
+    for value in (float("nan"), float("inf"), -float("inf"), 1e-41, -3e-39):
+        if torch.rand((), generator=g) < 0.5:
+            flat[torch.randint(0, flat.numel(), (), generator=g)] = value
+    return flat.reshape(t.shape)
+
+
+def make_inputs(device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    t = torch.randint(-6, 7, [0], generator=g)
+    t = t.to(device=device, dtype=torch.int32)
+    out.append(t)
+    return out
+
+
+def program(i0):
+    v0 = torch.div(i0, i0.abs() + 1)
+    v1 = F.layer_norm(v0, [0], torch.full([0], 1.5, dtype=v0.dtype, device=v0.device), torch.full([0], -0.25, dtype=v0.dtype, device=v0.device))
+    v2 = torch.sum(v1, dim=(0,), keepdim=True)
+    return (v2,)
