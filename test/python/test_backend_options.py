@@ -170,11 +170,12 @@ def test_fallback_raise_names_the_node(monkeypatch):
 
 
 def test_unsupported_literal_names_the_node():
-    """A real lowering failure (a complex Python number has no IR spelling) names the node. (If ember learns
-    complex literals, this test needs another construct ember cannot lower.)"""
-    err = compile_error(lambda x: (x * (1 + 2j)).abs(), torch.randn(4, dtype=torch.complex64),
+    """A real lowering failure names the node: a complex number in a Scalar argument of an op with no Tensor
+    overload to take it as a 0-dim constant (a complex multiply compiles). (If ember learns complex literals,
+    this test needs another construct ember cannot lower.)"""
+    err = compile_error(lambda x: torch.full_like(x, 1 + 2j).abs(), torch.randn(4, dtype=torch.complex64),
                         options={"fallback": "raise"})
-    assert re.search(r"\bnode mul\b", str(err)), str(err)
+    assert re.search(r"\bnode full_like\b", str(err)), str(err)
 
 
 def test_env_fallback_raise(monkeypatch):
