@@ -106,8 +106,10 @@ def render_body(program):
 
 
 def render(program):
-    return "\n\n\n".join(["import torch\nimport torch.nn.functional as F", SPRINKLE,
-                          render_inputs(program["inputs"]), render_body(program)]) + "\n"
+    special = any(spec.get("special") and spec["dtype"] in FLOATS for spec in program["inputs"])
+    parts = ["import torch\nimport torch.nn.functional as F", *([SPRINKLE] if special else []),
+             render_inputs(program["inputs"]), render_body(program)]
+    return "\n\n\n".join(parts) + "\n"
 
 
 def load(program):

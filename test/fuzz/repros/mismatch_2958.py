@@ -18,17 +18,6 @@ PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'contig', 's
          {'args': ['v0'], 'expr': 'torch.amax({0}, dim=(0, 1), keepdim=True)', 'tag': 'amax'}]}
 
 
-def _sprinkle(t, g):
-    """A few NaN, +-Inf and denormal values at seeded positions."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return t
-    for value in (float("nan"), float("inf"), -float("inf"), 1e-41, -3e-39):
-        if torch.rand((), generator=g) < 0.5:
-            flat[torch.randint(0, flat.numel(), (), generator=g)] = value
-    return flat.reshape(t.shape)
-
-
 def make_inputs(device, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
