@@ -67,17 +67,20 @@ class Pool:
         child.close()
         return {"proc": proc, "conn": parent, "task": None, "since": 0.0}
 
-    def run(self, tasks):
-        """Yields (task, result) for each task (what, payload); the order is the order of completion."""
-        tasks = list(tasks)
+    def run(self, tasks, deadline=None):
+        """Yields (task, result) for each task (what, payload); the order is the order of completion. After
+        time.time() passes deadline, no new task starts: those running finish, the rest are left out."""
         pending = collections.deque(tasks)
-        done = 0
-        while done < len(tasks):
+        while pending or any(s["task"] is not None for s in self.slots):
+            if deadline is not None and time.time() > deadline:
+                pending.clear()
             for slot in self.slots:
                 if slot["task"] is None and pending:
                     slot["task"], slot["since"] = pending.popleft(), time.time()
                     slot["conn"].send(slot["task"])
             busy = [s for s in self.slots if s["task"] is not None]
+            if not busy:
+                continue
             ready = mp.connection.wait([s["conn"] for s in busy] + [s["proc"].sentinel for s in busy], timeout=1.0)
             for i, slot in enumerate(self.slots):
                 if slot["task"] is None:
@@ -101,7 +104,6 @@ class Pool:
                     self.slots[i] = self._start()
                 if result is not None:
                     self.slots[i]["task"] = None
-                    done += 1
                     yield task, result
 
     def close(self):
@@ -116,9 +118,12 @@ class Pool:
                 slot["proc"].kill()
 
 
-def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=True, log=print):
-    """Runs count programs; returns (counts, new failures, refusals). A failure whose shrunk program has the
-    SIGNATURE of a KNOWN_OPEN reproducer in test/fuzz/repros is counted as "known", not as a new failure."""
+def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=True, log=print, time_budget=None,
+         progress_every=0):
+    """Runs count programs (fewer if time_budget seconds pass first: counts["run"] says how many ran, and
+    shrinking comes after the budget); returns (counts, new failures, refusals). A failure whose shrunk program
+    has the SIGNATURE of a KNOWN_OPEN reproducer in test/fuzz/repros is counted as "known", not as a new
+    failure. progress_every=N logs the counts after every N programs."""
     sys.path.insert(0, HERE)
     import program as prog_mod
     import shrink
@@ -128,10 +133,16 @@ def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=Tr
     failures = []
     new_failures = []  # the failures that are no KNOWN_OPEN reproducer's bug
     pool = Pool(workers, device, mode, timeout)
+    start = time.time()
+    deadline = start + time_budget if time_budget else None
     try:
-        for (_, s), result in pool.run([("seed", seed + i) for i in range(count)]):
+        for (_, s), result in pool.run([("seed", seed + i) for i in range(count)], deadline):
             kind = result["kind"]
             counts[kind] += 1
+            counts["run"] += 1
+            if progress_every and counts["run"] % progress_every == 0:
+                log(f"progress: {counts['run']} programs in {time.time() - start:.0f} s: "
+                    + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()) if k != "run"))
             for message in result.get("refused", []):
                 refusals[message.split("\n")[0][:160]] += 1
             if kind == "upstream":
@@ -166,6 +177,9 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before it counts as a hang")
     ap.add_argument("--out", default=os.path.join(HERE, "repros"), help="folder for the reproducer files")
     ap.add_argument("--no-shrink", action="store_true")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds after which no new program starts (those running finish, then failures shrink)")
+    ap.add_argument("--progress", type=int, default=0, metavar="N", help="print the counts after every N programs")
     args = ap.parse_args(argv)
     if args.device == "cuda":
         import torch
@@ -177,10 +191,12 @@ def main(argv=None):
         print("fuzz: note: reduce-overhead captures CUDA graphs; on CPU it checks repeated calls only")
     start = time.time()
     counts, failures, refusals = fuzz(args.count, args.seed, args.device, args.mode, args.workers, args.out,
-                                      args.timeout, not args.no_shrink)
+                                      args.timeout, not args.no_shrink, time_budget=args.time_budget,
+                                      progress_every=args.progress)
     for message, n in refusals.most_common(15):
         print(f"  refused {n}x: {message}")
-    print(f"fuzz: {args.count} programs, {counts['mismatch']} mismatches, {counts['crash']} crashes, "
+    print(f"fuzz: {counts['run']} programs (seeds {args.seed}-{args.seed + counts['run'] - 1} of the {args.count} asked; "
+          f"the last ones may be left out by --time-budget), {counts['mismatch']} mismatches, {counts['crash']} crashes, "
           f"{counts['hang']} hangs, {counts['error']} errors, {counts['refusal']} refusals "
           f"({counts['known']} failures are open bugs with a repro, {counts['upstream']} failing under aot_eager too, "
           f"{counts['invalid']} rejected by eager, "
