@@ -119,11 +119,12 @@ class Pool:
 
 
 def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=True, log=print, time_budget=None,
-         progress_every=0):
+         progress_every=0, shrink_budget=None):
     """Runs count programs (fewer if time_budget seconds pass first: counts["run"] says how many ran, and
     shrinking comes after the budget); returns (counts, new failures, refusals). A failure whose shrunk program
     has the SIGNATURE of a KNOWN_OPEN reproducer in test/fuzz/repros is counted as "known", not as a new
-    failure. progress_every=N logs the counts after every N programs."""
+    failure. progress_every=N logs the counts after every N programs; shrink_budget caps the seconds spent
+    shrinking all failures (each gets at most 180 s)."""
     sys.path.insert(0, HERE)
     import program as prog_mod
     import shrink
@@ -150,10 +151,14 @@ def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=Tr
             if kind in FAILURES:
                 log(f"seed {s}: {kind}: {result['detail'][:500]}")
                 failures.append((s, result))
+        shrink_spent = 0.0
         for s, result in failures:
             program = result.get("program") or prog_mod.generate(s)
             if shrink_failures:
-                program, result = shrink.shrink(pool, program, result, log=log)
+                left = 180 if shrink_budget is None else min(180, shrink_budget - shrink_spent)
+                t0 = time.time()
+                program, result = shrink.shrink(pool, program, result, budget_s=max(left, 0), log=log)
+                shrink_spent += time.time() - t0
             known = shrink.known_open(program, result, os.path.join(HERE, "repros")) if shrink_failures else None
             if known:
                 counts["known"] += 1
@@ -179,6 +184,7 @@ def main(argv=None):
     ap.add_argument("--no-shrink", action="store_true")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="seconds after which no new program starts (those running finish, then failures shrink)")
+    ap.add_argument("--shrink-budget", type=float, default=None, help="seconds for shrinking all failures")
     ap.add_argument("--progress", type=int, default=0, metavar="N", help="print the counts after every N programs")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -192,7 +198,7 @@ def main(argv=None):
     start = time.time()
     counts, failures, refusals = fuzz(args.count, args.seed, args.device, args.mode, args.workers, args.out,
                                       args.timeout, not args.no_shrink, time_budget=args.time_budget,
-                                      progress_every=args.progress)
+                                      progress_every=args.progress, shrink_budget=args.shrink_budget)
     for message, n in refusals.most_common(15):
         print(f"  refused {n}x: {message}")
     print(f"fuzz: {counts['run']} programs (seeds {args.seed}-{args.seed + counts['run'] - 1} of the {args.count} asked; "
