@@ -118,6 +118,35 @@ at::Tensor alias(const at::Tensor& t) {
   return at::Tensor(t.unsafeGetTensorImpl()->shallow_copy_and_detach(c10::VariableVersion(0), false));
 }
 
+// Bytes from a tensor's first element to its last. An input with stride-0 dims (an expand) has fewer
+// elements in memory than numel(), and copy_ refuses to write into such a tensor: its static copy keeps
+// the caller's strides over a buffer of this span, and the span is copied as raw bytes.
+size_t span_bytes(const at::Tensor& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  return size_t(last + 1) * t.element_size();
+}
+
+// An uninitialised tensor of t's sizes and strides, for a captured part to read t's values from.
+at::Tensor static_buffer_like(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return at::empty_strided(t.sizes(), t.strides(), t.options());
+  at::Tensor span = at::empty({int64_t(span_bytes(t) / t.element_size())}, t.options());
+  return span.as_strided(t.sizes(), t.strides());
+}
+
+// Writes src's values into dst, a static_buffer_like of a tensor of src's sizes.
+void copy_to_static(at::Tensor& dst, const at::Tensor& src, cudaStream_t stream) {
+  if (dst.is_non_overlapping_and_dense()) {
+    dst.copy_(src, true);
+    return;
+  }
+  TORCH_CHECK(src.strides().equals(dst.strides()) && src.scalar_type() == dst.scalar_type(),
+              "ember cudagraph: internal: an overlapping input of a captured part changed its strides");
+  check(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), span_bytes(src), cudaMemcpyDeviceToDevice, stream),
+        "copying an overlapping input");
+}
+
 // Drops c10 warnings raised in its scope.
 class QuietWarnings : public c10::WarningHandler {
  public:
@@ -574,14 +603,14 @@ class Runner final : public PlanRunner {
                     ((source_[b] == Source::Input && !e.pin[b]) || source_[b] == Source::Eager);
         if (!copy) continue;
         originals.emplace_back(b, buffers[b]);
-        at::Tensor fixed = at::empty_strided(t.sizes(), t.strides(), t.options());
+        at::Tensor fixed = static_buffer_like(t);
         Segment::Copied c;
         c.buffer = b;
         if (in_graph && t.is_contiguous() && t.nbytes() > 0) {  // copied by a node captured below
           c.nbytes = t.nbytes();
           c.source = t.data_ptr();
         } else {
-          fixed.copy_(t);
+          copy_to_static(fixed, t, c10::cuda::getCurrentCUDAStream(device_).stream());
         }
         // Allocated on the capture stream, written on the caller's stream at every replay: the allocator
         // must wait for both before it reuses the block.
@@ -880,7 +909,7 @@ class Runner final : public PlanRunner {
         check(cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(), cudaMemcpyDeviceToDevice, stream.stream()),
               "copying an input");
       } else {
-        dst.copy_(src, true);
+        copy_to_static(dst, src, stream.stream());
       }
       slot.handed = now;
     }
