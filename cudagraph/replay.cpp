@@ -38,6 +38,7 @@
 // that may draw random numbers go through replay(), so each replay gets fresh ones.
 // EMBER_CUDAGRAPH_DIRECT_LAUNCH=0 sends every part through replay() (for measuring the difference).
 #include "cudagraph/runner.h"
+#include "ember/config.h"
 
 #include "ember/error.h"
 #include "ember/runtime.h"
@@ -168,8 +169,8 @@ cudaGraph_t instantiate_kept(G&, long) {
 
 bool graph_copies_enabled() {
   static const bool enabled = [] {
-    const char* v = std::getenv("EMBER_CUDAGRAPH_INPUT_NODES");
-    return !(v && v[0] == '0');
+    const std::optional<std::string> v = config_value("EMBER_CUDAGRAPH_INPUT_NODES");
+    return !(v && !v->empty() && (*v)[0] == '0');
   }();
   return enabled;
 }
@@ -202,8 +203,8 @@ cudaGraphExec_t executable_of(G&, long) {
 
 bool direct_launch_enabled() {
   static const bool enabled = [] {
-    const char* v = std::getenv("EMBER_CUDAGRAPH_DIRECT_LAUNCH");
-    return !(v && v[0] == '0');
+    const std::optional<std::string> v = config_value("EMBER_CUDAGRAPH_DIRECT_LAUNCH");
+    return !(v && !v->empty() && (*v)[0] == '0');
   }();
   return enabled;
 }

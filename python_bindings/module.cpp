@@ -13,6 +13,7 @@
 // (training_graph.h), which stands in for AOTAutograd's autograd.Function.
 #include "backend/package/export.h"
 #include "ember/compiler.h"
+#include "ember/config.h"
 #include "ember/cudagraph.h"
 #include "ember/error.h"
 #include "ember/model.h"
@@ -338,6 +339,10 @@ PYBIND11_MODULE(_native, m) {
         py::arg("saved_unchecked"), py::arg("tangents"), py::arg("no_edge"), py::arg("deterministic"),
         "A training graph's forward and backward for DirectCall's `training` (python_bindings/training_graph.h); "
         "tangents: (memory format or -1, sizes, strides) per differentiable output.");
+  m.def("set_config", &config_set, py::arg("name"), py::arg("value"),
+        "Sets the C++ value of the setting read from environment variable `name` (None: unset); ember.config "
+        "calls it.");
+  m.def("get_config", &config_value, py::arg("name"));
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

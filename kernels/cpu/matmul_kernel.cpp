@@ -25,6 +25,7 @@
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
 #include "kernels/cpu/cpu_kernel.h"
+#include "ember/config.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
 
@@ -60,8 +61,7 @@ constexpr double kTimedMacs = double(int64_t{1} << 22);  // ~60 us of f32 work o
 
 // EMBER_CPU_MATMUL, read when a kernel is made: nothing times each shape, else the library forced.
 std::optional<Library> forced_library() {
-  const char* v = std::getenv("EMBER_CPU_MATMUL");
-  std::string s = v ? v : "";
+  const std::string s = config_value("EMBER_CPU_MATMUL").value_or("");
   if (s == "onednn") return Library::OneDnn;
   if (s == "aten") return Library::Aten;
   if (s == "torch") return Library::Torch;
@@ -278,7 +278,7 @@ class MatmulKernel final : public Kernel {
       // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
       const double best = std::min(aten_us, torch_us);
       if (best < 0.9 * onednn_us) library = torch_us < aten_us ? Library::Torch : Library::Aten;
-      if (std::getenv("EMBER_GEMM_LOG")) {
+      if (config_value("EMBER_GEMM_LOG")) {
         char torch_text[48] = "";
         if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
         std::fprintf(stderr, "ember cpu matmul %lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s\n",

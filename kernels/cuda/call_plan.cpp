@@ -1,5 +1,6 @@
 // The host side of one fused-kernel call (call_plan.h): Params, outputs, entry point and grid.
 #include "kernels/cuda/call_plan.h"
+#include "ember/config.h"
 
 #include "ember/error.h"
 #include "kernels/iteration_space.h"
@@ -26,8 +27,7 @@ enum class FullGrids { None, Flat, FlatAndRows };
 
 FullGrids full_grids() {
   static const FullGrids kinds = [] {
-    const char* v = std::getenv("EMBER_CUDA_GRID");
-    const std::string s = v ? v : "";
+    const std::string s = config_value("EMBER_CUDA_GRID").value_or("");
     return s == "wave" ? FullGrids::None : (s == "rows" ? FullGrids::FlatAndRows : FullGrids::Flat);
   }();
   return kinds;

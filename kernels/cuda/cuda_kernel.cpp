@@ -3,6 +3,7 @@
 // stream with the entry point and grid call_plan.h picks per call. The device's multiprocessor count, and
 // each entry point's largest block and resident blocks per multiprocessor, are queried once per entry, here.
 #include "kernels/cuda/cuda_kernel.h"
+#include "ember/config.h"
 
 #include "ember/error.h"
 #include "kernels/cuda/call_plan.h"
@@ -44,8 +45,7 @@ Background& background() {
 // (measuring switches: the first call's cost of them); so does a package's export or load (`images`): it
 // must hold every image.
 bool eager_entry(const char* name, const ImageStore* images) {
-  const char* v = std::getenv(name);
-  return images != nullptr || (v && std::string(v) == "eager");
+  return images != nullptr || config_is(name, "eager");
 }
 
 // The functions of `source`'s entry points in CallPlan::entry order (general, vector, strided vector for
@@ -270,8 +270,7 @@ class FusedCudaKernel final : public Kernel {
 // the first call, or for a first call that should already run the kernels later calls keep).
 // Read per kernel (when the plan is built, never per call), so that tests can switch it.
 bool background_compiles() {
-  const char* v = std::getenv("EMBER_CUDA_BACKGROUND");
-  return !(v && std::string(v) == "0");
+  return !config_is("EMBER_CUDA_BACKGROUND", "0");
 }
 
 std::shared_future<void> start_background_compile(std::function<void()> compile) {

@@ -15,6 +15,7 @@
 // cols (int64), vec, bcast, inner, chan (uint32), period[ni], span[ni] (int64), scalar[ns] (float),
 // and in column groups part (float*), count (uint32*), splits, chunk (int64). Array lengths are at least 1.
 #include "kernels/cuda/cuda_source.h"
+#include "ember/config.h"
 
 #include "ember/error.h"
 #include "kernels/cuda/cuda_prelude.h"
@@ -61,8 +62,7 @@ class Printer {
     const size_t n = p_.reg_is_row.size();
     rounded_.assign(n, false);
     static const bool off = [] {
-      const char* v = std::getenv("EMBER_CUDA_FAST_MATH");
-      return v && std::string(v) == "0";
+      return config_is("EMBER_CUDA_FAST_MATH", "0");
     }();
     if (off) return;
     std::vector<OpCode> producer(n, OpCode::Copy);
@@ -478,8 +478,8 @@ class Printer {
     const size_t n = std::max<size_t>(full + (late + 1) / 2, 1);
     // EMBER_CUDA_UNROLL=1|2|4 (for measuring) sets U for every flat group.
     static const int forced = [] {
-      const char* v = std::getenv("EMBER_CUDA_UNROLL");
-      const int u = v ? std::atoi(v) : 0;
+      const std::optional<std::string> v = config_value("EMBER_CUDA_UNROLL");
+      const int u = v ? std::atoi(v->c_str()) : 0;
       return u == 1 || u == 2 || u == 4 ? u : 0;
     }();
     if (forced) return forced;
@@ -1053,8 +1053,7 @@ class Printer {
   // element-wise conversion everywhere.
   bool flat_vector_converted(size_t k) const {
     static const bool element = [] {
-      const char* v = std::getenv("EMBER_CUDA_BF16_STORE");
-      return v && std::string(v) == "element";
+      return config_is("EMBER_CUDA_BF16_STORE", "element");
     }();
     return out_type(k) == c10::kBFloat16 && !element;
   }
@@ -1187,8 +1186,7 @@ class Printer {
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
     // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
     static const bool blocks_only = [] {
-      const char* v = std::getenv("EMBER_CUDA_ROWS");
-      return v && std::string(v) == "block";
+      return config_is("EMBER_CUDA_ROWS", "block");
     }();
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {

@@ -7,6 +7,7 @@
 // when one is given (a deployment package's store holds every image, so loading one needs only the
 // driver, not NVRTC), then in the disk cache (disk_cache.h); what NVRTC compiles goes to both.
 #include "kernels/cuda/driver.h"
+#include "ember/config.h"
 
 #include "ember/error.h"
 #include "kernels/compile_threads.h"
@@ -93,8 +94,8 @@ void bind(void* lib, const char* name, F*& fn) {
 
 void bind_nvrtc(Api& a) {
   std::string tried;
-  const char* hint = std::getenv("EMBER_NVRTC_PATH");
-  void* nvrtc = open_first({hint ? hint : "", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
+  const std::string hint = config_value("EMBER_NVRTC_PATH").value_or("");
+  void* nvrtc = open_first({hint, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
   if (!nvrtc) throw Error("NVRTC not found (tried" + tried + "); set EMBER_NVRTC_PATH");
   bind(nvrtc, "nvrtcCreateProgram", a.nvrtcCreateProgram);
   bind(nvrtc, "nvrtcCompileProgram", a.nvrtcCompileProgram);
@@ -240,9 +241,9 @@ namespace {
 const std::vector<std::string>& extra_options() {
   static const std::vector<std::string> options = [] {
     std::vector<std::string> out;
-    const char* v = std::getenv("EMBER_NVRTC_OPTIONS");
+    const std::string v = config_value("EMBER_NVRTC_OPTIONS").value_or("");
     std::string word;
-    for (const char* c = v ? v : ""; ; ++c) {
+    for (const char* c = v.c_str(); ; ++c) {
       if (*c && *c != ' ') { word += *c; continue; }
       if (!word.empty()) out.push_back(word), word.clear();
       if (!*c) break;

@@ -50,6 +50,7 @@
 //     without epilogue: k16 20 us, ATen's mm 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
 //     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16|k16|k32 one configuration (tests run each).
 #include "ember/error.h"
+#include "ember/config.h"
 #include "ember/runtime.h"
 #include "kernels/cuda/driver.h"
 
@@ -125,8 +126,8 @@ bool is_one(const c10::IValue& v) {
 // EMBER_GEMM_SPLIT_K=1 allows it everywhere, =0 nowhere.
 bool split_k_allowed(int64_t m, int64_t n, int64_t k) {
   static const int setting = [] {
-    const char* v = std::getenv("EMBER_GEMM_SPLIT_K");
-    return v && std::string(v) == "1" ? 1 : v && std::string(v) == "0" ? 0 : -1;
+    const std::optional<std::string> v = config_value("EMBER_GEMM_SPLIT_K");
+    return v && *v == "1" ? 1 : v && *v == "0" ? 0 : -1;
   }();
   if (setting >= 0) return setting == 1;
   return (k >= 4096 && k >= 8 * std::max(m, n)) || double(m) * double(n) * double(k) >= double(int64_t{1} << 28);
@@ -141,8 +142,8 @@ constexpr float kTuningBudgetMs = 150.f;   // GPU time spent timing one problem,
 // EMBER_GEMM_TUNING_MS=<ms> sets it (for measuring; a large value times every candidate).
 float tuning_wall_ms() {
   static const float ms = [] {
-    const char* v = std::getenv("EMBER_GEMM_TUNING_MS");
-    return v && *v ? static_cast<float>(std::atof(v)) : 30.f;
+    const std::optional<std::string> v = config_value("EMBER_GEMM_TUNING_MS");
+    return v && !v->empty() ? static_cast<float>(std::atof(v->c_str())) : 30.f;
   }();
   return ms;
 }
@@ -175,9 +176,9 @@ constexpr double kPaddedMinMacs = double(int64_t{1} << 26);
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
 int forced_route() {
-  const char* v = std::getenv("EMBER_GEMM_ROUTE");
+  const std::optional<std::string> v = config_value("EMBER_GEMM_ROUTE");
   if (!v) return -1;
-  std::string r(v);
+  const std::string& r = *v;
   return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : r == "kernel" ? 4 : -1;
 }
 struct Choice {
@@ -244,10 +245,10 @@ const std::vector<void*>& kernel_functions(int device) {
 
 // EMBER_GEMM_KERNEL, read when a step's plan is made: -1 (none forced) or an index into kKernelConfigs.
 int forced_kernel() {
-  const char* v = std::getenv("EMBER_GEMM_KERNEL");
+  const std::optional<std::string> v = config_value("EMBER_GEMM_KERNEL");
   if (!v) return -1;
   for (size_t i = 0; i < kKernelConfigCount; ++i)
-    if (std::string(v) == kKernelConfigs[i].name) return static_cast<int>(i);
+    if (*v == kKernelConfigs[i].name) return static_cast<int>(i);
   return -1;
 }
 // Host time the timing does not see where the GPU is the bottleneck, but a graph of small GEMMs pays.
@@ -326,8 +327,7 @@ float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t
 // Whether the timing evicts the L2 before each run (time_runs); EMBER_GEMM_TIMING=warm times back to back.
 bool cold_l2() {
   static const bool cold = [] {
-    const char* v = std::getenv("EMBER_GEMM_TIMING");
-    return !(v && std::string(v) == "warm");
+    return !config_is("EMBER_GEMM_TIMING", "warm");
   }();
   return cold;
 }
@@ -652,7 +652,7 @@ class LtGemm final : public FastPath {
     // replaces the winner where it is faster with host time counted (point 7).
     Choice best = candidates[0], best_kernel;
     float best_ms = -1.f, kernel_ms = -1.f, spent_ms = 0.f;
-    const bool log = std::getenv("EMBER_GEMM_LOG") != nullptr;  // read once per problem: what the timing saw
+    const bool log = config_value("EMBER_GEMM_LOG").has_value();  // read once per problem: what the timing saw
     std::string seen;
     // Candidates come each route's first, then the rest (prepare): those leaders are always timed.
     std::array<bool, kRoutes> route_seen{};
@@ -709,8 +709,7 @@ class LtGemm final : public FastPath {
 
 std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
-    const char* v = std::getenv("EMBER_CUBLASLT");
-    return !(v && std::string(v) == "0");
+    return !config_is("EMBER_CUBLASLT", "0");
   }();
   if (!enabled) return nullptr;
   Epilogue epilogue;
