@@ -17,7 +17,7 @@ struct Settings {
     for (char** e = environ; e && *e; ++e) {
       if (std::strncmp(*e, "EMBER_", 6) != 0) continue;
       const char* eq = std::strchr(*e, '=');
-      if (eq) values[std::string(*e, eq)] = std::string(eq + 1);
+      if (eq) values[std::string(*e, static_cast<size_t>(eq - *e))] = std::string(eq + 1);
     }
   }
 };
