@@ -1,9 +1,9 @@
 // Entry file: "EMBERCUB", u32 layout version, then length-prefixed (u64) ember version, arch, NVRTC
 // version, source and image, then the XXH64 of everything before it. Named by the XXH64 of the key.
 #include "kernels/cuda/disk_cache.h"
-#include "ember/config.h"
 
 #include "backend/package/xxhash.h"
+#include "ember/config.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
