@@ -2,8 +2,8 @@
 // (kernels/cpu: vectorized interpreter; kernels/cuda: NVRTC), and each claimed matmul group to its library
 // call (kernels/cpu: oneDNN). A group a generator declines runs node by node through ATen.
 #include "kernels/kernels.h"
-#include "ember/config.h"
 
+#include "ember/config.h"
 #include "ember/op_table.h"
 
 #include "kernels/cpu/cpu_kernel.h"

@@ -26,8 +26,8 @@
 //     convolutions against eager's 19.2 ms, and on a 2-core machine seven conv-bn-relu blocks ran 42.1 ms
 //     through ATen against 46.9 ms (best of 60).
 #include "passes/passes.h"
-#include "ember/config.h"
 
+#include "ember/config.h"
 #include "ember/epilogue.h"
 
 #include <ATen/Context.h>

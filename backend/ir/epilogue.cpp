@@ -1,5 +1,6 @@
 // as_epilogue / as_matmul: the op-by-op meaning of matmul epilogues (see ember/epilogue.h).
 #include "ember/epilogue.h"
+
 #include "ember/config.h"
 
 #include <cmath>

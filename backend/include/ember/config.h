@@ -1,10 +1,13 @@
 #pragma once
 
-// ember's settings as C++ sees them: one string value per environment variable name ("EMBER_GEMM_ROUTE").
-// Each value starts as the environment's (read once, at the first lookup of any setting), so a C++ program
-// that loads a package honours the variables; Python's ember.config replaces them (set_config in
-// python_bindings/module.cpp) when a setting changes and at the first compile. docs/configuration.md lists
-// every setting. Lookups are thread-safe; code that caches a value in a static reads it once, as before.
+// ember's settings as C++ sees them: one string value per setting, named by its environment variable
+// ("EMBER_GEMM_ROUTE"). Python's ember.config (python_bindings/ember/config.py) owns the settings: it parses
+// and validates them, and pushes each C++-read value here (set_config in python_bindings/module.cpp) when its
+// extension loads and whenever a setting changes. Without Python (a C++ program running a package through
+// ember::load, the gtests) the values are the environment's, read once at the first lookup. This file and
+// backend/config.cpp are the only C++ that reads the environment for ember's settings.
+// docs/configuration.md lists every setting. Lookups are thread-safe; code that keeps a value in a static
+// reads it once per process, and says so.
 
 #include <optional>
 #include <string>
