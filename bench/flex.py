@@ -2,7 +2,6 @@
 
     python bench/flex.py                 # every case
     python bench/flex.py --only causal_8k --repeat 50
-    EMBER_FLEX_SPLITS=8 python bench/flex.py --only decode_8k --backends ember   # ember alone, one of its settings
 
 Per case and backend: milliseconds per call from CUDA events around --repeat back-to-back calls (the GPU's
 throughput, Dynamo's and the plan's host time hidden behind it where the kernel is longer), the first call

@@ -8,8 +8,8 @@ while NVRTC compiled the same module source in 17 ms in a process of its own (it
 separates the candidates: NVRTC's first compile in a process (initialization, libdevice), the process
 around it (threads, allocator, what torch loaded), and the host's own speed.
 
-For a workload, ember compiles it once with EMBER_DEBUG set (fresh EMBER_CACHE_DIR) and its modules are read back
-from the dump's kernels.txt: each group's whole module text, which ember compiles as two modules (the
+For a workload, ember compiles it once with ember.config.debug_dir set (a fresh cache_dir) and its modules are
+read back from the dump's kernels.txt: each group's whole module text, which ember compiles as two modules (the
 general entry beside the others), so the times here are of one module per group. Each source is then
 compiled --reps times in this process (through the libnvrtc ember loaded) and in a fresh Python process that
 imports nothing else (and, for a workload, in one that initialized torch's CUDA first), first one after the
@@ -88,13 +88,14 @@ def time_compiles(library, sources, arch, reps):
 def ember_modules(name):
     """(module sources, ember's explain line) of workload `name` compiled by ember on CUDA."""
     folder = tempfile.mkdtemp(prefix="ember-nvrtc-time-")
-    os.environ["EMBER_DEBUG"] = folder
-    os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-nvrtc-cache-")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
 
     import ember.report
     import harness
+
+    ember.config.debug_dir = folder
+    ember.config.cache_dir = tempfile.mkdtemp(prefix="ember-nvrtc-cache-")
 
     w = harness.WORKLOADS[name]
     model, inputs = w.build("cuda")

@@ -36,7 +36,6 @@
 // executable (where this torch exposes it); CUDAGraph::replay() would first refresh the CUDA
 // generator's seed and offset tensors with two fill_ launches, which only RNG consumers need. Parts
 // that may draw random numbers go through replay(), so each replay gets fresh ones.
-// EMBER_CUDAGRAPH_DIRECT_LAUNCH=0 sends every part through replay() (for measuring the difference).
 #include "cudagraph/runner.h"
 
 #include "ember/error.h"
@@ -195,14 +194,6 @@ cudaGraph_t instantiate_kept(G&, long) {
   return nullptr;
 }
 
-bool graph_copies_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("EMBER_CUDAGRAPH_INPUT_NODES");
-    return !(v && v[0] == '0');
-  }();
-  return enabled;
-}
-
 // The memcpy node of `graph` writing `dst` from `src`; null if there is none.
 cudaGraphNode_t find_copy_node(cudaGraph_t graph, const void* dst, const void* src) {
   size_t count = 0;
@@ -227,14 +218,6 @@ auto executable_of(G& graph, int) -> decltype(graph.raw_cuda_graph_exec()) {
 template <class G>
 cudaGraphExec_t executable_of(G&, long) {
   return nullptr;
-}
-
-bool direct_launch_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("EMBER_CUDAGRAPH_DIRECT_LAUNCH");
-    return !(v && v[0] == '0');
-  }();
-  return enabled;
 }
 
 // One captured part of one entry.
@@ -665,7 +648,7 @@ class Runner final : public PlanRunner {
         continue;
       }
       sg->exec = executable_of(*sg->graph, 0);
-      if (direct_launch_enabled() && !draws_random_numbers(plan, p)) sg->launch = sg->exec;
+      if (!draws_random_numbers(plan, p)) sg->launch = sg->exec;
       sg->graph->replay();
       keep_exports(e, *sg, p, buffers, inputs_of_part(saved), &export_index);
       restore_originals();
@@ -926,7 +909,7 @@ class Runner final : public PlanRunner {
   std::vector<std::unique_ptr<Entry>> entries_;
   c10::cuda::CUDAStream caller_stream_ = c10::cuda::getDefaultCUDAStream(device_);  // during a capture
   bool warned_limit_ = false;
-  bool graph_copies_ = graph_copies_enabled();  // input copies as memcpy nodes (off after a failed lookup)
+  bool graph_copies_ = true;  // input copies as memcpy nodes (off after a failed lookup)
   struct {
     uint64_t replays = 0, captures = 0, eager = 0, input_copies = 0, node_copies = 0;
   } stats_;

@@ -3,6 +3,7 @@
 // call (kernels/cpu: oneDNN). A group a generator declines runs node by node through ATen.
 #include "kernels/kernels.h"
 
+#include "ember/config.h"
 #include "ember/op_table.h"
 
 #include "kernels/cpu/cpu_kernel.h"
@@ -20,8 +21,8 @@ namespace ember {
 
 size_t compile_threads() {
   static const size_t threads = [] {
-    const char* v = std::getenv("EMBER_COMPILE_THREADS");
-    long n = v ? std::strtol(v, nullptr, 10) : 0;
+    const std::optional<std::string> v = config_value("EMBER_COMPILE_THREADS");
+    long n = v ? std::strtol(v->c_str(), nullptr, 10) : 0;
     return n > 0 ? static_cast<size_t>(n) : std::max(1u, std::thread::hardware_concurrency());
   }();
   return threads;

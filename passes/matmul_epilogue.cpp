@@ -27,6 +27,7 @@
 //     through ATen against 46.9 ms (best of 60).
 #include "passes/passes.h"
 
+#include "ember/config.h"
 #include "ember/epilogue.h"
 
 #include <ATen/Context.h>
@@ -44,14 +45,12 @@ namespace {
 
 // Read at each compile, as EMBER_ONEDNN_CONV.
 bool torch_convolutions() {
-  const char* v = std::getenv("EMBER_CPU_CONV");
-  return !(v && std::strcmp(v, "aten") == 0) && at::hasMKLDNN();
+  return !config_is("EMBER_CPU_CONV", "aten") && at::hasMKLDNN();
 }
 
 // EMBER_TRAINING_MATMULS=onednn claims them anyway (for measuring).
 bool lone_training_matmuls() {
-  const char* v = std::getenv("EMBER_TRAINING_MATMULS");
-  return v && std::strcmp(v, "onednn") == 0;
+  return config_is("EMBER_TRAINING_MATMULS", "onednn");
 }
 
 bool supported_dtype(c10::ScalarType t) { return t == c10::kFloat || t == c10::kBFloat16; }

@@ -13,10 +13,12 @@
 // (training_graph.h), which stands in for AOTAutograd's autograd.Function.
 #include "backend/package/export.h"
 #include "ember/compiler.h"
+#include "ember/config.h"
 #include "ember/cudagraph.h"
 #include "ember/error.h"
 #include "ember/model.h"
 #include "ember/op_table.h"
+#include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
 #include "python_bindings/training_graph.h"
@@ -338,6 +340,12 @@ PYBIND11_MODULE(_native, m) {
         py::arg("saved_unchecked"), py::arg("tangents"), py::arg("no_edge"), py::arg("deterministic"),
         "A training graph's forward and backward for DirectCall's `training` (python_bindings/training_graph.h); "
         "tangents: (memory format or -1, sizes, strides) per differentiable output.");
+  m.def("set_config", &config_set, py::arg("name"), py::arg("value"),
+        "Sets the C++ value of the setting named by its environment variable (\"EMBER_GEMM_ROUTE\"; None: unset). "
+        "ember.config calls it whenever a setting changes; set settings there instead.");
+  m.def("get_config", &config_value, py::arg("name"), "The value C++ reads for a setting (backend/config.cpp).");
+  m.def("cpu_matmul_timings", &cpu::cpu_matmul_timings,
+        "One line per problem the CPU matmul kernels timed, in order (kernels/cpu/cpu_kernel.h).");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

@@ -1,6 +1,8 @@
 // as_epilogue / as_matmul: the op-by-op meaning of matmul epilogues (see ember/epilogue.h).
 #include "ember/epilogue.h"
 
+#include "ember/config.h"
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -128,8 +130,7 @@ bool torch_conv_takes(const std::vector<EpilogueOp>& ops) {
 }
 
 bool onednn_convolutions_requested() {
-  const char* v = std::getenv("EMBER_ONEDNN_CONV");
-  return v && std::strcmp(v, "1") == 0;
+  return config_is("EMBER_ONEDNN_CONV", "1");
 }
 
 const Value* input_behind(const Value* v) {

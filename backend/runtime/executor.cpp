@@ -210,7 +210,7 @@ void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
           held = fresh;
         else
           throw Error("a step over parameters produced a result of another shape than on its first run; "
-                      "set EMBER_PARAMETER_CACHE=0");
+                      "set ember.config.parameter_cache = False (EMBER_PARAMETER_CACHE=0)");
       }
     }
   }

@@ -17,14 +17,15 @@
 //     4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice is process-wide by shape, layout and
 //     epilogue; per call a kernel looks it up in its own short list.
 //     EMBER_CPU_MATMUL=onednn|aten|torch, read when a plan is made, takes that library for every size oneDNN
-//     would run, untimed (for measuring; torch where the call takes the operands, else oneDNN);
-//     EMBER_GEMM_LOG=1 prints each timing to stderr.
+//     would run, untimed (tests run each; torch where the call takes the operands, else oneDNN);
+//     cpu_matmul_timings() (ember._C.cpu_matmul_timings) lists what each timing saw.
 //  6. Torch's own oneDNN (3.x, bundled in its wheel) through mkldnn::_linear_pointwise, the op inductor's CPU
 //     backend calls, with the epilogue's first op as its post-op where it is an activation (its plain form)
 //     or a full-size residual add (its .binary form), the rest as ATen ops. It takes weights in nn.Linear's
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
 #include "kernels/cpu/cpu_kernel.h"
+#include "ember/config.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
 
@@ -60,8 +61,7 @@ constexpr double kTimedMacs = double(int64_t{1} << 22);  // ~60 us of f32 work o
 
 // EMBER_CPU_MATMUL, read when a kernel is made: nothing times each shape, else the library forced.
 std::optional<Library> forced_library() {
-  const char* v = std::getenv("EMBER_CPU_MATMUL");
-  std::string s = v ? v : "";
+  const std::string s = config_value("EMBER_CPU_MATMUL").value_or("");
   if (s == "onednn") return Library::OneDnn;
   if (s == "aten") return Library::Aten;
   if (s == "torch") return Library::Torch;
@@ -115,6 +115,12 @@ std::mutex& chosen_mutex() {
 std::map<ProblemKey, Library>& chosen() {
   static auto* choices = new std::map<ProblemKey, Library>();  // never freed: outlives every plan
   return *choices;
+}
+
+// What each timing saw, in the order problems were timed (under chosen_mutex; cpu_matmul_timings).
+std::vector<std::string>& timings() {
+  static auto* lines = new std::vector<std::string>();
+  return *lines;
 }
 
 double elapsed_us(std::chrono::steady_clock::time_point since) {
@@ -278,16 +284,16 @@ class MatmulKernel final : public Kernel {
       // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
       const double best = std::min(aten_us, torch_us);
       if (best < 0.9 * onednn_us) library = torch_us < aten_us ? Library::Torch : Library::Aten;
-      if (std::getenv("EMBER_GEMM_LOG")) {
-        char torch_text[48] = "";
-        if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
-        std::fprintf(stderr, "ember cpu matmul %lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s\n",
-                     static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
-                     text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text,
-                     library_name(library));
-      }
+      char torch_text[48] = "";
+      if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
+      char line[256];
+      std::snprintf(line, sizeof line, "%lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s",
+                    static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
+                    text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text, library_name(library));
       lock.lock();
-      library = chosen().try_emplace(key, library).first->second;
+      const auto [kept, fresh] = chosen().try_emplace(key, library);
+      if (fresh) timings().emplace_back(line);
+      library = kept->second;
     }
     lock.unlock();
     std::lock_guard<std::mutex> mine(libraries_mu_);
@@ -371,6 +377,11 @@ std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::st
   auto dnnl = onednn::Matmul::create(config, why_not);
   if (!dnnl) return nullptr;
   return std::make_shared<MatmulKernel>(m, std::move(dnnl), std::move(config));
+}
+
+std::vector<std::string> cpu_matmul_timings() {
+  std::lock_guard<std::mutex> lock(chosen_mutex());
+  return timings();
 }
 
 }  // namespace ember::cpu

@@ -19,20 +19,6 @@ constexpr unsigned kThreads = 256;
 
 bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
-// Which groups' grids take every block their work fills instead of one wave (call_plan.h):
-// EMBER_CUDA_GRID=flat (flat groups; the default), =rows (flat and row groups) or =wave (none: one wave for
-// every group, the earlier behaviour). Column groups keep one wave: their row chunks are sized to it. Read once; for measuring.
-enum class FullGrids { None, Flat, FlatAndRows };
-
-FullGrids full_grids() {
-  static const FullGrids kinds = [] {
-    const char* v = std::getenv("EMBER_CUDA_GRID");
-    const std::string s = v ? v : "";
-    return s == "wave" ? FullGrids::None : (s == "rows" ? FullGrids::FlatAndRows : FullGrids::Flat);
-  }();
-  return kinds;
-}
-
 // Enough blocks for `work_items` at `per_block` each: at most one wave of `entry` where `capped`, else
 // every block the work fills (the grid-stride loops then run once), within a grid's x limit.
 unsigned blocks_for(int64_t work_items, int64_t per_block, const LaunchLimits& limits, size_t entry, unsigned threads,
@@ -116,9 +102,9 @@ void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t in
     strided |= !(((masks[0] | masks[1] | masks[2] | masks[3]) >> k) & 1u);
   plan.entry = vector ? (strided ? 2 : 1) : 0;
   plan.threads = kThreads;
-  const bool capped = full_grids() == FullGrids::None;
-  plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads, capped)
-                       : blocks_for(numel, kThreads, limits, plan.entry, kThreads, capped);
+  // Every block the work fills, not one wave (call_plan.h)
+  plan.blocks = vector ? blocks_for(numel / width, int64_t{kThreads} * unroll, limits, plan.entry, kThreads, false)
+                       : blocks_for(numel, kThreads, limits, plan.entry, kThreads, false);
 }
 
 // Column groups: a block per tile of 32 columns and chunk of rows (the kernel's shape, cuda_source.cpp:
@@ -149,21 +135,20 @@ void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& sou
     return v.mode == RowVariant::Mode::Warp ? most >= 32 : block_threads(v, cols, width) <= most;
   };
   std::optional<RowVariant> v = choose_row_variant(cols, width, source.rows, launchable);
-  const bool capped = full_grids() != FullGrids::FlatAndRows;
   if (!v) {
     plan.entry = 0;
     plan.threads = cols <= 64 ? 64 : (cols <= 512 ? 128 : 256);
-    plan.blocks = blocks_for(rows, 1, limits, 0, plan.threads, capped);
+    plan.blocks = blocks_for(rows, 1, limits, 0, plan.threads);
     return;
   }
   plan.entry = 1 + index_of(*v);
   if (v->mode == RowVariant::Mode::Warp) {
     plan.threads = static_cast<unsigned>(std::min<int64_t>(kThreads, limits.most_threads(plan.entry) / 32 * 32));
-    plan.blocks = blocks_for(rows, plan.threads / 32, limits, plan.entry, plan.threads, capped);
+    plan.blocks = blocks_for(rows, plan.threads / 32, limits, plan.entry, plan.threads);
     return;
   }
   plan.threads = static_cast<unsigned>(std::max<int64_t>(block_threads(*v, cols, width), 32));
-  plan.blocks = blocks_for(rows, 1, limits, plan.entry, plan.threads, capped);
+  plan.blocks = blocks_for(rows, 1, limits, plan.entry, plan.threads);
 }
 
 }  // namespace

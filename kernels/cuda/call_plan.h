@@ -18,7 +18,7 @@
 //    holds at once for that entry point (LaunchLimits::wave), and grid-stride loops do the rest. A grid
 //    of SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
 //    resident blocks, leaving SMs idle for the second; a single wave of persistent blocks keeps every
-//    SM busy to the end. EMBER_CUDA_GRID (call_plan.cpp) switches these for measuring.
+//    SM busy to the end.
 #pragma once
 
 #include "kernels/cuda/cuda_source.h"

@@ -4,6 +4,7 @@
 // each entry point's largest block and resident blocks per multiprocessor, are queried once per entry, here.
 #include "kernels/cuda/cuda_kernel.h"
 
+#include "ember/config.h"
 #include "ember/error.h"
 #include "kernels/cuda/call_plan.h"
 #include "kernels/cuda/cuda_source.h"
@@ -40,17 +41,10 @@ Background& background() {
   return *b;
 }
 
-// EMBER_CUDA_GENERAL=eager and EMBER_CUDA_STRIDED=eager compile those fallback entries with the others
-// (measuring switches: the first call's cost of them); so does a package's export or load (`images`): it
-// must hold every image.
-bool eager_entry(const char* name, const ImageStore* images) {
-  const char* v = std::getenv(name);
-  return images != nullptr || (v && std::string(v) == "eager");
-}
-
 // The functions of `source`'s entry points in CallPlan::entry order (general, vector, strided vector for
 // flat groups; general and the row variants for row groups; the general alone for column groups): the
-// modules that hold them compiled, the fallback entries (FusedCudaKernel) null unless eager_entry says.
+// modules that hold them compiled, the fallback entries (FusedCudaKernel) null unless a package's export or load
+// (`images`) asks for them: it must hold every image.
 std::vector<void*> compile_entries(const CudaSource& source, int device, ImageStore* images) {
   std::vector<std::string> entries;
   if (!source.vector_entry.empty()) entries.push_back(source.vector_entry);
@@ -58,7 +52,7 @@ std::vector<void*> compile_entries(const CudaSource& source, int device, ImageSt
   std::vector<void*> functions;
   if (!source.entries_text.empty()) {  // the general entry a module apart (cuda_source.h)
     std::future<void*> general;
-    if (eager_entry("EMBER_CUDA_GENERAL", images))
+    if (images)
       general = std::async(std::launch::async, [&] { return compile(source.general_text, source.general, device, images); });
     std::vector<void*> others = compile(source.entries_text, entries, device, images);
     functions.push_back(general.valid() ? general.get() : nullptr);
@@ -68,9 +62,7 @@ std::vector<void*> compile_entries(const CudaSource& source, int device, ImageSt
     functions = compile(source.text, entries, device, images);
   }
   if (!source.strided_vector_entry.empty())
-    functions.push_back(eager_entry("EMBER_CUDA_STRIDED", images)
-                            ? compile(source.strided_text, source.strided_vector_entry, device, images)
-                            : nullptr);
+    functions.push_back(images ? compile(source.strided_text, source.strided_vector_entry, device, images) : nullptr);
   return functions;
 }
 
@@ -270,8 +262,7 @@ class FusedCudaKernel final : public Kernel {
 // the first call, or for a first call that should already run the kernels later calls keep).
 // Read per kernel (when the plan is built, never per call), so that tests can switch it.
 bool background_compiles() {
-  const char* v = std::getenv("EMBER_CUDA_BACKGROUND");
-  return !(v && std::string(v) == "0");
+  return !config_is("EMBER_CUDA_BACKGROUND", "0");
 }
 
 std::shared_future<void> start_background_compile(std::function<void()> compile) {

@@ -56,15 +56,9 @@ class Printer {
   // output or an addition keep the accurate forms, and with them eager's bits. Inductor's generated code
   // uses the approximations everywhere. H100, share of copy bandwidth (kernel time), accurate -> fast:
   // bf16 softmax(x/8) 32768x1024 64% -> 80%, bf16 x*sigmoid(x)+y 85% -> 88% (f32 kernels are unchanged).
-  // EMBER_CUDA_FAST_MATH=0 (for measuring) keeps the accurate forms everywhere.
   void mark_rounded_values() {
     const size_t n = p_.reg_is_row.size();
     rounded_.assign(n, false);
-    static const bool off = [] {
-      const char* v = std::getenv("EMBER_CUDA_FAST_MATH");
-      return v && std::string(v) == "0";
-    }();
-    if (off) return;
     std::vector<OpCode> producer(n, OpCode::Copy);
     std::vector<bool> produced(n, false), used(n, false), ok(n, true);
     for (const Instr& i : p_.code) producer[i.dst] = i.op, produced[i.dst] = true;
@@ -476,13 +470,6 @@ class Printer {
     size_t full = 0, late = 0;
     for (size_t k = 0; k < p_.inputs.size(); ++k) (late_load(k) ? late : full) += 1;
     const size_t n = std::max<size_t>(full + (late + 1) / 2, 1);
-    // EMBER_CUDA_UNROLL=1|2|4 (for measuring) sets U for every flat group.
-    static const int forced = [] {
-      const char* v = std::getenv("EMBER_CUDA_UNROLL");
-      const int u = v ? std::atoi(v) : 0;
-      return u == 1 || u == 2 || u == 4 ? u : 0;
-    }();
-    if (forced) return forced;
     int u = heaviest_op() >= 2 ? 1 : (n <= 2 ? 4 : (n <= 4 ? 2 : 1));
     while (u > 1 && u * width_ * element_cost() > kMaxUnrolledCost) u /= 2;
     return u;
@@ -1049,15 +1036,8 @@ class Printer {
   // only full one. With two (GPT-2's residual + bias + layer norm writes the sum and the norm) the vector of
   // floats held per output spilled under the 85-register bound, and the element-wise form stays.
   bool vector_converted(size_t k) const { return !p_.outputs[k].row && full_outputs() == 1 && flat_vector_converted(k); }
-  // The flat kernels' test: every bf16 output. EMBER_CUDA_BF16_STORE=element (for measuring) keeps the
-  // element-wise conversion everywhere.
-  bool flat_vector_converted(size_t k) const {
-    static const bool element = [] {
-      const char* v = std::getenv("EMBER_CUDA_BF16_STORE");
-      return v && std::string(v) == "element";
-    }();
-    return out_type(k) == c10::kBFloat16 && !element;
-  }
+  // The flat kernels' test: every bf16 output.
+  bool flat_vector_converted(size_t k) const { return out_type(k) == c10::kBFloat16; }
 
   // Warp variants of ahead_input()'s groups whose row takes at most kMaxAheadWords registers a thread: each
   // row's loads are issued a row early, into registers of their own, so that they arrive while the row before
@@ -1185,17 +1165,12 @@ class Printer {
     // may instead count the registers that hold the rows read before the output phase (16-bit packed).
     size_t full_inputs = 0;
     for (const ProgramInput& in : p_.inputs) full_inputs += !in.row;
-    // EMBER_CUDA_ROWS=block (for measuring): block-per-row variants only.
-    static const bool blocks_only = [] {
-      const char* v = std::getenv("EMBER_CUDA_ROWS");
-      return v && std::string(v) == "block";
-    }();
     std::vector<RowVariant> all;
     for (int chunks : {1, 2, 4, 8}) {
       if (static_cast<size_t>(chunks * width_) * std::max<size_t>(full_inputs, 1) > kMaxCachedValues &&
           !held_rows_fit(chunks) && !hoists({RowVariant::Mode::Warp, chunks, ""}))
         continue;
-      if (!blocks_only) all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
+      all.push_back({RowVariant::Mode::Warp, chunks, name + "_w" + std::to_string(chunks)});
       if (chunks <= 2) all.push_back({RowVariant::Mode::Block, chunks, name + "_b" + std::to_string(chunks)});
     }
     std::optional<int64_t> cols = static_cols();

@@ -3,6 +3,7 @@
 #include "kernels/cuda/disk_cache.h"
 
 #include "backend/package/xxhash.h"
+#include "ember/config.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -68,8 +69,8 @@ bool get_string(const std::string& bytes, size_t end, size_t* pos, std::string* 
 }  // namespace
 
 std::string disk_cache_dir() {
-  if (const char* dir = std::getenv("EMBER_CACHE_DIR")) {
-    std::string d = dir;
+  if (const std::optional<std::string> dir = config_value("EMBER_CACHE_DIR")) {
+    const std::string& d = *dir;
     return d == "off" || d == "0" ? "" : d;
   }
   const char* home = std::getenv("HOME");

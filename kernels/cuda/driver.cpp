@@ -8,6 +8,7 @@
 // driver, not NVRTC), then in the disk cache (disk_cache.h); what NVRTC compiles goes to both.
 #include "kernels/cuda/driver.h"
 
+#include "ember/config.h"
 #include "ember/error.h"
 #include "kernels/compile_threads.h"
 #include "kernels/cuda/cuda_prelude.h"
@@ -93,8 +94,8 @@ void bind(void* lib, const char* name, F*& fn) {
 
 void bind_nvrtc(Api& a) {
   std::string tried;
-  const char* hint = std::getenv("EMBER_NVRTC_PATH");
-  void* nvrtc = open_first({hint ? hint : "", "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
+  const std::string hint = config_value("EMBER_NVRTC_PATH").value_or("");
+  void* nvrtc = open_first({hint, "libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}, &tried);
   if (!nvrtc) throw Error("NVRTC not found (tried" + tried + "); set EMBER_NVRTC_PATH");
   bind(nvrtc, "nvrtcCreateProgram", a.nvrtcCreateProgram);
   bind(nvrtc, "nvrtcCompileProgram", a.nvrtcCompileProgram);
@@ -235,23 +236,6 @@ std::string nvrtc_version() {
 
 namespace {
 
-// EMBER_NVRTC_OPTIONS: further NVRTC options, separated by spaces (for measuring what they trade: compile time
-// against kernel time). They become part of the disk cache's key.
-const std::vector<std::string>& extra_options() {
-  static const std::vector<std::string> options = [] {
-    std::vector<std::string> out;
-    const char* v = std::getenv("EMBER_NVRTC_OPTIONS");
-    std::string word;
-    for (const char* c = v ? v : ""; ; ++c) {
-      if (*c && *c != ' ') { word += *c; continue; }
-      if (!word.empty()) out.push_back(word), word.clear();
-      if (!*c) break;
-    }
-    return out;
-  }();
-  return options;
-}
-
 // NVRTC compiles at most compile_threads() programs at once in the process: code generation's threads and
 // deferred kernels' own (cuda_kernel.h) share them, so that a model's many background compiles neither
 // outnumber the cores nor hold each its own NVRTC memory at once. A slot is held for the scope.
@@ -286,7 +270,6 @@ std::string nvrtc_compile(const std::string& source, const std::string& name, co
     throw Error("NVRTC: cannot create program " + name);
   std::string arch_option = "--gpu-architecture=" + arch;
   std::vector<const char*> options{arch_option.c_str(), "--std=c++17"};
-  for (const std::string& o : extra_options()) options.push_back(o.c_str());
   nvrtcResult r = a.nvrtcCompileProgram(prog, static_cast<int>(options.size()), options.data());
   if (r != 0) {
     size_t n = 0;
@@ -372,8 +355,7 @@ ThreadUsage thread_usage() {
 KernelImage find_or_compile(const std::string& source, const std::string& name, const std::string& target,
                             ImageStore* images) {
   if (const KernelImage* stored = images ? images->find(target, source) : nullptr) return *stored;
-  std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
-  for (const std::string& o : extra_options()) version += " " + o;
+  const std::string version = nvrtc_version();  // throws where NVRTC is missing, as compiling would
   const std::string dir = disk_cache_dir();
   if (std::optional<KernelImage> cached = disk_cache_find(dir, target, version, source)) {
     std::lock_guard<std::mutex> lock(stats_mu);
@@ -420,8 +402,7 @@ bool has_image(const std::string& source, int device) {
     auto it = c.modules.find(target + "\n" + source);
     if (it != c.modules.end() && it->second.wait_for(std::chrono::seconds(0)) == std::future_status::ready) return true;
   }
-  std::string version = nvrtc_version();
-  for (const std::string& o : extra_options()) version += " " + o;
+  const std::string version = nvrtc_version();
   const std::string dir = disk_cache_dir();
   return !dir.empty() && disk_cache_find(dir, target, version, source).has_value();
 }

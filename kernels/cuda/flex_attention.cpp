@@ -24,6 +24,7 @@
 //     the row maximum in base 2 ([B, H, L] float32), fully masked rows giving zeros and -inf.
 //  5. A fast path of the plan (runtime.h), compiled when the plan is built; where it cannot be (NVRTC missing,
 //     a GPU before sm_80) the op's own CUDA implementation (flex.py: the dense form) runs instead.
+#include "ember/config.h"
 #include "ember/error.h"
 #include "ember/ir.h"
 #include "ember/runtime.h"
@@ -46,6 +47,7 @@ namespace {
 
 constexpr int kTile = 64;        // query rows per row tile of the warps, keys per step
 constexpr int kBuffers = 8;      // captured buffers the mods may read
+constexpr int64_t kMaxSplits = 16;  // blocks per query tile at most when its keys are split (decoding)
 
 // The kernel's by-value argument, written once for the host and once (as text) for the device.
 #define EMBER_FLEX_PARAMS                                                                                    \
@@ -766,7 +768,7 @@ class FlexAttention final : public FastPath {
       const int64_t sms = multiprocessor_count(device);
       int64_t splits = 1;
       if (tiles * B * heads < sms && S >= 4 * kTile)
-        splits = std::min<int64_t>({max_splits(), (8 * sms) / (tiles * B * heads), (S + kTile - 1) / kTile});
+        splits = std::min<int64_t>({kMaxSplits, (8 * sms) / (tiles * B * heads), (S + kTile - 1) / kTile});
       at::Tensor part_o, part_ml;
       p.splits = static_cast<int>(std::max<int64_t>(1, splits));
       if (p.splits > 1) {
@@ -808,14 +810,6 @@ class FlexAttention final : public FastPath {
   int64_t q_block_, kv_block_;
   int ev_;
   int rows_;     // query rows per block: 16 per row tile of each warp
-  // Blocks per query tile at most when its keys are split: 16, or EMBER_FLEX_SPLITS (for measuring).
-  static int64_t max_splits() {
-    static const int64_t n = [] {
-      const char* v = std::getenv("EMBER_FLEX_SPLITS");
-      return v && std::atoi(v) > 0 ? static_cast<int64_t>(std::atoi(v)) : int64_t{16};
-    }();
-    return n;
-  }
   int threads_;  // per block, 32 per warp (the wgmma kernel's producer warpgroup included)
   unsigned shared_bytes_;  // two stages of K and V tiles
   bool wgmma_;             // the products by wgmma (sm_90a), else by m16n8k16 MMAs
@@ -864,27 +858,21 @@ std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& s
     if (!available(&why)) return nullptr;
     const std::string target = arch(device);
     if (std::stoi(target.substr(3)) < 80) return nullptr;  // m16n8k16 16-bit MMAs
-    // One 16-row tile per warp. Two (EMBER_FLEX_ROWS=128, for measuring; head dims up to 64) let each K and V
-    // fragment feed two MMAs but spill and halve the blocks per SM: on the H100, bench/hops.py's flex
-    // 0.195 -> 0.189 ms, flex_long 0.474 -> 0.712 ms.
-    static const char* forced = std::getenv("EMBER_FLEX_ROWS");
-    const int mt = forced && std::string(forced) == "128" && ek <= 64 && ev <= 64 && q_block->i % (2 * kTile) == 0 ? 2 : 1;
+    // One 16-row tile per warp. Two (flex_source's mt = 2; head dims up to 64) let each K and V fragment feed
+    // two MMAs but spill and halve the blocks per SM: on the H100, bench/hops.py's flex 0.195 -> 0.189 ms,
+    // flex_long 0.474 -> 0.712 ms.
+    constexpr int mt = 1;
     // Head dims up to 64: 4 warps, registers for 3 blocks per SM. Wider: 2 blocks per SM (3 spill), and 8
     // warps where the BlockMask's query blocks hold 128 rows, so that each K and V tile serves twice the rows.
-    // EMBER_FLEX_MIN_BLOCKS and EMBER_FLEX_WARPS override these, for measuring.
-    static const char* min_forced = std::getenv("EMBER_FLEX_MIN_BLOCKS");
-    static const char* warps_forced = std::getenv("EMBER_FLEX_WARPS");
     const bool narrow = ek <= 64 && ev <= 64;
     // A few query rows (decoding) take 4 warps: the rows past them are computed and dropped.
     const bool few_rows = qt.sizes[2].is_constant() && qt.sizes[2].value <= 4 * 16;
-    int warps = !narrow && !few_rows && q_block->i % (8 * 16 * mt) == 0 ? 8 : 4;
-    if (warps_forced && (std::string(warps_forced) == "4" || q_block->i % (8 * 16 * mt) == 0))
-      warps = std::string(warps_forced) == "8" ? 8 : 4;
-    const int min_blocks = min_forced ? std::max(1, std::atoi(min_forced)) : (narrow ? 3 : (warps == 8 ? 1 : 2));
+    const int warps = !narrow && !few_rows && q_block->i % (8 * 16 * mt) == 0 ? 8 : 4;
+    const int min_blocks = narrow ? 3 : (warps == 8 ? 1 : 2);
     // On Hopper (sm_90) prefill takes its two products from wgmma, compiled for sm_90a; decoding keeps the
-    // m16n8k16 kernel (a warpgroup computes 64 rows). EMBER_FLEX_WGMMA=0 keeps it everywhere, for measuring.
-    const char* wgmma_forced = std::getenv("EMBER_FLEX_WGMMA");  // read per plan built: tests switch it
-    const bool wgmma = target == "sm_90" && !few_rows && mt == 1 && !(wgmma_forced && std::string(wgmma_forced) == "0");
+    // m16n8k16 kernel (a warpgroup computes 64 rows). EMBER_FLEX_WGMMA=0 keeps it everywhere (tests run both).
+    const bool wgmma_off = config_is("EMBER_FLEX_WGMMA", "0");  // read per plan built: tests switch it
+    const bool wgmma = target == "sm_90" && !few_rows && mt == 1 && !wgmma_off;
     const double s = scale->kind == Arg::Kind::Float ? scale->f : static_cast<double>(scale->i);
     const bool plain_scores = *score_mod == "return (float)(score);" && s > 0;  // flex.py's text of the identity
     const std::vector<void*> functions =

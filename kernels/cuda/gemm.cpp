@@ -35,9 +35,8 @@
 //     the warm-up before a CUDA graph capture (warming_for_graphs), whose replays launch nothing from the
 //     host. Each measurement starts behind an untimed run so the GPU never waits for the host, and each
 //     run starts with the L2 evicted, as a model's weights are (time_runs). EMBER_GEMM_ROUTE=
-//     lt|lt_bias|aten|padded forces one (tests run each); EMBER_GEMM_LOG=1 prints each problem's timings
-//     to stderr; EMBER_GEMM_TIMING=warm times with warm caches. Each route's first candidate is always
-//     timed, the others within a wall-time budget (tuning_wall_ms: their first runs load kernels).
+//     lt|lt_bias|aten|padded forces one (tests run each). Each route's first candidate is always
+//     timed, the others within a wall-time budget (kTuningWallMs: their first runs load kernels).
 //  7. ember's own kernels (kernels/cuda/gemm_kernels.cu, built by nvcc with libember): for problems of at
 //     most kKernelMaxMacs multiply-adds, each of their configurations is one more candidate (Route::Kernel).
 //     On the H100 host a plan step through the prepared cuBLASLt call took 17.4 us of host time (20 x
@@ -49,6 +48,7 @@
 //     capture, on GPU time alone. Beyond latency-bound sizes cuBLAS wins on arithmetic (64x1024x1024 f32
 //     without epilogue: k16 20 us, ATen's mm 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
 //     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16|k16|k32 one configuration (tests run each).
+#include "ember/config.h"
 #include "ember/error.h"
 #include "ember/runtime.h"
 #include "kernels/cuda/driver.h"
@@ -67,7 +67,6 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
-#include <cstdio>
 #include <atomic>
 #include <cstdlib>
 #include <map>
@@ -122,13 +121,7 @@ bool is_one(const c10::IValue& v) {
 // K >= 8 x max(M, N)), where too few output tiles would otherwise leave the GPU idle, and for problems of
 // at least 2^28 multiply-adds (several microseconds of GPU time even in 16-bit), where the timing in
 // choose_algorithm decides, with kSplitKPenaltyMs added for the extra launches.
-// EMBER_GEMM_SPLIT_K=1 allows it everywhere, =0 nowhere.
 bool split_k_allowed(int64_t m, int64_t n, int64_t k) {
-  static const int setting = [] {
-    const char* v = std::getenv("EMBER_GEMM_SPLIT_K");
-    return v && std::string(v) == "1" ? 1 : v && std::string(v) == "0" ? 0 : -1;
-  }();
-  if (setting >= 0) return setting == 1;
   return (k >= 4096 && k >= 8 * std::max(m, n)) || double(m) * double(n) * double(k) >= double(int64_t{1} << 28);
 }
 
@@ -138,14 +131,7 @@ constexpr float kTuningBudgetMs = 150.f;   // GPU time spent timing one problem,
 // above does not see the host's part: each cuBLASLt algorithm's first run loads its kernel (lazy module
 // loading), and with up to 8 algorithms per descriptor a biased GEMM has ~18 candidates. Timing them
 // all made BERT-base bf16's first run 1.0 s on the H100 host, 0.24 s with ATen's mm and no timing.
-// EMBER_GEMM_TUNING_MS=<ms> sets it (for measuring; a large value times every candidate).
-float tuning_wall_ms() {
-  static const float ms = [] {
-    const char* v = std::getenv("EMBER_GEMM_TUNING_MS");
-    return v && *v ? static_cast<float>(std::atof(v)) : 30.f;
-  }();
-  return ms;
-}
+constexpr float kTuningWallMs = 30.f;
 constexpr float kSplitKPenaltyMs = 0.003f;  // host time of a split-K algorithm's extra launches
 
 // Whether `algo` splits K (and so launches a reduction, often a memset too).
@@ -175,9 +161,9 @@ constexpr double kPaddedMinMacs = double(int64_t{1} << 26);
 
 // EMBER_GEMM_ROUTE, read when a step's plan is made: -1 (none forced) or a Route.
 int forced_route() {
-  const char* v = std::getenv("EMBER_GEMM_ROUTE");
+  const std::optional<std::string> v = config_value("EMBER_GEMM_ROUTE");
   if (!v) return -1;
-  std::string r(v);
+  const std::string& r = *v;
   return r == "lt" ? 0 : r == "lt_bias" ? 1 : r == "aten" ? 2 : r == "padded" ? 3 : r == "kernel" ? 4 : -1;
 }
 struct Choice {
@@ -244,10 +230,10 @@ const std::vector<void*>& kernel_functions(int device) {
 
 // EMBER_GEMM_KERNEL, read when a step's plan is made: -1 (none forced) or an index into kKernelConfigs.
 int forced_kernel() {
-  const char* v = std::getenv("EMBER_GEMM_KERNEL");
+  const std::optional<std::string> v = config_value("EMBER_GEMM_KERNEL");
   if (!v) return -1;
   for (size_t i = 0; i < kKernelConfigCount; ++i)
-    if (std::string(v) == kKernelConfigs[i].name) return static_cast<int>(i);
+    if (*v == kKernelConfigs[i].name) return static_cast<int>(i);
   return -1;
 }
 // Host time the timing does not see where the GPU is the bottleneck, but a graph of small GEMMs pays.
@@ -267,7 +253,7 @@ std::map<ProblemKey, Choice>& tuned() {
 // host time on top of its GPU time (GPT-2's 512x768x3072 projection measured 150 us through ATen that way,
 // against the 59 us its kernels take). Where host time exceeds GPU time (small GEMMs) the runs stay
 // host-bound, which is what such a GEMM costs in a graph too.
-// With `flush` (cold_l2()), each run is timed alone after a memset of `flush_bytes` (twice the L2) has
+// Each run is timed alone after a memset of `flush_bytes` (twice the L2) has
 // evicted the operands: in a model a layer's weights come from memory, not from the L2 where a loop over
 // the same operands keeps them (GPT-2 f32's 64x64-tile GEMMs ran 10% slower in the model than timed so).
 template <class Launch>
@@ -287,22 +273,11 @@ float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t
   auto measure = [&](int reps) {
     if (!launch()) return -1.f;
     bool ran = true;
-    if (flush) {  // each run alone: flush, start, run, stop
-      for (int r = 0; r < reps && ran; ++r)
-        ran = cudaMemsetAsync(flush, r & 0xff, flush_bytes, stream) == cudaSuccess &&
-              cudaEventRecord(events[2 * r], stream) == cudaSuccess && launch() &&
-              cudaEventRecord(events[2 * r + 1], stream) == cudaSuccess;
-    } else {  // back to back between two events
-      ran = cudaEventRecord(events[0], stream) == cudaSuccess;
-      for (int r = 0; r < reps && ran; ++r) ran = launch();
-      ran = ran && cudaEventRecord(events[1], stream) == cudaSuccess;
-    }
-    if (!ran || cudaEventSynchronize(events[flush ? 2 * reps - 1 : 1]) != cudaSuccess) return -1.f;
-    if (!flush) {
-      float ms = 0.f;
-      if (cudaEventElapsedTime(&ms, events[0], events[1]) != cudaSuccess) return -1.f;
-      return ms / static_cast<float>(reps);
-    }
+    for (int r = 0; r < reps && ran; ++r)  // each run alone: flush, start, run, stop
+      ran = cudaMemsetAsync(flush, r & 0xff, flush_bytes, stream) == cudaSuccess &&
+            cudaEventRecord(events[2 * r], stream) == cudaSuccess && launch() &&
+            cudaEventRecord(events[2 * r + 1], stream) == cudaSuccess;
+    if (!ran || cudaEventSynchronize(events[2 * reps - 1]) != cudaSuccess) return -1.f;
     std::array<float, kMaxReps> runs{};
     for (int r = 0; r < reps; ++r)
       if (cudaEventElapsedTime(&runs[r], events[2 * r], events[2 * r + 1]) != cudaSuccess) return -1.f;
@@ -316,20 +291,11 @@ float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t
     // training step picked other cuBLASLt algorithms from process to process, its GPU time per step
     // varying by 210 us (1.3%, H100).
     if (ms >= 0.f)
-      ms = measure(std::clamp(static_cast<int>(0.5f / std::max(ms, 1e-3f)), flush ? 5 : 2, kMaxReps));
+      ms = measure(std::clamp(static_cast<int>(0.5f / std::max(ms, 1e-3f)), 5, kMaxReps));
   }
   for (int e = 0; e < made; ++e) cudaEventDestroy(events[e]);
   (void)cudaGetLastError();
   return ms;
-}
-
-// Whether the timing evicts the L2 before each run (time_runs); EMBER_GEMM_TIMING=warm times back to back.
-bool cold_l2() {
-  static const bool cold = [] {
-    const char* v = std::getenv("EMBER_GEMM_TIMING");
-    return !(v && std::string(v) == "warm");
-  }();
-  return cold;
 }
 
 template <class Option>
@@ -636,12 +602,9 @@ class LtGemm final : public FastPath {
     for (const Choice& c : candidates) workspace_bytes = std::max(workspace_bytes, c.workspace);
     at::Tensor out = at::empty({s_.m, s_.n}, a.options());
     at::Tensor workspace = at::empty({static_cast<int64_t>(std::max<size_t>(workspace_bytes, 1))}, a.options().dtype(at::kByte));
-    at::Tensor flush;
-    if (cold_l2()) {
-      int l2 = 0;
-      if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, s_.device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
-      flush = at::empty({2 * static_cast<int64_t>(l2)}, a.options().dtype(at::kByte));
-    }
+    int l2 = 0;  // evicted before each timed run (time_runs)
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, s_.device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
+    const at::Tensor flush = at::empty({2 * static_cast<int64_t>(l2)}, a.options().dtype(at::kByte));
     if (bias) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
@@ -652,8 +615,6 @@ class LtGemm final : public FastPath {
     // replaces the winner where it is faster with host time counted (point 7).
     Choice best = candidates[0], best_kernel;
     float best_ms = -1.f, kernel_ms = -1.f, spent_ms = 0.f;
-    const bool log = std::getenv("EMBER_GEMM_LOG") != nullptr;  // read once per problem: what the timing saw
-    std::string seen;
     // Candidates come each route's first, then the rest (prepare): those leaders are always timed.
     std::array<bool, kRoutes> route_seen{};
     const auto start = std::chrono::steady_clock::now();
@@ -661,14 +622,11 @@ class LtGemm final : public FastPath {
       if (spent_ms > kTuningBudgetMs) break;
       bool& leader_seen = route_seen[static_cast<size_t>(c.route)];
       if (leader_seen && std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - start).count() >
-                             tuning_wall_ms())
+                             kTuningWallMs)
         break;
       leader_seen = true;
       float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream,
-                           flush.defined() ? flush.data_ptr() : nullptr, flush.defined() ? static_cast<size_t>(flush.numel()) : 0);
-      if (log)
-        seen += std::string(" ") + (c.route == Route::Kernel ? kKernelConfigs[c.config].name : std::string(1, "lbapk"[static_cast<int>(c.route)])) +
-                (ms < 0.f ? "=fail" : "=" + std::to_string(static_cast<int>(ms * 1000.f)));
+                           flush.data_ptr(), static_cast<size_t>(flush.numel()));
       if (ms < 0.f) continue;
       spent_ms += 5.f * ms;
       if (c.route == Route::Kernel) {
@@ -687,12 +645,6 @@ class LtGemm final : public FastPath {
                                                             : std::max(kernel_ms, kKernelHostMs) < std::max(best_ms, kLtHostMs));
       if (kernel_wins) best = best_kernel;
     }
-    if (log)
-      std::fprintf(stderr, "ember gemm %lldx%lldx%lld epilogue %d%s: chose %s after %.1f ms; us per candidate (l: cublasLt, b: bias after, a: aten, p: padded, t*/s*: ember's kernels):%s\n",
-                   static_cast<long long>(s_.m), static_cast<long long>(s_.n), static_cast<long long>(s_.k),
-                   static_cast<int>(s_.epilogue), for_graphs ? " (for graphs)" : "",
-                   best.route == Route::Kernel ? kKernelConfigs[best.config].name : std::string(1, "lbapk"[static_cast<int>(best.route)]).c_str(),
-                   std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count(), seen.c_str());
     std::lock_guard<std::mutex> lock(tuned_mutex);
     tuned().emplace(key, best);
     return best;
@@ -709,8 +661,7 @@ class LtGemm final : public FastPath {
 
 std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
-    const char* v = std::getenv("EMBER_CUBLASLT");
-    return !(v && std::string(v) == "0");
+    return !config_is("EMBER_CUBLASLT", "0");
   }();
   if (!enabled) return nullptr;
   Epilogue epilogue;

@@ -24,3 +24,8 @@ if ONEDNN_LIBRARY and hasattr(os, "RTLD_DEEPBIND"):
 
 from ._native import *  # noqa: E402,F401,F403
 from ._native import __doc__  # noqa: E402,F401
+from ._native import set_config as _set_config  # noqa: E402
+
+from . import config as _config  # noqa: E402
+
+_config.push_all(_set_config)  # C++ reads the settings ember.config holds (backend/include/ember/config.h)

@@ -3,6 +3,7 @@
     model = torch.compile(model, backend="ember")   # registered on install; no `import ember` needed
     print(ember.explain(model)(x))                  # what compiled, fused, fell back, and where time went
     ember.export(model, (x,), "model.ember")        # a package for C++ (ember::load), no Python needed
+    ember.config.fallback = "raise"                 # settings: docs/configuration.md, ember.config.patch(...)
     package = ember.load("model.ember", "cpu")      # the same package from Python: package.run([x])
 
 Public API:
@@ -10,6 +11,7 @@ Public API:
     export(model, example_inputs, path, ...) write a package that C++ ember::load runs
     load(path, device="cpu")                 load a package through the C++ loader
     wait_for_compiles()                      wait for fused CUDA kernels compiling in the background
+    config                                   every setting, typed (ember/config.py, docs/configuration.md)
     EmberError                               what ember raises for a graph, option or package it cannot handle
     ember_backend                            the backend function itself (torch.compile(backend=ember.ember_backend))
 
@@ -27,11 +29,11 @@ Importing ember is cheap: the C++ extension, AOTAutograd and the decomposition t
 first compile, not here.
 """
 
+from . import config
 from .errors import EmberError
 
 __version__ = "0.1.0"
-# The public names. A module-level `config` object, where present, belongs in this list too.
-__all__ = ["EmberError", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
+__all__ = ["EmberError", "config", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
 
 
 def wait_for_compiles():
@@ -39,8 +41,8 @@ def wait_for_compiles():
 
     Fused CUDA kernels that no cache holds compile on threads of their own, and until one has loaded, calls
     run its group's ATen ops instead (kernels/cuda/cuda_kernel.h); calls after this run the kernels.
-    Returns at once where nothing is compiling. EMBER_CUDA_BACKGROUND=0 compiles everything before the
-    first call instead."""
+    Returns at once where nothing is compiling. ember.config.cuda_background = False (EMBER_CUDA_BACKGROUND=0)
+    compiles everything before the first call instead."""
     from . import _C
 
     _C.wait_for_kernel_compiles()
@@ -102,5 +104,4 @@ def __getattr__(name):
 
 
 def __dir__():
-    # The public names first of all: help(ember) and dir(ember) list these; a `config` defined here joins them.
-    return sorted(set(__all__) | ({"config"} & set(globals())))
+    return sorted(__all__)  # the public names: help(ember) and dir(ember) list these

@@ -12,7 +12,7 @@ graphs differentiate through them), and the original op otherwise.
 On Hopper, 16-bit attention goes to cuDNN's kernel first, as eager's dispatcher does there (torch 2.11,
 H100): GPT-2 bf16 b16 s512 (transformers' causal mask reaching SDPA as a boolean mask under compile) took
 155 us per layer in the memory-efficient kernel with the mask as a bias, 68 us in cuDNN's (inductor's
-choice), 32 us in eager's cuDNN call without a mask. EMBER_CUDNN_ATTENTION=0 keeps it to flash / efficient.
+choice), 32 us in eager's cuDNN call without a mask. ember.config.cudnn_attention = False keeps it to flash / efficient.
 
 Before that, on every device, masks computed from constants alone are read at compile time
 (`simplify_masks`): one that masks nothing is dropped, one that is exactly the causal mask becomes
@@ -24,10 +24,11 @@ attention 131 us per layer with BERT's mask as a bias, 71 without).
 
 import math
 import operator
-import os
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from . import config
 
 _SDPA = torch._C._nn.scaled_dot_product_attention
 
@@ -138,8 +139,8 @@ def simplify_masks(gm):
     """Attention masks of a Dynamo graph computed from constants alone: dropped where they mask nothing,
     replaced by is_causal=True where they are exactly the causal mask. The attention is the same either way;
     its kernels run their mask-free (or causal) paths. Returns (masks dropped, masks made is_causal).
-    EMBER_KEEP_MASKS=1 leaves them."""
-    if os.environ.get("EMBER_KEEP_MASKS", "0") == "1":
+    ember.config.keep_masks = True leaves them."""
+    if config.keep_masks:
         return 0, 0
     dropped = causal = 0
     for node in gm.graph.nodes:
@@ -228,7 +229,7 @@ def _kernel_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
 
 def _cudnn_usable(query, head, value_head, attn_mask):
     """Whether cuDNN's attention takes these operands (16-bit, Hopper, head <= 128, a 4-D mask at most)."""
-    if os.environ.get("EMBER_CUDNN_ATTENTION", "1") == "0" or not torch.backends.cuda.cudnn_sdp_enabled():
+    if not config.cudnn_attention or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     if query.dtype not in (torch.float16, torch.bfloat16) or head != value_head or head > 128:
         return False
@@ -351,7 +352,7 @@ def densify_flex_attention(gm, fused=True):
     (with `fused`), else by dense_flex_attention; returns how many became dense."""
     hop = _flex_hop()
     nodes = [n for n in gm.graph.nodes if hop is not None and n.op == "call_function" and n.target is hop]
-    if nodes and fused and os.environ.get("EMBER_FLEX_KERNEL", "1") != "0":
+    if nodes and fused and config.flex_kernel:
         from .flex import fuse_flex_attention
 
         left = fuse_flex_attention(gm, nodes)  # the CUDA kernel where it runs (flex.py)

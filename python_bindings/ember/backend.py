@@ -4,29 +4,23 @@ Dynamo hands ember a torch-level FX graph; AOTAutograd (with ember's decompositi
 forward / backward / inference graphs of ATen ops; each of those is lowered to IR text, compiled in
 C++ and handed back as a C++ callable (boxed calling convention, no Python per call). An inference graph
 whose AOTAutograd wrapper would have nothing to do is traced to ATen ops in one pass instead (trace.py:
-the same graph at about half AOTAutograd's cost); EMBER_DIRECT_TRACE=0 sends it through AOTAutograd too.
+the same graph at about half AOTAutograd's cost); ember.config.direct_trace = False sends it through AOTAutograd
+too.
 A training graph whose wrapper would add nothing but its autograd function is traced call by call with each
 call's backward instead (joint.py: BERT-base training's ATen tracing 1.3-1.5 s less on the 2-core host);
-EMBER_TRACE_BY_NODE=0 keeps AOTAutograd for it.
+trace_by_node = False keeps AOTAutograd for it.
 
-Options (torch.compile's `options=` dict) and the environment variables that set the same thing:
-
-    fallback        "warn" (default): a graph ember cannot compile runs eagerly, with one warning
-                    "raise": raise ember.EmberError naming the node            EMBER_FALLBACK
-    disable_passes  pass names to skip, a list or a comma-separated string     EMBER_DISABLE_PASSES
-    debug_dir       write the FX graph, the IR after each pass and the plan    EMBER_DEBUG
-    cudagraphs      capture CUDA graphs (default: on in mode="reduce-overhead",
-                    off otherwise)                                              EMBER_CUDAGRAPHS=0/1
-    cudagraph_warmup      eager calls per new input signature before capture
-                          (default 1)                                           EMBER_CUDAGRAPH_WARMUP
-    cudagraph_max_graphs  input signatures captured per graph; beyond it calls
-                          run without CUDA graphs, with one warning (default 8) EMBER_CUDAGRAPH_MAX_GRAPHS
+Options (torch.compile's `options=` dict) are the settings of ember.config marked `option` (config.py:
+fallback, disable_passes, debug_dir, cudagraphs, cudagraph_warmup, cudagraph_max_graphs, parameter_cache);
+one compile's options take precedence over ember.config and the environment. torch.compile hands mode and
+options to the backend only at the first call, so that is where an unknown one raises (CompileConfig), before
+anything is traced.
 
 Inference graphs whose AOTAutograd runtime wrapper would only pass arguments through are handed to
 Dynamo as the C++ graph itself, so a call runs no Python frame between Dynamo's guards and the plan. A
 training graph whose wrapper would add nothing but its autograd.Function becomes one C++ autograd function
 instead (python_bindings/training_graph.h): its backward then compiles with the forward, not at the first
-backward. EMBER_DIRECT_CALL=0 keeps AOTAutograd's wrappers for both.
+backward. ember.config.direct_call = False keeps AOTAutograd's wrappers for both.
 
 mode="reduce-overhead" captures the CUDA parts of each graph into CUDA graphs (cudagraph/ in C++): host
 syncs, CPU tensors and data-dependent shapes split a graph into captured parts with eager steps between
@@ -40,64 +34,33 @@ import os
 import time
 import warnings
 
+from . import config as ember_config
 from .errors import EmberError
 
 MODES = (None, "default", "reduce-overhead")
-OPTIONS = ("fallback", "disable_passes", "debug_dir", "cudagraphs", "cudagraph_warmup", "cudagraph_max_graphs")
-FALLBACKS = ("warn", "raise")
+OPTIONS = ember_config.OPTIONS
 
 _graph_ids = itertools.count()
 _warned_no_cuda_graphs = False
 _mark_step_hooked = False
 
 
-def _env_int(name, default):
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise EmberError(f"{name} must be an integer, not {value!r}") from None
-
-
-def _as_bool(name, value):
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("1", "true", "on", "yes", "0", "false", "off", "no", ""):
-        return value.strip().lower() in ("1", "true", "on", "yes")
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    raise EmberError(f"{name} must be a boolean, not {value!r}")
-
-
 class CompileConfig:
-    """The resolved mode, options and environment for one torch.compile call."""
+    """The resolved mode and options of one torch.compile call (ember.config.resolve_options)."""
 
     def __init__(self, mode=None, options=None):
         if mode not in MODES:
             raise EmberError(f"unknown mode {mode!r}; ember accepts: {', '.join(repr(m) for m in MODES)}")
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise EmberError(f"unknown option(s) {', '.join(map(repr, unknown))}; ember accepts: {', '.join(OPTIONS)}")
+        resolved = ember_config.resolve_options(options)
         self.mode = mode or "default"
-        self.fallback = options.get("fallback", os.environ.get("EMBER_FALLBACK", "warn"))
-        if self.fallback not in FALLBACKS:
-            raise EmberError(f"fallback must be one of {FALLBACKS}, not {self.fallback!r}")
-        passes = options.get("disable_passes", os.environ.get("EMBER_DISABLE_PASSES", ""))
-        if isinstance(passes, str):
-            passes = [p.strip() for p in passes.split(",") if p.strip()]
-        self.disabled_passes = list(passes)
-        self.debug_dir = options.get("debug_dir", os.environ.get("EMBER_DEBUG", "")) or ""
-        default_graphs = os.environ.get("EMBER_CUDAGRAPHS", "1" if self.mode == "reduce-overhead" else "0")
-        self.cudagraphs = _as_bool("cudagraphs", options.get("cudagraphs", default_graphs))
-        self.cudagraph_warmup = options.get("cudagraph_warmup", _env_int("EMBER_CUDAGRAPH_WARMUP", 1))
-        self.cudagraph_max_graphs = options.get("cudagraph_max_graphs", _env_int("EMBER_CUDAGRAPH_MAX_GRAPHS", 8))
-        for name in ("cudagraph_warmup", "cudagraph_max_graphs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "cudagraph_warmup" else 1):
-                raise EmberError(f"{name} must be an integer >= {0 if name == 'cudagraph_warmup' else 1}, not {value!r}")
+        self.fallback = resolved["fallback"]
+        self.disabled_passes = list(resolved["disable_passes"])
+        self.debug_dir = resolved["debug_dir"]
+        graphs = resolved["cudagraphs"]
+        self.cudagraphs = self.mode == "reduce-overhead" if graphs is None else graphs
+        self.cudagraph_warmup = resolved["cudagraph_warmup"]
+        self.cudagraph_max_graphs = resolved["cudagraph_max_graphs"]
+        self.parameter_cache = resolved["parameter_cache"]
 
     def check_passes(self, known):
         unknown = [p for p in self.disabled_passes if p not in known]
@@ -106,8 +69,8 @@ class CompileConfig:
 
 
 def _hint_nvrtc():
-    """Points ember at the NVRTC that torch's CUDA wheels install, unless EMBER_NVRTC_PATH is set."""
-    if os.environ.get("EMBER_NVRTC_PATH"):
+    """Points ember at the NVRTC that torch's CUDA wheels install, unless ember.config.nvrtc_path is set."""
+    if ember_config.nvrtc_path:
         return
     import glob
 
@@ -116,7 +79,7 @@ def _hint_nvrtc():
     root = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
     found = sorted(glob.glob(os.path.join(root, "**", "libnvrtc.so*"), recursive=True))
     if found:
-        os.environ["EMBER_NVRTC_PATH"] = os.path.realpath(found[-1])
+        ember_config.nvrtc_path = os.path.realpath(found[-1])
 
 
 def compile_fx_graph(gm, config, kind, pinned=None):
@@ -143,7 +106,7 @@ def compile_fx_graph(gm, config, kind, pinned=None):
         if pinned is None:
             pinned = _pinned_inputs(gm, kind)
         cached = []
-        if kind == "inference" and os.environ.get("EMBER_PARAMETER_CACHE", "1") != "0":
+        if kind == "inference" and config.parameter_cache:
             cached = pinned
         subgraphs = _compile_subgraphs(subgraphs, config, graph_name)
         # Under the Python dispatcher, as the tracing was (and as AOTAutograd compiles): the plan's view steps
@@ -171,7 +134,7 @@ def compile_fx_graph(gm, config, kind, pinned=None):
 
 
 def _dump_fx(config, graph_name, gm):
-    """EMBER_DEBUG: the readable FX graph ember lowers, as <graph_name>.fx.py."""
+    """debug_dir: the readable FX graph ember lowers, as <graph_name>.fx.py."""
     if config.debug_dir:
         os.makedirs(config.debug_dir, exist_ok=True)
         with open(os.path.join(config.debug_dir, graph_name + ".fx.py"), "w") as f:
@@ -365,7 +328,7 @@ def _training_spec(forward, backward):
 
 def _called_directly(gm, example_inputs, compiled):
     """Whether Dynamo may call `compiled` (a C++ graph taking this Dynamo graph's inputs) itself."""
-    if os.environ.get("EMBER_DIRECT_CALL", "1") == "0" or compiled.num_inputs != len(example_inputs):
+    if not ember_config.direct_call or compiled.num_inputs != len(example_inputs):
         return False  # AOTAutograd deduplicated or rebased inputs
     if any(isinstance(x, (list, tuple, dict)) for x in example_inputs):
         return False
@@ -411,7 +374,7 @@ def _direct_call(gm, example_inputs, inference):
 def _traced_call(gm, example_inputs, config):
     """The C++ DirectCall of an inference graph traced in one pass without AOTAutograd (trace.py), the
     Dynamo graph itself where ember could not compile it (and warned), or None: then AOTAutograd traces it."""
-    if os.environ.get("EMBER_DIRECT_CALL", "1") == "0":
+    if not ember_config.direct_call:
         return None
     from .decompositions import decomposition_table
     from .trace import trace_inference
@@ -547,9 +510,9 @@ def _collector_paused():
     back on after it, as it was. Tracing keeps most of what it allocates alive, so each full collection in it
     walked the whole heap and freed little. In BERT-base training's fresh first call on H200 hosts, 0.34-0.50 s
     of collecting fell inside the backend, two full collections in the call; paused, 0.07-0.09 s and one full
-    collection, none moved into the next five calls, peak memory within 25 MB (1.69 GB). EMBER_PAUSE_GC=0
-    leaves the collector running."""
-    if not gc.isenabled() or os.environ.get("EMBER_PAUSE_GC", "1") == "0":
+    collection, none moved into the next five calls, peak memory within 25 MB (1.69 GB). ember.config.pause_gc =
+    False leaves the collector running."""
+    if not gc.isenabled() or not ember_config.pause_gc:
         yield
         return
     gc.disable()
@@ -569,12 +532,12 @@ def _hold_full_collections_in_dynamo():
     the program's next allocations (0.27-0.35 s there); for BERT training the program ran one there either way.
     Installed as Dynamo's compile start and end callbacks (torch._dynamo.callback_handler) where Dynamo is loaded,
     again at each ember_backend call (torch._dynamo.reset() drops them); they act only on frames compiled for
-    ember (_compiling_for_ember). EMBER_PAUSE_GC=0 leaves the collector alone here as in _collector_paused."""
+    ember (_compiling_for_ember). pause_gc = False leaves the collector alone here as in _collector_paused."""
     import sys
 
     dynamo = sys.modules.get("torch._dynamo")
     handler = getattr(dynamo, "callback_handler", None)
-    if handler is None or os.environ.get("EMBER_PAUSE_GC", "1") == "0":
+    if handler is None or not ember_config.pause_gc:
         return
     if _dynamo_compile_started not in handler.start_callbacks:
         handler.register_start_callback(_dynamo_compile_started)
@@ -644,7 +607,7 @@ def _compile_graph(gm, example_inputs, config):
 
     from .decompositions import decomposition_table
 
-    if _NVRTC_WARM_UP != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
+    if any(getattr(x, "is_cuda", False) for x in example_inputs):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
@@ -682,11 +645,11 @@ def _compile_graph(gm, example_inputs, config):
         from .attention import densify_flex_attention
 
         densify_flex_attention(gm)  # flex_attention as ATen ops AOTAutograd traces (see attention.py)
-    if os.environ.get("EMBER_FUSED_ATTENTION", "1") != "0" and any(getattr(x, "is_cuda", False) for x in example_inputs):
+    if ember_config.fused_attention and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from .attention import route_attention
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
-    if os.environ.get("EMBER_CONV_CHANNELS_LAST", "1") != "0":
+    if ember_config.conv_channels_last:
         from .layout import channels_last_convolutions
 
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
@@ -698,7 +661,7 @@ def _compile_graph(gm, example_inputs, config):
         direct = _joint_traced_call(gm, example_inputs, config)
     if direct is not None:
         return direct
-    if os.environ.get("EMBER_DIRECT_CALL", "1") != "0" and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+    if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
         # training graph's forward and backward can become one C++ autograd function (_training_call).
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
@@ -742,12 +705,6 @@ def _aot_autograd(**kwargs):
     return backend
 
 
-# When NVRTC's first use in the process starts, on a thread of its own: EMBER_NVRTC_WARMUP=import where
-# torch.compile resolves backend="ember" in a process already using CUDA (overlapping Dynamo's tracing), =entry at
-# the backend's entry (overlapping AOTAutograd's), =0 at the first kernel compile (no warm-up).
-_NVRTC_WARM_UP = os.environ.get("EMBER_NVRTC_WARMUP", "import")
-
-
 def _warm_up_if_cuda_in_use():
     """torch.compile(..., backend="ember") imports this module (the entry point) before the first call is
     traced. Where the process already uses CUDA, NVRTC's first use starts now, on a thread of its own, and
@@ -755,7 +712,7 @@ def _warm_up_if_cuda_in_use():
     import sys
 
     torch = sys.modules.get("torch")
-    if _NVRTC_WARM_UP not in ("0", "entry") and torch is not None and torch.cuda.is_initialized():
+    if torch is not None and torch.cuda.is_initialized():
         from . import _C
 
         _C.warm_up_cuda_compiler()

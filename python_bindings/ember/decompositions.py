@@ -23,11 +23,12 @@ Kept whole, and why:
 Replaced: embedding_dense_backward becomes ember::embedding_grad (kernels/embedding_grad_op.cpp: a zero table
 and one index_add_) without scale_grad_by_freq: on CUDA outside deterministic mode (its index_add_ adds with
 atomics), on the CPU for float32 and float64 gradients (its zero table costs only the pages written);
-EMBER_EMBEDDING_GRAD=aten keeps ATen's kernel.
+ember.config.embedding_grad = "aten" keeps ATen's kernel.
 """
 
 import functools
-import os
+
+from . import config
 
 KEEP_WHOLE = (
     "scaled_dot_product_attention.default",
@@ -97,11 +98,15 @@ def _core_table():
     return table
 
 
-@functools.lru_cache(maxsize=2)
 def decomposition_table(for_export=False):
-    """The table handed to AOTAutograd and to trace.py; built once, on first compile. `for_export`: the table for
-    ember.export's `run_decompositions`, which may keep CompositeImplicitAutograd ops its table does not name, so
-    it gets torch's whole core table."""
+    """The table handed to AOTAutograd and to trace.py; built once (per embedding_grad setting), on first compile.
+    `for_export`: the table for ember.export's `run_decompositions`, which may keep CompositeImplicitAutograd ops
+    its table does not name, so it gets torch's whole core table."""
+    return _table(for_export, config.embedding_grad)
+
+
+@functools.lru_cache(maxsize=4)
+def _table(for_export, embedding_grad_setting):
     import torch
     from torch._decomp import core_aten_decompositions
 
@@ -113,7 +118,7 @@ def decomposition_table(for_export=False):
             keep.add(getattr(op, overload))
     core = dict(core_aten_decompositions()) if for_export else _core_table()
     table = {op: fn for op, fn in core.items() if op not in keep}
-    if os.environ.get("EMBER_EMBEDDING_GRAD", "") != "aten":
+    if embedding_grad_setting != "aten":
         table[torch.ops.aten.embedding_dense_backward.default] = embedding_grad
     return table
 

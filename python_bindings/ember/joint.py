@@ -26,12 +26,13 @@ memory, static shapes and no symbolic values, no autocast, no call that writes m
 place, `out=`, grad mode, the RNG seed; a training batch norm's statistics are found in its trace), no
 higher-order ops, outputs that are fresh tensors (not inputs, not views, each once), no saved-tensor hooks
 or compiled autograd. Anything else, or anything unforeseen while tracing, goes to AOTAutograd, as does
-every graph under EMBER_TRACE_BY_NODE=0, EMBER_DIRECT_TRACE=0, EMBER_DIRECT_CALL=0 or TORCH_COMPILE_DEBUG=1
+every graph with ember.config.trace_by_node, direct_trace or direct_call False, or under TORCH_COMPILE_DEBUG=1
 (whose output holds AOTAutograd's graphs).
 """
 
 import os
 
+from . import config
 from .trace import (
     _NotByNode,
     _arg_key,
@@ -50,10 +51,11 @@ from .trace import (
 def trace_training(gm, example_inputs, decompositions):
     """(forward graph module, backward graph module, TrainingGraph arguments, pinned inputs) for a training
     graph traced call by call, or (None, None, why not, None)."""
-    for name, off in (("EMBER_DIRECT_TRACE", "0"), ("EMBER_DIRECT_CALL", "0"), ("EMBER_TRACE_BY_NODE", "0"),
-                      ("TORCH_COMPILE_DEBUG", "1")):  # (torch's debug output holds AOTAutograd's graphs)
-        if os.environ.get(name) == off:
-            return None, None, f"{name}={off}", None
+    for name in ("direct_trace", "direct_call", "trace_by_node"):
+        if getattr(config, name) is False:
+            return None, None, f"{name} off", None
+    if os.environ.get("TORCH_COMPILE_DEBUG") == "1":  # torch's own variable: its debug output holds AOTAutograd's graphs
+        return None, None, "TORCH_COMPILE_DEBUG=1", None
     import torch
     from torch._guards import detect_fake_mode
     from torch.multiprocessing.reductions import StorageWeakRef

@@ -13,7 +13,7 @@ convolution's input needs none. Graph outputs that were 4-D and NCHW go back to 
 eager's strides.
 
 Only where a graph has at least two CUDA 2-D convolutions over floating NCHW tensors (a conv-heavy
-model, as inductor decides); EMBER_CONV_CHANNELS_LAST=0 turns it off.
+model, as inductor decides); ember.config.conv_channels_last = False turns it off.
 
 On the CPU the same holds for inference graphs, with the weights left as they are: ember's convolution
 kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's blocked layout for a

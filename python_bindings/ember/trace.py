@@ -12,7 +12,7 @@ What keeps AOTAutograd, read from the Dynamo graph before tracing or from the tr
   sharing memory, a graph module holding tensors of its own, higher-order ops or submodules;
 - a graph that still writes memory after functionalization (an input mutated: AOTAutograd's wrapper or its
   version-counter bookkeeping are needed), or whose outputs alias an input (the wrapper regenerates those).
-EMBER_DIRECT_TRACE=0 sends every graph through AOTAutograd.
+ember.config.direct_trace = False sends every graph through AOTAutograd.
 
 Repeated layers are traced once (`_trace_by_node`). A Dynamo graph of a 12-layer transformer holds each
 layer's few dozen calls twelve times over, and make_fx pays ~1 ms of Python dispatch per call (BERT-base: 314
@@ -28,10 +28,10 @@ host; stacks of 3-24 Linear(64, 64), with or without a ReLU after each, took les
 there (3 calls: 13 -> 8 ms; 12: 56 -> 27 ms; 24 with ReLUs: 51 -> 15 ms). Graphs with anything a call-by-call
 trace could get wrong keep the whole-graph trace: an in-place call or `out=` (functionalization across calls is the whole trace's work), a call
 that changes global state (grad mode, autocast, the RNG seed), arguments of kinds without an exact key.
-EMBER_TRACE_BY_NODE=0 keeps the whole-graph trace, =1 uses the call-by-call one wherever it can.
+ember.config.trace_by_node = False keeps the whole-graph trace, True uses the call-by-call one wherever it can.
 """
 
-import os
+from . import config
 
 
 def _plain_inputs(gm, example_inputs):
@@ -181,8 +181,8 @@ def _lazy_graph_modules():
 def trace_inference(gm, example_inputs, decompositions):
     """(traced graph module, pinned inputs) for an inference graph AOTAutograd would add nothing to, or
     (None, why not)."""
-    if os.environ.get("EMBER_DIRECT_TRACE", "1") == "0":
-        return None, "EMBER_DIRECT_TRACE=0"
+    if not config.direct_trace:
+        return None, "direct_trace off"
     import torch
     from torch._dispatch.python import enable_python_dispatcher
     from torch._guards import detect_fake_mode
@@ -321,11 +321,11 @@ def _tensor_key(t):
 def _repeats_enough(gm):
     """Whether a trace per distinct call should pay: enough calls, at most a sixth of them distinct by the key
     Dynamo's own values give (the traced values decide the real keys; this only estimates)."""
-    mode = os.environ.get("EMBER_TRACE_BY_NODE", "")
-    if mode == "0":
+    mode = config.trace_by_node
+    if mode is False:
         return False
     calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
-    if mode == "1":
+    if mode is True:
         return True
     if len(calls) < _MIN_CALLS:
         return False

@@ -1,6 +1,7 @@
 // The CUDA kernel disk cache (kernels/cuda/disk_cache.h) without a GPU: what is stored is found again
 // under exactly its key, and a damaged, truncated or foreign entry is a miss, never a wrong image.
 #include "kernels/cuda/disk_cache.h"
+#include "ember/config.h"
 
 #include <gtest/gtest.h>
 
@@ -92,16 +93,15 @@ TEST_F(KernelCache, DamagedEntriesAreMissesAndGetRewritten) {
   EXPECT_TRUE(disk_cache_find(dir_, "sm_90", "13.0", image_.source));
 }
 
-TEST_F(KernelCache, DirectoryComesFromTheEnvironment) {
-  const char* saved = std::getenv("EMBER_CACHE_DIR");
-  std::string old = saved ? saved : "";
-  setenv("EMBER_CACHE_DIR", "off", 1);
+TEST_F(KernelCache, DirectoryComesFromTheSetting) {
+  const std::optional<std::string> saved = config_value("EMBER_CACHE_DIR");
+  config_set("EMBER_CACHE_DIR", "off");
   EXPECT_EQ(disk_cache_dir(), "");
-  setenv("EMBER_CACHE_DIR", dir_.c_str(), 1);
+  config_set("EMBER_CACHE_DIR", dir_);
   EXPECT_EQ(disk_cache_dir(), dir_);
-  if (saved) setenv("EMBER_CACHE_DIR", old.c_str(), 1);
-  else unsetenv("EMBER_CACHE_DIR");
-  if (!saved && std::getenv("HOME")) EXPECT_EQ(disk_cache_dir(), std::string(std::getenv("HOME")) + "/.cache/ember");
+  config_set("EMBER_CACHE_DIR", std::nullopt);
+  if (std::getenv("HOME")) EXPECT_EQ(disk_cache_dir(), std::string(std::getenv("HOME")) + "/.cache/ember");
+  config_set("EMBER_CACHE_DIR", saved);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // against ATen on random inputs (odd sizes, strided operands, residuals, weights changed between calls);
 // the few-rows loop (kernels/cpu/gemv.cpp) in each instruction set this CPU runs, against ATen.
 #include "ember/compiler.h"
+#include "ember/config.h"
 #include "kernels/cpu/gemv.h"
 #include "kernels/cpu/onednn.h"
 #include "passes/passes.h"
@@ -109,9 +110,9 @@ TEST(EpiloguePass, LoneMatmulsAreClaimedOnlyForParameterWeights) {
   EXPECT_FALSE(claimed({false, false}));
   EXPECT_TRUE(claimed({false, true}));
   EXPECT_FALSE(claimed({}));
-  setenv("EMBER_TRAINING_MATMULS", "onednn", 1);
+  config_set("EMBER_TRAINING_MATMULS", "onednn");
   const bool forced = claimed({});
-  unsetenv("EMBER_TRAINING_MATMULS");
+  config_set("EMBER_TRAINING_MATMULS", std::nullopt);
   EXPECT_TRUE(forced);
 }
 
@@ -370,9 +371,9 @@ std::string first_kernel(const CompiledGraph& g) {
 
 TEST(OneDnnConv2d, BiasReluResidualBothLayouts) {
   if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
-  setenv("EMBER_ONEDNN_CONV", "1", 1);  // convolutions go through ember's oneDNN only when asked (matmul_epilogue.cpp)
+  config_set("EMBER_ONEDNN_CONV", "1");  // convolutions go through ember's oneDNN only when asked (matmul_epilogue.cpp)
   struct Unset {
-    ~Unset() { unsetenv("EMBER_ONEDNN_CONV"); }
+    ~Unset() { config_set("EMBER_ONEDNN_CONV", std::nullopt); }
   } unset;
   auto g = compile_text(conv_residual_relu(false));
   EXPECT_EQ(first_kernel(*g), "onednn conv2d f32 +bias add relu") << g->describe();

@@ -17,16 +17,18 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def _ember_test_env(monkeypatch):
-    """Fresh dynamo state, a fixed seed, no ember env vars from outside, and a count of ember's graphs."""
-    for var in ("EMBER_FALLBACK", "EMBER_DISABLE_PASSES", "EMBER_DEBUG", "EMBER_CUDAGRAPHS", "EMBER_CUDAGRAPH_WARMUP",
-                "EMBER_CUDAGRAPH_MAX_GRAPHS"):
-        monkeypatch.delenv(var, raising=False)
+    """Fresh dynamo state, a fixed seed, ember's options at their defaults whatever the environment says, and a
+    count of ember's graphs. Settings a test changes (monkeypatch.setattr(ember.config, ...)) are restored after it."""
+    import ember.config
+
+    for name in ember.config.OPTIONS:
+        monkeypatch.setattr(ember.config, name, ember.config.SETTINGS[name].default)
     # Every CUDA module compiles before the first call, so that each test's one call runs the fused kernels that
     # later calls keep (background compiles would leave it the groups' ATen ops); the tests of the background
     # compile switch it back on. EMBER_TEST_BACKGROUND=1 leaves it on for every test: each first call then
     # tests the ATen stand-ins of real graphs instead.
-    if os.environ.get("EMBER_TEST_BACKGROUND") != "1":
-        monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "0")
+    if os.environ.get("EMBER_TEST_BACKGROUND") != "1":  # a variable of the test harness, not an ember setting
+        monkeypatch.setattr(ember.config, "cuda_background", False)
     # TF32 convolutions and matmuls pick algorithms by layout, so eager and any compiled backend differ
     # by ~0.3 in resnet18 input gradients with it on (measured on an H200, inductor too) and by 2e-5
     # with it off. Tests compare backends, not cuDNN's algorithm choices.

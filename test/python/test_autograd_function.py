@@ -59,7 +59,7 @@ def test_training_step_runs_as_one_cpp_function(monkeypatch, device, trace, trai
     """Traced call by call (joint.py, the default) or by AOTAutograd (EMBER_TRACE_BY_NODE=0), the training
     graph becomes one C++ autograd function."""
     if trace == "aot_autograd":
-        monkeypatch.setenv("EMBER_TRACE_BY_NODE", "0")
+        monkeypatch.setattr(ember.config, "trace_by_node", False)
     else:
         training_calls = record_returns(monkeypatch, ember.backend, "_joint_traced_call")
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def test_training_step_runs_as_one_cpp_function(monkeypatch, device, trace, trai
 
 
 def test_switched_off_keeps_aot_autograd_function(monkeypatch, training_calls):
-    monkeypatch.setenv("EMBER_DIRECT_CALL", "0")
+    monkeypatch.setattr(ember.config, "direct_call", False)
     x = leaf(5, 3)
     out = compiled(lambda a: (a.sin() * 2).sum())(x)
     assert out.grad_fn.name() != "EmberBackward"

@@ -107,8 +107,8 @@ def test_accepted_modes(mode):
 
 def test_reduce_overhead_on_cpu_runs_the_plan(monkeypatch):
     """CPU graphs have nothing to capture: reduce-overhead runs the plan, silently (as inductor does)."""
-    # mode and options cannot both be given to torch.compile: EMBER_FALLBACK makes a fallback an error
-    monkeypatch.setenv("EMBER_FALLBACK", "raise")
+    # mode and options cannot both be given to torch.compile: ember.config makes a fallback an error
+    monkeypatch.setattr(ember.config, "fallback", "raise")
     model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
     import copy
 
@@ -135,10 +135,9 @@ def test_bad_cuda_graph_options(options, message):
     assert message in str(err)
 
 
-def test_bad_cuda_graph_env(monkeypatch):
-    monkeypatch.setenv("EMBER_CUDAGRAPH_WARMUP", "two")
-    err = compile_error(simple, torch.randn(3))
-    assert "EMBER_CUDAGRAPH_WARMUP" in str(err)
+def test_bad_cuda_graph_env():
+    with pytest.raises(EmberError, match="EMBER_CUDAGRAPH_WARMUP must be an integer >= 0, not 'two'"):
+        ember.config.parse_environment({"EMBER_CUDAGRAPH_WARMUP": "two"})
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -178,9 +177,9 @@ def test_unsupported_literal_names_the_node():
     assert re.search(r"\bnode full_like\b", str(err)), str(err)
 
 
-def test_env_fallback_raise(monkeypatch):
+def test_config_fallback_raise(monkeypatch):
     monkeypatch.setattr(ember.lower._Lowering, "aten", _refuse(torch.ops.aten.cos.default))
-    monkeypatch.setenv("EMBER_FALLBACK", "raise")
+    monkeypatch.setattr(ember.config, "fallback", "raise")
     err = compile_error(cos_plus_one, torch.randn(3))
     assert "node cos" in str(err)
 
@@ -297,9 +296,9 @@ def test_disabled_pass_is_not_dumped_nor_run(tmp_path):
     assert (tmp_path / after_dce).read_text().count("aten::sin") == 2
 
 
-def test_env_disable_passes_and_debug(tmp_path, monkeypatch):
-    monkeypatch.setenv("EMBER_DISABLE_PASSES", "cse, dce")
-    monkeypatch.setenv("EMBER_DEBUG", str(tmp_path))
+def test_config_disable_passes_and_debug(tmp_path, monkeypatch):
+    monkeypatch.setattr(ember.config, "disable_passes", "cse, dce")
+    monkeypatch.setattr(ember.config, "debug_dir", str(tmp_path))
     check(redundant, torch.randn(4, 5), torch.randn(4, 5), grad=False)
     files = _files(tmp_path)
     assert any(f.endswith(".0_input.ir") for f in files) and any(f.endswith(".plan.txt") for f in files), files
@@ -307,8 +306,8 @@ def test_env_disable_passes_and_debug(tmp_path, monkeypatch):
     assert all(any(f.endswith(f"_after_{p}.ir") for f in files) for p in PASSES if p not in ("cse", "dce")), files
 
 
-def test_options_override_env(tmp_path, monkeypatch):
-    monkeypatch.setenv("EMBER_DISABLE_PASSES", "cse")
+def test_options_override_the_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(ember.config, "disable_passes", "cse")
     check(redundant, torch.randn(4, 5), torch.randn(4, 5), grad=False,
           options={"debug_dir": str(tmp_path), "disable_passes": []})
     assert any(f.endswith("after_cse.ir") for f in _files(tmp_path))
@@ -408,7 +407,7 @@ def test_plain_inference_graph_is_called_directly(monkeypatch, trace):
     """Traced in one pass (trace.py), or by AOTAutograd with EMBER_DIRECT_TRACE=0: either way Dynamo gets the
     C++ DirectCall."""
     if trace == "aot_autograd":
-        monkeypatch.setenv("EMBER_DIRECT_TRACE", "0")
+        monkeypatch.setattr(ember.config, "direct_trace", False)
     traced, made = _traced_calls(monkeypatch), _direct_calls(monkeypatch)
     model = torch.nn.Sequential(torch.nn.Linear(13, 7), torch.nn.GELU(), torch.nn.Linear(7, 3))
     compiled = torch.compile(model, backend="ember")
@@ -433,7 +432,7 @@ def test_one_pass_trace_plans_views_as_aot_autograd(monkeypatch, tmp_path):
 
     plans = {}
     for trace in ("1", "0"):
-        monkeypatch.setenv("EMBER_DIRECT_TRACE", trace)
+        monkeypatch.setattr(ember.config, "direct_trace", trace == "1")
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend="ember", options={"debug_dir": str(tmp_path / trace)})
         with torch.no_grad():
@@ -584,10 +583,10 @@ def _traced_both_ways(monkeypatch, model, *inputs):
     def both_ways(gm, example_inputs):
         traced["repeats"] = ember.trace._repeats_enough(gm)
         for mode in ("0", "1"):
-            monkeypatch.setenv("EMBER_TRACE_BY_NODE", mode)
+            monkeypatch.setattr(ember.config, "trace_by_node", mode == "1")
             graph, _ = ember.trace.trace_inference(gm, example_inputs, decomposition_table())
             traced[mode] = canonical_ir(graph)
-        monkeypatch.delenv("EMBER_TRACE_BY_NODE")
+        monkeypatch.setattr(ember.config, "trace_by_node", None)
         return gm.forward
 
     torch._dynamo.reset()
@@ -681,7 +680,7 @@ def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
     eager."""
     import ember.trace
 
-    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    monkeypatch.setattr(ember.config, "trace_by_node", True)
     refused = []
     original = ember.trace._trace_by_node
 
@@ -713,7 +712,7 @@ def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
 
 
 def test_direct_call_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("EMBER_DIRECT_CALL", "0")
+    monkeypatch.setattr(ember.config, "direct_call", False)
     made = _direct_calls(monkeypatch)
     with torch.no_grad():
         x = torch.randn(6)
@@ -864,7 +863,7 @@ def test_full_collections_held_off_while_dynamo_compiles_for_ember(monkeypatch, 
     from torch._dynamo.convert_frame import register_bytecode_hook
 
     if setting == "EMBER_PAUSE_GC=0":
-        monkeypatch.setenv("EMBER_PAUSE_GC", "0")
+        monkeypatch.setattr(ember.config, "pause_gc", False)
     ember.backend._hold_full_collections_in_dynamo()  # as at import: the fixture's torch._dynamo.reset() dropped it
     seen = []
     if setting == "compile fails":
@@ -916,7 +915,7 @@ def test_collector_paused_while_compiling(monkeypatch, setting):
 
     monkeypatch.setattr(ember.backend, "compile_fx_graph", spy)
     if setting == "EMBER_PAUSE_GC=0":
-        monkeypatch.setenv("EMBER_PAUSE_GC", "0")
+        monkeypatch.setattr(ember.config, "pause_gc", False)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     x = torch.randn(8, 16)
     was = gc.isenabled()

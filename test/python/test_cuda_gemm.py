@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import ember
 from helpers import EMBER_GRAPHS, MATMUL_TOL, assert_same, check, compile_ember
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -56,7 +57,7 @@ def test_mm_and_linear_shapes(dtype, m, k, n):
 def test_every_timed_route_matches_eager(route, dtype, monkeypatch):
     """Each way the first call's timing may choose (cuBLASLt with the bias in its epilogue, cuBLASLt then
     the bias added, ATen's mm then the bias added), forced by EMBER_GEMM_ROUTE: same values as eager."""
-    monkeypatch.setenv("EMBER_GEMM_ROUTE", route)
+    monkeypatch.setattr(ember.config, "gemm_route", route)
     m, k, n = 96, 160, 72
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
@@ -76,7 +77,7 @@ def test_padded_route_for_rows_off_16_bytes(dtype, monkeypatch):
     """The route for results whose rows are not a 16-byte multiple (GPT-2's vocabulary): the weight's rows
     padded with zeros, ATen's mm into a wider result, its leading columns copied out; forced here, with and
     without a bias, for a Linear's transposed weight and for a row-major right operand."""
-    monkeypatch.setenv("EMBER_GEMM_ROUTE", "padded")
+    monkeypatch.setattr(ember.config, "gemm_route", "padded")
     m, k, n = 70, 96, 45
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
@@ -193,8 +194,8 @@ def test_ember_gemm_kernels_match_eager(config, dtype, monkeypatch):
     """Each of ember's own GEMM kernels (gemm_kernels.cu), forced by EMBER_GEMM_ROUTE=kernel and
     EMBER_GEMM_KERNEL: plain, biased, ReLU and tanh-GELU epilogues; sizes off every tile and vector width
     (the skinny kernels' 16-byte loads and their scalar loop); row-major and transposed operands."""
-    monkeypatch.setenv("EMBER_GEMM_ROUTE", "kernel")
-    monkeypatch.setenv("EMBER_GEMM_KERNEL", config)
+    monkeypatch.setattr(ember.config, "gemm_route", "kernel")
+    monkeypatch.setattr(ember.config, "gemm_kernel", config)
     rows = {"s4": [1, 3], "s16": [5, 16]}.get(config, [1, 70])
     shapes = ((7, 5), (264, 130))  # scalar loads, tiny; 16-byte loads, columns past a tile
     for m in rows:
@@ -217,7 +218,7 @@ def test_ember_gemm_kernels_match_eager(config, dtype, monkeypatch):
 def test_ember_gemm_kernels_in_training_and_graphs(mode, monkeypatch):
     """Forward and backward GEMMs (transposed operands on both sides) through ember's kernels, eagerly and
     replayed from CUDA graphs, against eager's values and gradients."""
-    monkeypatch.setenv("EMBER_GEMM_ROUTE", "kernel")
+    monkeypatch.setattr(ember.config, "gemm_route", "kernel")
     model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 7)).cuda()
     if mode == "default":
         check(model, torch.randn(17, 33, device="cuda"), **MATMUL_TOL)

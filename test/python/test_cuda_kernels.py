@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ember
 from helpers import EMBER_GRAPHS, assert_same, compile_ember
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -655,7 +656,7 @@ def test_identical_groups_compile_once(monkeypatch):
 
     import ember
 
-    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
+    monkeypatch.setattr(ember.config, "cache_dir", "off")
     ops = [torch.sin, torch.cos, torch.tanh, torch.sigmoid, torch.abs, torch.neg, torch.exp, torch.erf]
     chain = [random.choice(ops) for _ in range(8)]
     weights = [torch.randn(96, 96, device="cuda") / 10 for _ in range(6)]
@@ -697,8 +698,8 @@ def test_deferred_kernels_run_their_aten_ops_until_compiled(monkeypatch):
     the fused kernels. Every call agrees with eager."""
     import ember
 
-    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
-    monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "1")
+    monkeypatch.setattr(ember.config, "cache_dir", "off")
+    monkeypatch.setattr(ember.config, "cuda_background", True)
     fn, x, y = _background_groups()
     with torch.no_grad():
         report = ember.explain(fn, options={"fallback": "raise"})(x, y)
@@ -725,8 +726,8 @@ def test_background_compile_waits_before_cuda_graph_capture(monkeypatch):
     """reduce-overhead captures after one warm-up call: a kernel still compiling then waits for its compile,
     so that the graph holds the kernels later calls would run, not their ATen stand-ins. Replays agree with
     eager."""
-    monkeypatch.setenv("EMBER_CACHE_DIR", "off")
-    monkeypatch.setenv("EMBER_CUDA_BACKGROUND", "1")
+    monkeypatch.setattr(ember.config, "cache_dir", "off")
+    monkeypatch.setattr(ember.config, "cuda_background", True)
     fn, x, y = _background_groups()
     compiled = torch.compile(fn, backend="ember", options={"fallback": "raise", "cudagraphs": True})
     for _ in range(4):

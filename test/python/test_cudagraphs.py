@@ -51,7 +51,7 @@ def test_replays_match_eager_with_changing_inputs():
 
 
 def test_reduce_overhead_mode(monkeypatch):
-    monkeypatch.setenv("EMBER_FALLBACK", "raise")
+    monkeypatch.setattr(ember.config, "fallback", "raise")
     model = mlp().eval()
     compiled = torch.compile(model, backend="ember", mode="reduce-overhead")
     with torch.no_grad():

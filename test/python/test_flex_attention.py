@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+import ember
 from helpers import DEVICES, EMBER_GRAPHS, check
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
@@ -106,7 +107,7 @@ def kernel_form(request, monkeypatch):
     """The fused kernel's form: the one ember picks for this GPU (wgmma for prefill on Hopper, m16n8k16 MMAs
     elsewhere), or the MMA form forced (EMBER_FLEX_WGMMA=0), so that a Hopper machine tests both."""
     if request.param == "mma.sync":
-        monkeypatch.setenv("EMBER_FLEX_WGMMA", "0")
+        monkeypatch.setattr(ember.config, "flex_wgmma", False)
         return "mma.sync"
     return "wgmma" if torch.cuda.get_device_capability() == (9, 0) else "mma.sync"
 

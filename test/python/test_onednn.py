@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ember
+import ember._C
 import helpers
 from helpers import MATMUL_TOL, check, compile_ember
 
@@ -185,16 +187,16 @@ def test_batch_one_mlp_first_call_then_packed(threads):
 
 @needs_onednn
 @pytest.mark.parametrize("library", ["timed", "onednn", "aten", "torch"])
-def test_large_problems_match_eager_through_either_library(library, monkeypatch, capfd):
+def test_large_problems_match_eager_through_either_library(library, monkeypatch):
     """Problems of 2^22 multiply-adds or more run through whichever of oneDNN, ATen and torch's own oneDNN
     (mkldnn::_linear_pointwise) was fastest when timed (kernels/cpu/matmul_kernel.cpp, points 5 and 6);
     EMBER_CPU_MATMUL forces one. Each way, with a bias and GELU, a bias, ReLU and a residual add, a bias and a
     residual add (torch's .binary form), or a scale, packed parameter weights and weights passed in, every call
     matches eager, the call that times included. A problem is timed once per process, so two kernels of the
-    same problem time it once (EMBER_GEMM_LOG's lines), and a weight changed in place is still read."""
+    same problem time it once (ember._C.cpu_matmul_timings()), and a weight changed in place is still read."""
     if library != "timed":
-        monkeypatch.setenv("EMBER_CPU_MATMUL", library)
-    monkeypatch.setenv("EMBER_GEMM_LOG", "1")
+        monkeypatch.setattr(ember.config, "cpu_matmul", library)
+    timed_before = len(ember._C.cpu_matmul_timings())
     # Odd sizes of their own (72 x 264 x 232 = 4.4M multiply-adds), so that no earlier test timed them.
     model = nn.Sequential(nn.Linear(264, 232), nn.GELU(), nn.Linear(232, 264), nn.ReLU()).eval()
     twin = copy.deepcopy(model)
@@ -216,17 +218,17 @@ def test_large_problems_match_eager_through_either_library(library, monkeypatch,
                     for m in (model[0], twin[0], residual):
                         m.weight.mul_(-1.0)
     assert len(onednn_kernels()) >= 5
-    timed = [line for line in capfd.readouterr().err.splitlines() if line.startswith("ember cpu matmul 72x")]
+    timed = [line for line in ember._C.cpu_matmul_timings()[timed_before:] if line.startswith("72x")]
     if library == "timed":
         # Each problem once, though twin's kernels meet model's again: model's two packed matmuls (bias + gelu,
         # bias + relu + add), the scaled one, the residual one, and the first again on weights changed and not
         # yet repacked.
         problems = [line.split(":")[0] for line in timed]
         assert len(problems) == len(set(problems)), "\n".join(timed)
-        assert {"ember cpu matmul 72x232x264 matmul f32 +bias gelu (packed)",
-                "ember cpu matmul 72x264x232 matmul f32 +bias relu add (packed)",
-                "ember cpu matmul 72x232x264 matmul f32 scale (packed)",
-                "ember cpu matmul 72x264x264 matmul f32 +bias add (packed)"} <= set(problems), "\n".join(timed)
+        assert {"72x232x264 matmul f32 +bias gelu (packed)",
+                "72x264x232 matmul f32 +bias relu add (packed)",
+                "72x232x264 matmul f32 scale (packed)",
+                "72x264x264 matmul f32 +bias add (packed)"} <= set(problems), "\n".join(timed)
         assert all(line.endswith(("-> onednn", "-> aten", "-> torch")) for line in timed), timed
         # torch's call is timed where the weights lie as nn.Linear's: every problem here (where torch has it).
         if torch.backends.mkldnn.is_available():
@@ -240,7 +242,7 @@ def test_torch_linear_leaves_to_aten_what_it_rejects(monkeypatch):
     """Torch's own oneDNN (EMBER_CPU_MATMUL=torch) on a bf16 problem: hosts without bf16 instructions reject it
     with oneDNN's own error, which the kernel takes for a no (ATen runs that call, Debian's oneDNN the next); hosts with
     them run it. Either way every call matches eager."""
-    monkeypatch.setenv("EMBER_CPU_MATMUL", "torch")
+    monkeypatch.setattr(ember.config, "cpu_matmul", "torch")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(264, 232), nn.GELU()).eval().to(torch.bfloat16)
     compiled = compile_ember(model)
@@ -354,7 +356,7 @@ def test_clone_of_input_returned_through_a_view_stays_a_copy():
 @pytest.fixture
 def onednn_conv(monkeypatch):
     """Convolutions through oneDNN (off by default: passes/matmul_epilogue.cpp, item 5)."""
-    monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
+    monkeypatch.setattr(ember.config, "onednn_conv", True)
 
 
 needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without mkldnn")
@@ -364,7 +366,7 @@ needs_mkldnn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 @pytest.mark.parametrize("route", ["torch", "aten"])
 def test_convolutions_by_default_run_torchs_onednn_with_batchnorm_folded(route, monkeypatch):
     if route == "aten":
-        monkeypatch.setenv("EMBER_CPU_CONV", "aten")
+        monkeypatch.setattr(ember.config, "cpu_conv", "aten")
     model = conv_bn_blocks((3, 8, 16), True, False)
     with torch.no_grad():
         check_calls(model, torch.randn(2, 3, 11, 9), grad=False, calls=3, **MATMUL_TOL)
@@ -388,7 +390,7 @@ def test_conv2d_epilogues(route, channels_last, groups, stride, padding, dilatio
     if route == "onednn":
         if not _onednn_built():
             pytest.skip("ember was built without oneDNN")
-        monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
+        monkeypatch.setattr(ember.config, "onednn_conv", True)
     conv = nn.Conv2d(8, 12, 3, stride=stride, padding=padding, dilation=dilation, groups=groups).eval()
     x = torch.randn(2, 8, 13, 11)
     if channels_last:

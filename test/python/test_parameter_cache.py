@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+import ember
 from helpers import EMBER_GRAPHS, assert_tensor_close, compile_ember
 
 
@@ -85,7 +86,7 @@ def test_inference_mode_parameters_run_every_call():
 
 
 def test_switched_off(monkeypatch):
-    monkeypatch.setenv("EMBER_PARAMETER_CACHE", "0")
+    monkeypatch.setattr(ember.config, "parameter_cache", False)
     m = Scaled()
     f = compile_ember(m)
     check_now(m, f)

@@ -126,7 +126,7 @@ def test_traced_call_by_call_matches_eager(monkeypatch, fn):
     """EMBER_TRACE_BY_NODE=1 traces any graph it can call by call: gradients laid out otherwise than the
     outputs (transposes), outputs that get no gradient, a call returning its input, integer values, expands,
     dtype casts, calls of no tensors, an output that needs no gradient. Everything against eager on random inputs."""
-    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    monkeypatch.setattr(ember.config, "trace_by_node", True)
     traces = _traces(monkeypatch)
     x, w = torch.randn(3, 4, 6), torch.randn(6, 6)
     check(fn, x, w, atol=1e-5, rtol=1e-4)
@@ -135,7 +135,7 @@ def test_traced_call_by_call_matches_eager(monkeypatch, fn):
 
 def test_traced_call_by_call_with_an_input_that_needs_no_gradient(monkeypatch):
     """Only the inputs that need a gradient get one; the others' are None, as AOTAutograd's."""
-    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    monkeypatch.setattr(ember.config, "trace_by_node", True)
     traces = _traces(monkeypatch)
     check(lambda x, w, s: ((x @ w) * s).sin().sum(), torch.randn(4, 5), torch.randn(5, 3), torch.randn(3), grad=[1])
     assert [t[0] is not None for t in traces] == [True]
@@ -146,7 +146,7 @@ def test_traced_call_by_call_with_an_input_that_needs_no_gradient(monkeypatch):
 def test_training_graphs_that_need_aot_autograd(monkeypatch, case):
     """What AOTAutograd's wrapper or functionalization handles stays with it, and matches eager: an in-place
     call, an output that is a view."""
-    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    monkeypatch.setattr(ember.config, "trace_by_node", True)
     traces = _traces(monkeypatch)
 
     def fn(x, w):
@@ -165,7 +165,7 @@ def test_training_graphs_that_need_aot_autograd(monkeypatch, case):
 def test_graph_break_input_that_needs_a_gradient(monkeypatch):
     """A graph after a break takes an intermediate that needs a gradient (not a leaf): its gradient flows
     back through the first graph to the leaves."""
-    monkeypatch.setenv("EMBER_TRACE_BY_NODE", "1")
+    monkeypatch.setattr(ember.config, "trace_by_node", True)
     traces = _traces(monkeypatch)
 
     def fn(x, w):

@@ -200,7 +200,7 @@ class CompiledGraph {
   // same TensorImpl, version counter and data pointer). On a change they run again and their results
   // are copied into the cached tensors, which keep their addresses for captured CUDA graphs. A
   // parameter written through `.data` (which has a version counter of its own) is not seen: set
-  // EMBER_PARAMETER_CACHE=0 (backend.py) for models changed that way. Inference tensors carry no
+  // ember.config.parameter_cache = False (backend.py) for models changed that way. Inference tensors carry no
   // version counter, so with one among the parameters the steps run on every call. Call before
   // set_runner. Returns the number of steps moved.
   size_t cache_parameter_steps(const std::vector<bool>& pinned);
