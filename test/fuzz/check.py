@@ -16,8 +16,6 @@ failed on a graph of ATen ops it claims, since ember resolves every ATen op thro
 mode also lets the compared results include the graphs ember did compile when another one fell back.
 """
 
-import contextlib
-import os
 import sys
 import warnings
 
@@ -184,20 +182,6 @@ def _compare_call(ref, got, loose, low):
     return None
 
 
-@contextlib.contextmanager
-def _environ(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def check_program(program, device="cpu", mode="default"):
     """check() for a program data structure (program.py). A mismatch or error that torch.compile with
     backend="aot_eager" (AOTAutograd, no ember) shows too is torch's, not ember's: kind "upstream"."""
@@ -214,7 +198,9 @@ def check_program(program, device="cpu", mode="default"):
         # ember runs a graph's CUDA convolutions channels_last (layout.py, as inductor does), and cuDNN's NHWC
         # kernels need not give its NCHW kernels' Inf and NaN (fp16: -Inf in, 0 out). Eager does the same for
         # channels_last tensors: no ember bug when the graph matches without the rewrite.
-        with _environ(EMBER_CONV_CHANNELS_LAST="0"):
+        import ember
+
+        with ember.config.patch(conv_channels_last=False):
             nchw = check(fn, make_inputs, device, mode, grad=grad, loose=loose, low=low)
         if nchw["kind"] in ("ok", "refusal"):
             return dict(result, kind="upstream", detail=f"cuDNN's NHWC convolution: {result['detail']}"[:2000])
