@@ -230,8 +230,8 @@ float reduce_lanes(const float* p, int64_t n, float identity, const F& f, uint32
 }
 
 float reduce(OpCode op, const Reg& r, int64_t n) {
-  if (!r.p) {
-    if (op == OpCode::RowSum) return r.s * static_cast<float>(n);
+  if (!r.p) {  // one value r.s in every column; over no column the reduction's identity, whatever r.s is
+    if (op == OpCode::RowSum) return n ? r.s * static_cast<float>(n) : 0.f;
     if (op == OpCode::RowMean) return n ? r.s : std::numeric_limits<float>::quiet_NaN();
     return n ? r.s : (op == OpCode::RowMax ? -INFINITY : INFINITY);
   }

@@ -496,6 +496,26 @@ TEST(FusedCpuKernel, NanInfPropagateAndEmptyTensors) {
   expect_fused_matches(empty, {at::randn({0, 9})});
 }
 
+// A row over no column: a sum is 0 and a mean NaN, whatever the (NaN) value the row's register holds: the
+// normalized values of an empty layer_norm or softmax row are 0 / 0.
+TEST(FusedCpuKernel, ReductionsOverEmptyRowsGiveTheirIdentity) {
+  const std::string norm =
+      "graph(%x: f32[0]{1}@cpu, %w: f32[0]{1}@cpu, %b: f32[0]{1}@cpu):\n"
+      "  %y: f32[0]{1}@cpu, %mu: f32[1]{1}@cpu, %rs: f32[1]{1}@cpu = aten::native_layer_norm(%x, [0], %w, %b, 1e-05)\n"
+      "  %s: f32[1]{1}@cpu = aten::sum.dim_IntList(%y, [0], true)\n"
+      "  return (%s)\n";
+  expect_fused_matches(norm, {at::randn({0}), at::randn({0}), at::randn({0})});
+  const std::string rows =
+      "graph(%x: f32[0]{1}@cpu):\n"
+      "  %y: f32[0]{1}@cpu, %mu: f32[1]{1}@cpu, %rs: f32[1]{1}@cpu = aten::native_layer_norm(%x, [0], None, None, 1e-05)\n"
+      "  %s: f32[]{}@cpu = aten::sum.dim_IntList(%y, [-1])\n"
+      "  %m: f32[1]{1}@cpu = aten::mean.dim(%y, [-1], true)\n"
+      "  %sm: f32[0]{1}@cpu = aten::_softmax(%x, -1, false)\n"
+      "  %t: f32[1]{1}@cpu = aten::sum.dim_IntList(%sm, [0], true)\n"
+      "  return (%s, %m, %t)\n";
+  expect_fused_matches(rows, {at::randn({0})});
+}
+
 TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
   const std::string text =
       "graph(%x: f32[s0, 6]{6, 1}@cpu, %s0: int):\n"
