@@ -516,6 +516,32 @@ TEST(FusedCpuKernel, ReductionsOverEmptyRowsGiveTheirIdentity) {
   expect_fused_matches(rows, {at::randn({0})});
 }
 
+// add(x, 3, alpha=2): alpha * 3 reads no register. In a group that reduces over leading dims (columns) it
+// must be computed with the full values that read it, not after the reduction (where row values are).
+TEST(FusedCpuKernel, ConstantOperandsScaledByAlphaInColumnAndRowGroups) {
+  const std::string columns =
+      "graph(%x: f32[6, 5, 9]{45, 9, 1}@cpu):\n"
+      "  %a: f32[6, 5, 9]{45, 9, 1}@cpu = aten::add.Tensor(%x, 3, alpha=2)\n"
+      "  %s: f32[6, 5, 9]{45, 9, 1}@cpu = aten::sub.Tensor(%a, 0.5, alpha=3)\n"
+      "  %m: f32[1, 1, 9]{9, 9, 1}@cpu = aten::amax(%s, [0, 1], true)\n"
+      "  %k: f32[1, 1, 9]{9, 9, 1}@cpu = aten::add.Tensor(%m, 1.5, alpha=-2)\n"
+      "  return (%k)\n";
+  Graph g = parse(fuse_text(columns));
+  std::string why;
+  std::optional<Program> p = lower_group(g, 0, &why);
+  ASSERT_TRUE(p) << why;
+  EXPECT_EQ(p->outer, 2u) << p->text();
+  expect_fused_matches(columns, {at::randn({6, 5, 9})});
+  const std::string rows =
+      "graph(%x: f32[7, 33]{33, 1}@cpu):\n"
+      "  %a: f32[7, 33]{33, 1}@cpu = aten::add.Tensor(%x, 3, alpha=2)\n"
+      "  %m: f32[7, 1]{1, 1}@cpu = aten::amax(%a, [-1], true)\n"
+      "  %k: f32[7, 1]{1, 1}@cpu = aten::add.Tensor(%m, 1.5, alpha=-2)\n"
+      "  %d: f32[7, 33]{33, 1}@cpu = aten::sub.Tensor(%a, %k)\n"
+      "  return (%k, %d)\n";
+  expect_fused_matches(rows, {at::randn({7, 33})});
+}
+
 TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
   const std::string text =
       "graph(%x: f32[s0, 6]{6, 1}@cpu, %s0: int):\n"
