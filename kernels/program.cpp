@@ -253,12 +253,14 @@ class Lowering {
       Operand v = x(0, "self");
       const Arg* lo = n.arg(1, hard ? "min_val" : "min");
       const Arg* hi = n.arg(2, hard ? "max_val" : "max");
-      if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, v, lo ? operand(*lo, n) : Operand::constant(-1.f));
-      if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, v, hi ? operand(*hi, n) : Operand::constant(1.f));
+      // The bound first, as ATen's clamp kernels take it: max / min give their second operand where both are
+      // equal, so clamp_min(-0.0, 0) stays -0.0 (atan2 and division tell the zeros apart).
+      if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, lo ? operand(*lo, n) : Operand::constant(-1.f), v);
+      if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, hi ? operand(*hi, n) : Operand::constant(1.f), v);
       return out(v);
     }
-    if (op == "aten::clamp_min") return out(emit(OpCode::Max, x(0, "self"), x(1, "min")));
-    if (op == "aten::clamp_max") return out(emit(OpCode::Min, x(0, "self"), x(1, "max")));
+    if (op == "aten::clamp_min") return out(emit(OpCode::Max, x(1, "min"), x(0, "self")));
+    if (op == "aten::clamp_max") return out(emit(OpCode::Min, x(1, "max"), x(0, "self")));
     if (op == "aten::leaky_relu") {
       Operand v = x(0, "self");
       Operand slope = arg_operand(n, 1, "negative_slope", 0.01f);

@@ -98,7 +98,8 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
   return grad * (cdf + x * pdf);
 }
 
-// Every elementwise opcode once, as an expression over Vec a, b, c.
+// Every elementwise opcode once, as an expression over Vec a, b, c. Relu is ATen's clamp_min(x, 0), which keeps
+// -0.0 (and NaN) where maximum(x, 0) gives +0.0.
 #define EMBER_ELEMENTWISE_OPS(X)                                 \
   X(Copy, a)                                                     \
   X(Neg, a.neg())                                                \
@@ -110,7 +111,7 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
   X(Cos, a.cos())                                                \
   X(Tanh, fast_tanh(a))                                          \
   X(Sigmoid, Vec(1.f) / (Vec(1.f) + a.neg().exp()))              \
-  X(Relu, at::vec::maximum(a, Vec(0.f)))                         \
+  X(Relu, at::vec::clamp_min(a, Vec(0.f)))                       \
   X(Sqrt, a.sqrt())                                              \
   X(Rsqrt, a.rsqrt())                                            \
   X(Abs, a.abs())                                                \

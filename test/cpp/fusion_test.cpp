@@ -496,6 +496,39 @@ TEST(FusedCpuKernel, NanInfPropagateAndEmptyTensors) {
   expect_fused_matches(empty, {at::randn({0, 9})});
 }
 
+// relu and the clamps keep -0.0 as ATen's clamp kernels do (the bound is max's / min's first operand), and
+// NaN: atan2(y, relu(x)) tells -0.0 from +0.0 (the fuzzer's repro mismatch_31041).
+TEST(FusedCpuKernel, ReluAndClampsKeepNegativeZeroAndNan) {
+  const std::string t = "f32[3, 37]{37, 1}@cpu";
+  const std::string text =
+      "graph(%x: " + t + "):\n"
+      "  %m: " + t + " = aten::mul.Tensor(%x, 1.0)\n"
+      "  %r: " + t + " = aten::relu(%m)\n"
+      "  %a: " + t + " = aten::clamp_min(%m, 0.0)\n"
+      "  %b: " + t + " = aten::clamp_max(%m, 0.0)\n"
+      "  %c: " + t + " = aten::clamp(%m, 0.0, 0.5)\n"
+      "  %h: " + t + " = aten::hardtanh(%m, 0.0, 0.0)\n"
+      "  return (%r, %a, %b, %c, %h)\n";
+  CompileOptions off;
+  off.disabled_passes = {"fuse"};
+  auto plain = compile(parse(text), {}, off);
+  auto fused = compile(parse(text), {}, CompileOptions{});
+  at::Tensor x = at::randn({3, 37});
+  x.index_put_({at::indexing::Slice(), at::indexing::Slice(0, 37, 3)}, -0.0);
+  x[1][4] = NAN;
+  x[2][5] = 0.0;
+  auto want = plain->run({x});
+  auto got = fused->run({x});
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    at::Tensor w = want[i].toTensor(), g = got[i].toTensor();
+    at::Tensor number = ~at::isnan(w);  // (a NaN's sign says nothing)
+    EXPECT_TRUE(at::equal(at::signbit(g).masked_select(number), at::signbit(w).masked_select(number)))
+        << "output " << i << "\n" << fused->describe();
+    EXPECT_TRUE(at::allclose(g, w, 0, 0, /*equal_nan=*/true)) << "output " << i;
+  }
+}
+
 // A row over no column: a sum is 0 and a mean NaN, whatever the (NaN) value the row's register holds: the
 // normalized values of an empty layer_norm or softmax row are 0 / 0.
 TEST(FusedCpuKernel, ReductionsOverEmptyRowsGiveTheirIdentity) {
