@@ -68,6 +68,7 @@ class Lowering {
   }
 
   bool is_row(const Operand& o) const { return o.kind != Operand::Kind::Reg || program_.reg_is_row[o.index]; }
+  bool is_reg(const Operand& o) const { return o.kind == Operand::Kind::Reg; }
 
   // The operand for an argument of `node`: a register, a loaded input, a runtime scalar or a constant.
   Operand operand(const Arg& a, const Node& node) {
@@ -145,8 +146,13 @@ class Lowering {
   // Appends an instruction, or returns the register of an earlier one that computes the same (every opcode is
   // a pure function of its operands): a softmax after an amax of the same scores (flex_attention's dense form)
   // asks for the row maximum twice, and each is a pass over the row.
+  // A row instruction is one whose register operands are all rows. One that reads no register (alpha * 3 of
+  // add(x, 3, alpha=2)) is the same number everywhere and is filed as the node it serves is: a row in a row
+  // node, else full, as its reader will be. Filed as a row under a full node, a column group (Program::outer)
+  // would compute it after the reduction, where the full instructions that read it have already run.
   Operand emit(OpCode op, Operand a, Operand b = {}, Operand c = {}, std::optional<bool> row = std::nullopt) {
-    bool r = row.value_or(is_row(a) && is_row(b) && is_row(c));
+    const bool reads_reg = is_reg(a) || is_reg(b) || is_reg(c);
+    bool r = row.value_or(reads_reg ? is_row(a) && is_row(b) && is_row(c) : lowering_row_);
     if (op == OpCode::RowSum || op == OpCode::RowMean || op == OpCode::RowMax || op == OpCode::RowMin) r = true;
     InstrKey key{static_cast<int64_t>(op), r};
     for (const Operand& o : {a, b, c}) {
@@ -177,6 +183,7 @@ class Lowering {
   }
 
   void lower(const Node& n) {
+    lowering_row_ = node_is_row(n);
     const std::string& op = n.op;
     auto x = [&](size_t i, const char* name) { return operand(*n.arg(i, name), n); };
     auto out = [&](Operand o) { define(n.outputs[0], o); };
@@ -246,12 +253,14 @@ class Lowering {
       Operand v = x(0, "self");
       const Arg* lo = n.arg(1, hard ? "min_val" : "min");
       const Arg* hi = n.arg(2, hard ? "max_val" : "max");
-      if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, v, lo ? operand(*lo, n) : Operand::constant(-1.f));
-      if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, v, hi ? operand(*hi, n) : Operand::constant(1.f));
+      // The bound first, as ATen's clamp kernels take it: max / min give their second operand where both are
+      // equal, so clamp_min(-0.0, 0) stays -0.0 (atan2 and division tell the zeros apart).
+      if (hard || (lo && lo->kind != Arg::Kind::None)) v = emit(OpCode::Max, lo ? operand(*lo, n) : Operand::constant(-1.f), v);
+      if (hard || (hi && hi->kind != Arg::Kind::None)) v = emit(OpCode::Min, hi ? operand(*hi, n) : Operand::constant(1.f), v);
       return out(v);
     }
-    if (op == "aten::clamp_min") return out(emit(OpCode::Max, x(0, "self"), x(1, "min")));
-    if (op == "aten::clamp_max") return out(emit(OpCode::Min, x(0, "self"), x(1, "max")));
+    if (op == "aten::clamp_min") return out(emit(OpCode::Max, x(1, "min"), x(0, "self")));
+    if (op == "aten::clamp_max") return out(emit(OpCode::Min, x(1, "max"), x(0, "self")));
     if (op == "aten::leaky_relu") {
       Operand v = x(0, "self");
       Operand slope = arg_operand(n, 1, "negative_slope", 0.01f);
@@ -346,6 +355,7 @@ class Lowering {
   std::vector<const Node*> members_;
   size_t full_rank_ = 0;
   bool outer_seen_ = false;  // a reduction has set program_.outer
+  bool lowering_row_ = false;  // the node lower() is at is a row node (emit)
   std::unordered_map<const Value*, int> reg_of_;
   std::unordered_map<const Value*, int> scalar_index_;
   std::unordered_map<const Value*, bool> reduced_;

@@ -21,7 +21,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/div.h>
-#include <ATen/ops/empty_strided.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <ATen/ops/sub.h>
@@ -53,12 +53,17 @@ std::vector<FastPathMaker>& fast_path_makers() {
 // on a meta tensor, and run() builds the view as ATen's own view kernels do below the ADInplaceOrView key
 // (where the executor runs): one TensorImpl on the input's storage. Any input that is not the plain strided
 // tensor of the expected sizes and strides takes the op's own path.
+// Most views place their result relative to the input's storage offset; as_strided with an offset places
+// it at that offset of the storage, whatever the input's. Which one an op does is seen, not listed: the op
+// runs on inputs at two storage offsets (static_view).
 class StaticView final : public FastPath {
  public:
   uint32_t input = 0;
   int32_t output = -1;
   std::vector<int64_t> in_sizes, in_strides, out_sizes, out_strides;
-  int64_t offset = 0;  // the view's storage offset minus its input's
+  int64_t offset = 0;     // the view's storage offset minus its input's, or (absolute) the view's own
+  bool absolute = false;
+  int64_t out_extent = 0;  // absolute: elements of storage from `offset` that the view reaches
 
   bool run(std::vector<c10::IValue>& buffers) const override {
     const c10::IValue& in = buffers[input];
@@ -69,9 +74,11 @@ class StaticView final : public FastPath {
         impl->has_symbolic_sizes_strides() || impl->is_python_dispatch() || t.sizes() != at::IntArrayRef(in_sizes) ||
         t.strides() != at::IntArrayRef(in_strides))
       return false;
+    // A relative view stays inside its input; an absolute one may lie past this storage (as_strided raises).
+    if (absolute && (offset + out_extent) * int64_t(t.dtype().itemsize()) > int64_t(t.storage().nbytes())) return false;
     at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
                                                                t.key_set(), t.dtype());
-    out.unsafeGetTensorImpl()->set_sizes_and_strides(out_sizes, out_strides, t.storage_offset() + offset);
+    out.unsafeGetTensorImpl()->set_sizes_and_strides(out_sizes, out_strides, absolute ? offset : t.storage_offset() + offset);
     buffers[output] = std::move(out);
     return true;
   }
@@ -407,6 +414,16 @@ class PlanBuilder {
     return true;
   }
 
+  // Elements of storage a tensor of these sizes and strides reaches from its offset (0 when it is empty).
+  static int64_t extent_of(const std::vector<int64_t>& sizes, const std::vector<int64_t>& strides) {
+    int64_t last = 0;
+    for (size_t d = 0; d < sizes.size(); ++d) {
+      if (sizes[d] == 0) return 0;
+      last += (sizes[d] - 1) * strides[d];
+    }
+    return last + 1;
+  }
+
   static std::vector<int64_t> values_of(const std::vector<Dim>& dims) {
     std::vector<int64_t> out;
     for (const Dim& d : dims) out.push_back(d.value);
@@ -435,14 +452,31 @@ class PlanBuilder {
       c10::impl::ExcludeDispatchKeyGuard plain(c10::DispatchKeySet({c10::DispatchKey::Python,
                                                                     c10::DispatchKey::PythonTLSSnapshot}) |
                                                c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-      std::vector<c10::IValue> stack = step.stack;
-      stack[step.from_buffer[0].first] =
-          at::empty_strided(view->in_sizes, view->in_strides, at::TensorOptions().dtype(in->type.tensor.dtype).device(at::kMeta));
-      step.op->callBoxed(stack);
-      if (stack.size() != 1 || !stack[0].isTensor()) return nullptr;
-      const at::Tensor& r = stack[0].toTensor();
-      if (r.sizes() != at::IntArrayRef(view->out_sizes) || r.strides() != at::IntArrayRef(view->out_strides)) return nullptr;
-      view->offset = r.storage_offset();
+      // The op on meta inputs at storage offsets 0 and kShift: a relative view moves with its input, an
+      // absolute one stays; one that does neither is left to the op.
+      constexpr int64_t kShift = 1024;
+      const at::TensorOptions meta = at::TensorOptions().dtype(in->type.tensor.dtype).device(at::kMeta);
+      int64_t at_offset[2] = {0, 0};
+      for (int probe = 0; probe < 2; ++probe) {
+        const int64_t shift = probe * kShift;
+        at::Tensor storage = at::empty({shift + extent_of(view->in_sizes, view->in_strides)}, meta);
+        std::vector<c10::IValue> stack = step.stack;
+        stack[step.from_buffer[0].first] = storage.as_strided(view->in_sizes, view->in_strides, shift);
+        step.op->callBoxed(stack);
+        if (stack.size() != 1 || !stack[0].isTensor()) return nullptr;
+        const at::Tensor& r = stack[0].toTensor();
+        if (r.sizes() != at::IntArrayRef(view->out_sizes) || r.strides() != at::IntArrayRef(view->out_strides)) return nullptr;
+        at_offset[probe] = r.storage_offset() - shift;
+      }
+      if (at_offset[0] == at_offset[1]) {
+        view->offset = at_offset[0];
+      } else if (at_offset[0] == at_offset[1] + kShift) {
+        view->absolute = true;
+        view->offset = at_offset[0];
+        view->out_extent = extent_of(view->out_sizes, view->out_strides);
+      } else {
+        return nullptr;
+      }
     } catch (const std::exception&) {
       return nullptr;  // the op's own path will say what is wrong, per call
     }

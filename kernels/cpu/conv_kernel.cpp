@@ -2,7 +2,8 @@
 // two libraries, with ATen for what neither takes.
 // By default: torch's own oneDNN convolution with the epilogue as post-ops, the op
 // inductor's CPU backend calls (mkldnn::_convolution_pointwise, and its .binary form for a residual add),
-// through the dispatcher, so no second oneDNN is involved.
+// through the dispatcher, so no second oneDNN is involved. A relu is ATen's, in place on the call's result:
+// torch's relu post-op maps NaN to 0 (epilogue_support.h, library_exact_ops).
 //  1. Weights that are a parameter coming back unmodified (WeightsPacking) are reordered once into the
 //     blocked layout oneDNN prefers for the call's input (mkldnn::_reorder_convolution_weight), for
 //     channels-last sources: ATen's convolution reorders them on every call, which is most of a call where
@@ -40,6 +41,7 @@ namespace {
 struct TorchConv {
   c10::OperatorHandle conv, binary, reorder;
   bool add = false;  // the .binary form: a residual added, then the unary post-op
+  size_t fused = 0;  // how many of the epilogue's ops the call applies; ATen applies the rest (a relu)
   c10::IValue padding, stride, dilation, groups, unary, algorithm, scalars, binary_attr;
 };
 
@@ -48,7 +50,8 @@ class Conv2dKernel final : public Kernel {
   Conv2dKernel(const EpilogueGroup& g, std::unique_ptr<onednn::Conv2d> dnnl, std::optional<TorchConv> torch)
       : dnnl_(std::move(dnnl)), torch_(std::move(torch)), dtype_(g.dtype), bias_(g.bias != nullptr), ops_(g.ops),
         addend_is_row_(g.addend_is_row), pack_(g.weights_input != nullptr), text_(g.text()),
-        where_("%" + g.members.front()->outputs[0]->name + " = " + g.members.front()->op), groups_(g.groups) {
+        where_("%" + g.members.front()->outputs[0]->name + " = " + g.members.front()->op), groups_(g.groups),
+        library_ops_(library_exact_ops(g)) {
     for (int i = 0; i < 2; ++i) stride_[i] = g.stride[i], padding_[i] = g.padding[i], dilation_[i] = g.dilation[i];
   }
 
@@ -111,6 +114,7 @@ class Conv2dKernel final : public Kernel {
     } catch (const std::exception&) {
       return false;
     }
+    if (library_ops_ < ops_.size()) *out = apply_epilogue_with_aten(std::move(*out), ops_, g.addends, addend_is_row_, library_ops_);
     return true;
   }
 
@@ -143,6 +147,7 @@ class Conv2dKernel final : public Kernel {
       (t.add ? t.binary : t.conv).callBoxed(&stack);
       *out = std::move(stack[0]).toTensor();
       if (!out->is_contiguous(format)) *out = out->contiguous(format);  // eager's layout, whatever torch's answer
+      if (t.fused < ops_.size()) *out = apply_epilogue_with_aten(std::move(*out), ops_, g.addends, addend_is_row_, t.fused);
       return true;
     } catch (const std::exception&) {  // e.g. bf16 on a CPU without it: ATen from now on
       failed_.store(true, std::memory_order_relaxed);
@@ -172,6 +177,7 @@ class Conv2dKernel final : public Kernel {
   bool pack_;
   std::string text_, where_;
   int64_t stride_[2], padding_[2], dilation_[2], groups_;
+  size_t library_ops_;  // ember's oneDNN applies ops_[0, library_ops_) as post-ops, ATen the rest
   WeightsPacking packing_;
   mutable std::atomic<bool> failed_{false};
   mutable std::mutex packed_mu_;
@@ -198,7 +204,8 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   t.add = !g.ops.empty() && g.ops[0].kind == EpilogueOp::Kind::Add;
   const char* algorithm = nullptr;
   const char* activation = g.ops.empty() ? nullptr : torch_activation(g.ops.back().kind, &algorithm);
-  std::string unary = activation ? activation : "none";  // none: no op, or the add alone
+  std::string unary = activation ? activation : "none";  // none: no op, the add alone, or a relu ATen applies
+  t.fused = (t.add ? 1 : 0) + (activation ? 1 : 0);
   t.padding = c10::IValue(std::vector<int64_t>(g.padding, g.padding + 2));
   t.stride = c10::IValue(std::vector<int64_t>(g.stride, g.stride + 2));
   t.dilation = c10::IValue(std::vector<int64_t>(g.dilation, g.dilation + 2));
@@ -225,7 +232,7 @@ std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& g, std::st
   onednn::Conv2dConfig config;
   config.dtype = onednn_dtype(g.dtype);
   config.bias = g.bias != nullptr;
-  config.post_ops = post_ops_of(g);
+  config.post_ops = post_ops_of(g, library_exact_ops(g));
   for (int i = 0; i < 2; ++i)
     config.stride[i] = g.stride[i], config.padding[i] = g.padding[i], config.dilation[i] = g.dilation[i];
   config.groups = g.groups;

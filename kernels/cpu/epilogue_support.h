@@ -64,10 +64,28 @@ inline onednn::DType onednn_dtype(c10::ScalarType t) {
   return t == c10::kBFloat16 ? onednn::DType::BF16 : onednn::DType::F32;
 }
 
-inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g) {
+// How many of the epilogue's leading ops a oneDNN post-op chain (ember's or torch's own) computes as ATen
+// does, NaN included: those before the first relu. oneDNN's relu is max(x, 0), which maps NaN to 0 where
+// torch.relu keeps it, and it has no other form that keeps NaN (its clip and binary max are the same max;
+// a negative slope of -0.0 takes the same code). So a relu and what follows it run through ATen, in place
+// on the library's result (apply_epilogue_with_aten from this index): one more pass over the result.
+// Debian's oneDNN 2.6 convolutions also map NaN to 0 through a sigmoid (its exp clamps the input first;
+// its matmuls, and torch's convolution, keep NaN): there a sigmoid stops the chain too.
+inline size_t library_exact_ops(const EpilogueGroup& g) {
+  size_t i = 0;
+  for (; i < g.ops.size(); ++i) {
+    const EpilogueOp::Kind k = g.ops[i].kind;
+    if (k == EpilogueOp::Kind::Relu || (k == EpilogueOp::Kind::Sigmoid && g.kind == EpilogueGroup::Kind::Conv2d)) break;
+  }
+  return i;
+}
+
+// The post-ops of g.ops[0, count).
+inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g, size_t count) {
   std::vector<onednn::PostOp> out;
   size_t a = 0;
-  for (const EpilogueOp& op : g.ops) {
+  for (size_t i = 0; i < count; ++i) {
+    const EpilogueOp& op = g.ops[i];
     onednn::PostOp p;
     switch (op.kind) {
       case EpilogueOp::Kind::Relu: p.kind = onednn::PostOp::Kind::Relu; break;
@@ -88,11 +106,11 @@ inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g) {
 }
 
 // The name torch's own oneDNN ops (mkldnn::_convolution_pointwise, mkldnn::_linear_pointwise) give an
-// activation as their post-op, with GELU's algorithm in *algorithm (else null); null where `kind` is none.
+// activation as their post-op, with GELU's algorithm in *algorithm (else null); null where `kind` is none,
+// or relu, which their oneDNN applies as max(x, 0), NaN to 0 (library_exact_ops).
 inline const char* torch_activation(EpilogueOp::Kind kind, const char** algorithm) {
   *algorithm = nullptr;
   switch (kind) {
-    case EpilogueOp::Kind::Relu: return "relu";
     case EpilogueOp::Kind::GeluErf: *algorithm = "none"; return "gelu";
     case EpilogueOp::Kind::GeluTanh: *algorithm = "tanh"; return "gelu";
     case EpilogueOp::Kind::Silu: return "swish";

@@ -98,7 +98,8 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
   return grad * (cdf + x * pdf);
 }
 
-// Every elementwise opcode once, as an expression over Vec a, b, c.
+// Every elementwise opcode once, as an expression over Vec a, b, c. Relu is ATen's clamp_min(x, 0), which keeps
+// -0.0 (and NaN) where maximum(x, 0) gives +0.0.
 #define EMBER_ELEMENTWISE_OPS(X)                                 \
   X(Copy, a)                                                     \
   X(Neg, a.neg())                                                \
@@ -110,7 +111,7 @@ Vec gelu_backward(const Vec& grad, const Vec& x) {
   X(Cos, a.cos())                                                \
   X(Tanh, fast_tanh(a))                                          \
   X(Sigmoid, Vec(1.f) / (Vec(1.f) + a.neg().exp()))              \
-  X(Relu, at::vec::maximum(a, Vec(0.f)))                         \
+  X(Relu, at::vec::clamp_min(a, Vec(0.f)))                       \
   X(Sqrt, a.sqrt())                                              \
   X(Rsqrt, a.rsqrt())                                            \
   X(Abs, a.abs())                                                \
@@ -230,8 +231,8 @@ float reduce_lanes(const float* p, int64_t n, float identity, const F& f, uint32
 }
 
 float reduce(OpCode op, const Reg& r, int64_t n) {
-  if (!r.p) {
-    if (op == OpCode::RowSum) return r.s * static_cast<float>(n);
+  if (!r.p) {  // one value r.s in every column; over no column the reduction's identity, whatever r.s is
+    if (op == OpCode::RowSum) return n ? r.s * static_cast<float>(n) : 0.f;
     if (op == OpCode::RowMean) return n ? r.s : std::numeric_limits<float>::quiet_NaN();
     return n ? r.s : (op == OpCode::RowMax ? -INFINITY : INFINITY);
   }

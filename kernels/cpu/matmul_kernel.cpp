@@ -20,8 +20,10 @@
 //     would run, untimed (tests run each; torch where the call takes the operands, else oneDNN);
 //     cpu_matmul_timings() (ember._C.cpu_matmul_timings) lists what each timing saw.
 //  6. Torch's own oneDNN (3.x, bundled in its wheel) through mkldnn::_linear_pointwise, the op inductor's CPU
-//     backend calls, with the epilogue's first op as its post-op where it is an activation (its plain form)
-//     or a full-size residual add (its .binary form), the rest as ATen ops. It takes weights in nn.Linear's
+//     backend calls, with the epilogue's first op as its post-op where it is an activation other than relu
+//     (its plain form) or a full-size residual add (its .binary form), the rest as ATen ops.
+//  7. A relu, and what follows it, runs through ATen after either oneDNN's call: their relu maps NaN to 0
+//     (epilogue_support.h, library_exact_ops). ember's loop applies the whole epilogue itself. It takes weights in nn.Linear's
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
 #include "kernels/cpu/cpu_kernel.h"
@@ -130,7 +132,8 @@ double elapsed_us(std::chrono::steady_clock::time_point since) {
 class MatmulKernel final : public Kernel {
  public:
   MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config)
-      : dnnl_(std::move(dnnl)), config_(std::move(config)), dtype_(m.dtype), bias_(m.bias != nullptr), ops_(m.ops),
+      : dnnl_(std::move(dnnl)), config_(std::move(config)), library_ops_(library_exact_ops(m)), dtype_(m.dtype),
+        bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()),
         torch_(torch_linear(m)) {
@@ -212,16 +215,24 @@ class MatmulKernel final : public Kernel {
         return false;          // the ATen path computes the same thing, and raises what it raises
       }
     }
-    *out = at::empty({call.M, call.N}, src.options());
-    call.dst = out->data_ptr();
+    const at::Tensor dst = at::empty({call.M, call.N}, src.options());
+    call.dst = dst.data_ptr();
     call.dst_stride = call.N;
     try {
-      dnnl_->run(call, packing);
+      run_library(call, packing, dst, addends, out);
     } catch (const std::exception&) {
       return false;  // the ATen path computes the same thing
     }
-    if (timed && !library) choose_library(call, packing, src, weights, bias, addends);
+    if (timed && !library) choose_library(call, packing, src, weights, bias, addends, dst, out);
     return true;
+  }
+
+  // oneDNN's call into dst (call.dst), then in *out what its post-ops leave to ATen (library_ops_): dst itself,
+  // or a new tensor where an op after a relu is not in place.
+  void run_library(const onednn::MatmulCall& call, uint64_t packing, const at::Tensor& dst,
+                   const std::vector<at::Tensor>& addends, at::Tensor* out) const {
+    dnnl_->run(call, packing);
+    *out = library_ops_ < ops_.size() ? apply_epilogue_with_aten(dst, ops_, addends, addend_is_row_, library_ops_) : dst;
   }
 
   // The library this kernel took for the problem, or none where none was taken yet (point 5).
@@ -237,9 +248,11 @@ class MatmulKernel final : public Kernel {
   }
 
   // After oneDNN ran the call (its first run for this shape: primitive made, weights packed), the process's
-  // choice for the problem, or else a timing of the libraries; kept in this kernel's list.
+  // choice for the problem, or else a timing of the libraries; kept in this kernel's list. oneDNN's timed runs
+  // write the call's result again (dst, then *out).
   void choose_library(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src, const at::Tensor& weights,
-                      const at::Tensor& bias, const std::vector<at::Tensor>& addends) const {
+                      const at::Tensor& bias, const std::vector<at::Tensor>& addends, const at::Tensor& dst,
+                      at::Tensor* out) const {
     ProblemKey key{c.M, c.N, c.K, c.src_stride[0], c.src_stride[1], c.weights_stride[0], c.weights_stride[1],
                    packing != 0, text_};
     Library library = Library::OneDnn;
@@ -268,7 +281,7 @@ class MatmulKernel final : public Kernel {
       try {
         for (int round = 0; round < 2; ++round) {
           auto start = std::chrono::steady_clock::now();
-          dnnl_->run(c, packing);
+          run_library(c, packing, dst, addends, out);
           onednn_us = std::min(onednn_us, elapsed_us(start));
           start = std::chrono::steady_clock::now();
           run_aten(src, weights, bias, addends);
@@ -333,7 +346,8 @@ class MatmulKernel final : public Kernel {
 
   static constexpr int64_t kFewRows = 8;
   std::unique_ptr<onednn::Matmul> dnnl_;
-  onednn::MatmulConfig config_;  // the post-ops, for gemv()
+  onednn::MatmulConfig config_;  // all of the epilogue as post-ops, for gemv() (it keeps NaN through relu)
+  size_t library_ops_;           // dnnl_ applies ops_[0, library_ops_) as post-ops, ATen the rest
   c10::ScalarType dtype_;
   bool bias_;
   std::vector<EpilogueOp> ops_;
@@ -373,8 +387,10 @@ std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::st
   onednn::MatmulConfig config;
   config.dtype = onednn_dtype(m.dtype);
   config.bias = m.bias != nullptr;
-  config.post_ops = post_ops_of(m);
-  auto dnnl = onednn::Matmul::create(config, why_not);
+  config.post_ops = post_ops_of(m, m.ops.size());
+  onednn::MatmulConfig library = config;
+  library.post_ops = post_ops_of(m, library_exact_ops(m));
+  auto dnnl = onednn::Matmul::create(library, why_not);
   if (!dnnl) return nullptr;
   return std::make_shared<MatmulKernel>(m, std::move(dnnl), std::move(config));
 }

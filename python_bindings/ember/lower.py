@@ -47,21 +47,6 @@ _PRIMS = {
 }
 
 
-def _fold_scalar_alpha(node):
-    """(args, kwargs) of node, with add / sub of a number and alpha folded into one number: x + 3 * 2 as
-    x + 6. The CPU fused-kernel builder computes alpha * other as an instruction of constants alone, which it
-    files as a row value; in a group that reduces over leading dims (a mean over dims 0, 1) row values are
-    computed after the reduction, so the add read 0 (kernels/program.cpp, emit)."""
-    args, kwargs = node.args, node.kwargs
-    if node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor) or "alpha" not in kwargs:
-        return args, kwargs
-    alpha, other = kwargs["alpha"], args[1] if len(args) > 1 else None
-    numbers = (int, float)
-    if not (isinstance(other, numbers) and isinstance(alpha, numbers)) or isinstance(other, bool) or isinstance(alpha, bool):
-        return args, kwargs
-    return (args[0], other * alpha) + tuple(args[2:]), {k: v for k, v in kwargs.items() if k != "alpha"}
-
-
 def op_name(target):
     """'aten::add.Tensor' for torch.ops.aten.add.Tensor; the default overload has no suffix."""
     schema = target._schema
@@ -273,9 +258,8 @@ class _Lowering:
         self.lines.append(f"  {self.decl(node.name, obj)} = prim::constant({string_text(key)})")
 
     def call_args(self, node):
-        args, kwargs = _fold_scalar_alpha(node)
-        parts = [self.literal(a, node) for a in args]
-        parts += [f"{k}={self.literal(v, node)}" for k, v in kwargs.items()]
+        parts = [self.literal(a, node) for a in node.args]
+        parts += [f"{k}={self.literal(v, node)}" for k, v in node.kwargs.items()]
         return ", ".join(parts)
 
     def call_function(self, node):

@@ -496,6 +496,85 @@ TEST(FusedCpuKernel, NanInfPropagateAndEmptyTensors) {
   expect_fused_matches(empty, {at::randn({0, 9})});
 }
 
+// relu and the clamps keep -0.0 as ATen's clamp kernels do (the bound is max's / min's first operand), and
+// NaN: atan2(y, relu(x)) tells -0.0 from +0.0 (the fuzzer's repro mismatch_31041).
+TEST(FusedCpuKernel, ReluAndClampsKeepNegativeZeroAndNan) {
+  const std::string t = "f32[3, 37]{37, 1}@cpu";
+  const std::string text =
+      "graph(%x: " + t + "):\n"
+      "  %m: " + t + " = aten::mul.Tensor(%x, 1.0)\n"
+      "  %r: " + t + " = aten::relu(%m)\n"
+      "  %a: " + t + " = aten::clamp_min(%m, 0.0)\n"
+      "  %b: " + t + " = aten::clamp_max(%m, 0.0)\n"
+      "  %c: " + t + " = aten::clamp(%m, 0.0, 0.5)\n"
+      "  %h: " + t + " = aten::hardtanh(%m, 0.0, 0.0)\n"
+      "  return (%r, %a, %b, %c, %h)\n";
+  CompileOptions off;
+  off.disabled_passes = {"fuse"};
+  auto plain = compile(parse(text), {}, off);
+  auto fused = compile(parse(text), {}, CompileOptions{});
+  at::Tensor x = at::randn({3, 37});
+  x.index_put_({at::indexing::Slice(), at::indexing::Slice(0, 37, 3)}, -0.0);
+  x[1][4] = NAN;
+  x[2][5] = 0.0;
+  auto want = plain->run({x});
+  auto got = fused->run({x});
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    at::Tensor w = want[i].toTensor(), g = got[i].toTensor();
+    at::Tensor number = ~at::isnan(w);  // (a NaN's sign says nothing)
+    EXPECT_TRUE(at::equal(at::signbit(g).masked_select(number), at::signbit(w).masked_select(number)))
+        << "output " << i << "\n" << fused->describe();
+    EXPECT_TRUE(at::allclose(g, w, 0, 0, /*equal_nan=*/true)) << "output " << i;
+  }
+}
+
+// A row over no column: a sum is 0 and a mean NaN, whatever the (NaN) value the row's register holds: the
+// normalized values of an empty layer_norm or softmax row are 0 / 0.
+TEST(FusedCpuKernel, ReductionsOverEmptyRowsGiveTheirIdentity) {
+  const std::string norm =
+      "graph(%x: f32[0]{1}@cpu, %w: f32[0]{1}@cpu, %b: f32[0]{1}@cpu):\n"
+      "  %y: f32[0]{1}@cpu, %mu: f32[1]{1}@cpu, %rs: f32[1]{1}@cpu = aten::native_layer_norm(%x, [0], %w, %b, 1e-05)\n"
+      "  %s: f32[1]{1}@cpu = aten::sum.dim_IntList(%y, [0], true)\n"
+      "  return (%s)\n";
+  expect_fused_matches(norm, {at::randn({0}), at::randn({0}), at::randn({0})});
+  const std::string rows =
+      "graph(%x: f32[0]{1}@cpu):\n"
+      "  %y: f32[0]{1}@cpu, %mu: f32[1]{1}@cpu, %rs: f32[1]{1}@cpu = aten::native_layer_norm(%x, [0], None, None, 1e-05)\n"
+      "  %s: f32[]{}@cpu = aten::sum.dim_IntList(%y, [-1])\n"
+      "  %m: f32[1]{1}@cpu = aten::mean.dim(%y, [-1], true)\n"
+      "  %sm: f32[0]{1}@cpu = aten::_softmax(%x, -1, false)\n"
+      "  %t: f32[1]{1}@cpu = aten::sum.dim_IntList(%sm, [0], true)\n"
+      "  return (%s, %m, %t)\n";
+  expect_fused_matches(rows, {at::randn({0})});
+}
+
+// add(x, 3, alpha=2): alpha * 3 reads no register. In a group that reduces over leading dims (columns) it
+// must be computed with the full values that read it, not after the reduction (where row values are).
+TEST(FusedCpuKernel, ConstantOperandsScaledByAlphaInColumnAndRowGroups) {
+  const std::string columns =
+      "graph(%x: f32[6, 5, 9]{45, 9, 1}@cpu):\n"
+      "  %a: f32[6, 5, 9]{45, 9, 1}@cpu = aten::add.Tensor(%x, 3, alpha=2)\n"
+      "  %s: f32[6, 5, 9]{45, 9, 1}@cpu = aten::sub.Tensor(%a, 0.5, alpha=3)\n"
+      "  %m: f32[1, 1, 9]{9, 9, 1}@cpu = aten::amax(%s, [0, 1], true)\n"
+      "  %k: f32[1, 1, 9]{9, 9, 1}@cpu = aten::add.Tensor(%m, 1.5, alpha=-2)\n"
+      "  return (%k)\n";
+  Graph g = parse(fuse_text(columns));
+  std::string why;
+  std::optional<Program> p = lower_group(g, 0, &why);
+  ASSERT_TRUE(p) << why;
+  EXPECT_EQ(p->outer, 2u) << p->text();
+  expect_fused_matches(columns, {at::randn({6, 5, 9})});
+  const std::string rows =
+      "graph(%x: f32[7, 33]{33, 1}@cpu):\n"
+      "  %a: f32[7, 33]{33, 1}@cpu = aten::add.Tensor(%x, 3, alpha=2)\n"
+      "  %m: f32[7, 1]{1, 1}@cpu = aten::amax(%a, [-1], true)\n"
+      "  %k: f32[7, 1]{1, 1}@cpu = aten::add.Tensor(%m, 1.5, alpha=-2)\n"
+      "  %d: f32[7, 33]{33, 1}@cpu = aten::sub.Tensor(%a, %k)\n"
+      "  return (%k, %d)\n";
+  expect_fused_matches(rows, {at::randn({7, 33})});
+}
+
 TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
   const std::string text =
       "graph(%x: f32[s0, 6]{6, 1}@cpu, %s0: int):\n"

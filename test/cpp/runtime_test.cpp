@@ -193,6 +193,42 @@ TEST(Runtime, StaticViewsMatchAtenAndFallBackOnOtherStrides) {
   EXPECT_EQ(o.storage_offset(), ref.storage_offset());
 }
 
+// as_strided's storage offset is the view's own, not added to its input's (every other view is placed
+// relative to its input): on an input that is itself a view at an offset, and on one at offset 0. Without
+// an offset, as_strided keeps the input's.
+TEST(Runtime, StaticAsStridedOffsetsAreAbsolute) {
+  const std::string text =
+      "graph(%x: f32[4, 5]{5, 1}@cpu):\n"
+      "  %a: f32[2, 3]{3, 1}@cpu = aten::as_strided(%x, [2, 3], [3, 1], 2)\n"
+      "  %b: f32[3, 2]{1, 3}@cpu = aten::as_strided(%a, [3, 2], [1, 3], 1)\n"
+      "  %c: f32[2, 2]{5, 1}@cpu = aten::as_strided(%x, [2, 2], [5, 1])\n"
+      "  %s: f32[3, 5]{5, 1}@cpu = aten::slice.Tensor(%x, 0, 1, 4)\n"
+      "  %d: f32[4]{1}@cpu = aten::as_strided(%s, [4], [1], 3)\n"
+      "  return (%a, %b, %c, %d)\n";
+  auto g = compile_text(text);
+  at::Tensor base = at::randn({40, 5});
+  for (const at::Tensor& x : {base.narrow(0, 7, 4), at::randn({4, 5})}) {
+    std::vector<at::Tensor> ref = {x.as_strided({2, 3}, {3, 1}, 2), x.as_strided({2, 3}, {3, 1}, 2).as_strided({3, 2}, {1, 3}, 1),
+                                   x.as_strided({2, 2}, {5, 1}), x.slice(0, 1, 4).as_strided({4}, {1}, 3)};
+    auto outs = g->run({x});
+    for (size_t i = 0; i < ref.size(); ++i) {
+      at::Tensor o = t(outs[i]);
+      EXPECT_TRUE(at::equal(o, ref[i])) << i;
+      EXPECT_EQ(o.storage_offset(), ref[i].storage_offset()) << i;
+      EXPECT_EQ(o.strides(), ref[i].strides()) << i;
+    }
+  }
+  // An offset past the end of the input's storage is ATen's error, never a read out of bounds.
+  auto past = compile_text(
+      "graph(%x: f32[4, 5]{5, 1}@cpu):\n"
+      "  %a: f32[4, 5]{5, 1}@cpu = aten::as_strided(%x, [4, 5], [5, 1], 3)\n"
+      "  return (%a)\n");
+  EXPECT_THROW(past->run({at::randn({4, 5})}), std::exception);
+  at::Tensor roomy = at::randn({30});
+  at::Tensor x = roomy.narrow(0, 0, 20).view({4, 5});
+  EXPECT_TRUE(at::equal(t(past->run({x})[0]), x.as_strided({4, 5}, {5, 1}, 3)));
+}
+
 TEST(Runtime, TypePromotionBroadcastAndEmpty) {
   auto g = compile_text(
       "graph(%a: i32[4, 1]{1, 1}@cpu, %b: f16[5]{1}@cpu, %m: b8[4, 5]{5, 1}@cpu, %e: f32[0, 3]{3, 1}@cpu):\n"

@@ -169,6 +169,63 @@ def test_few_rows_propagate_nan_and_inf():
     assert expected[0].isnan().all() and expected[1].isinf().any()
 
 
+def _sprinkle(t):
+    """t with NaN, +-Inf and a large value at random places (fresh each call)."""
+    flat = t.view(-1)
+    where = torch.randperm(flat.numel())[:4]
+    flat[where] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30])
+    return t
+
+
+@needs_onednn
+@pytest.mark.parametrize("library", ["onednn", "torch", "aten"])
+@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid", "relu_scale"])
+def test_matmul_epilogues_keep_nan(library, epilogue, monkeypatch):
+    """torch.relu keeps NaN; oneDNN's relu post-op (max(x, 0)) maps it to 0, so the relu and what follows run
+    through ATen after the library call (kernels/cpu/epilogue_support.h, library_exact_ops). NaN and Inf in the
+    source reach the result through rows of the product, on packed parameter weights, weights passed in, and
+    few rows (ember's loop)."""
+    monkeypatch.setenv("EMBER_CPU_MATMUL", library)
+    lin = nn.Linear(24, 40).eval()
+    w = torch.randn(24, 40)
+    tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
+             "sigmoid": lambda y, r: torch.sigmoid(y), "relu_scale": lambda y, r: torch.relu(y) * 2.0 - 1.0}
+    tail = tails[epilogue]
+    for fn in (lambda x, r: tail(lin(x), r), lambda x, r: tail(torch.mm(x, w), r)):
+        compiled = compile_ember(fn)
+        with torch.no_grad():
+            for rows in (33, 33, 33, 5, 5):
+                x, r = _sprinkle(torch.randn(rows, 24)), _sprinkle(torch.randn(rows, 40))
+                expected = fn(x, r)
+                torch.testing.assert_close(compiled(x, r), expected, equal_nan=True, **MATMUL_TOL)
+                assert expected.isnan().any()
+
+
+@pytest.mark.parametrize("route", ["torch", "onednn"])
+@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid"])
+def test_conv2d_epilogues_keep_nan(route, epilogue, monkeypatch):
+    """The fuzzer's repro mismatch_2846: relu after a convolution through torch's oneDNN call (its relu post-op
+    maps NaN to 0) or ember's (EMBER_ONEDNN_CONV=1, where a sigmoid does too)."""
+    if route == "torch" and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without mkldnn")
+    if route == "onednn":
+        if not _onednn_built():
+            pytest.skip("ember was built without oneDNN")
+        monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
+    conv = nn.Conv2d(4, 6, 3, padding=1).eval()
+    tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
+             "sigmoid": lambda y, r: torch.sigmoid(y)}
+    fn = lambda x, r: tails[epilogue](conv(x), r)  # noqa: E731
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        for _ in range(3):  # call 2 on: packed weights
+            x, r = _sprinkle(torch.randn(2, 4, 7, 9)), _sprinkle(torch.randn(2, 6, 7, 9))
+            expected = fn(x, r)
+            torch.testing.assert_close(compiled(x, r), expected, equal_nan=True, **MATMUL_TOL)
+            assert expected.isnan().any()
+    assert len(onednn_kernels()) == 1
+
+
 @needs_onednn
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batch_one_mlp_first_call_then_packed(threads):

@@ -32,7 +32,8 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 
 // Whether a convolution followed by `ops` is one call of torch's own oneDNN convolution with post-ops
 // (mkldnn::_convolution_pointwise, kernels/cpu/conv_kernel.cpp): no op, one activation (relu, gelu, silu,
-// sigmoid, tanh), or an added tensor of the result's shape, then relu or nothing.
+// sigmoid, tanh), or an added tensor of the result's shape, then relu or nothing (a relu is then applied
+// through ATen after the call: kernels/cpu/epilogue_support.h, library_exact_ops).
 bool torch_conv_takes(const std::vector<EpilogueOp>& ops);
 // EMBER_ONEDNN_CONV=1: convolutions go to ember's own (Debian's) oneDNN with any epilogue instead of torch's
 // call. Read at each compile, so that a process can compare both; the claim pass and the kernel read it here.

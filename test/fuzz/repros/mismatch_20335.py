@@ -10,7 +10,7 @@ KIND = 'mismatch'
 SEED = 20335
 DEVICE = 'cpu'
 MODE = 'default'
-KNOWN_OPEN = "kernels/cpu/interpreter.cpp reduce(): a row_sum over an empty row of a register with no data (r.p null) returns r.s * n, which is NaN when r.s is NaN (0/0 of softmax's or layer_norm's empty row); a sum over nothing must be 0"
+# Fixed: kernels/cpu/interpreter.cpp reduce(): a row sum over no column of a value-only register is 0.
 # A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
 SIGNATURE = {'tags': [], 'differs': 'NaN at', 'empty_input': True}
 PROGRAM = {'inputs': [{'dtype': 'int32', 'grad': False, 'layout': 'contig', 'shape': [0], 'special': False}],

@@ -10,7 +10,7 @@ KIND = 'mismatch'
 SEED = 2146
 DEVICE = 'cpu'
 MODE = 'default'
-KNOWN_OPEN = "backend/runtime/plan.cpp StaticView: as_strided's storage_offset is absolute, but the view fast path adds it to the input's own storage offset (input is a slice with offset != 0), reading past the data"
+# Fixed: backend/runtime/plan.cpp StaticView sees from two meta probes (input at offset 0 and 1024) that as_strided's offset is absolute, and places the view there.
 # A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
 SIGNATURE = {'tags': ['as_strided'], 'differs': None}
 PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'sliced', 'shape': [0, 5, 1], 'special': False}],

@@ -10,7 +10,7 @@ KIND = 'mismatch'
 SEED = 2958
 DEVICE = 'cpu'
 MODE = 'default'
-# Fixed: lower.py folds alpha into the number (_fold_scalar_alpha); the C++ root cause is kernels/program.cpp emit().
+# Fixed: kernels/program.cpp emit() files an instruction that reads no register (alpha * 3) as the node it serves (full or row); lower.py no longer folds alpha.
 # A fuzz failure whose shrunk program has these op tags (and this kind of difference) is this bug.
 SIGNATURE = {'tags': ['add_alpha_s'], 'differs': None}
 PROGRAM = {'inputs': [{'dtype': 'float32', 'grad': False, 'layout': 'contig', 'shape': [2, 1, 1, 1], 'special': False}],
