@@ -210,7 +210,8 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   t.stride = c10::IValue(std::vector<int64_t>(g.stride, g.stride + 2));
   t.dilation = c10::IValue(std::vector<int64_t>(g.dilation, g.dilation + 2));
   t.groups = c10::IValue(g.groups);
-  t.unary = c10::IValue(unary);
+  // The .binary form takes no unary op as None ("none" is an error there: "Unary Fusion behavior undefined").
+  t.unary = t.add && !activation ? c10::IValue() : c10::IValue(unary);
   t.algorithm = algorithm ? c10::IValue(std::string(algorithm)) : c10::IValue();
   t.scalars = c10::IValue(c10::List<std::optional<at::Scalar>>());
   t.binary_attr = c10::IValue(std::string("add"));

@@ -223,7 +223,11 @@ def test_conv2d_epilogues_keep_nan(route, epilogue, monkeypatch):
             expected = fn(x, r)
             torch.testing.assert_close(compiled(x, r), expected, equal_nan=True, **MATMUL_TOL)
             assert expected.isnan().any()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(x, r)
     assert len(onednn_kernels()) == 1
+    if route == "torch":  # torch's call, not ATen's fallback (a rejected call falls back for good)
+        assert "mkldnn::_convolution_pointwise" in {e.key for e in prof.key_averages()}
 
 
 @needs_onednn
