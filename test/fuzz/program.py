@@ -485,12 +485,14 @@ def generate(seed, training=None):
             try:
                 with torch.set_grad_enabled(True):
                     out = eval(expr.format(*names), env)
+                if not isinstance(out, torch.Tensor) or out.numel() > 200_000:
+                    continue
+                # Growing values: keep magnitudes where tolerances mean something. (Reading a view that autograd
+                # forbids, e.g. a split output whose base was modified in place, raises: the op is left out.)
+                if out.is_floating_point() and out.numel() and out.abs().nan_to_num(0, 0, 0).max() > 1e4:
+                    continue
             except Exception:
                 continue
-            if not isinstance(out, torch.Tensor) or out.numel() > 200_000:
-                continue
-            if out.is_floating_point() and out.numel() and out.abs().nan_to_num(0, 0, 0).max() > 1e4:
-                continue  # growing values: keep magnitudes where tolerances mean something
             prog["ops"].append({"tag": tag, "expr": expr, "args": names})
             if tag in ("as_strided", "dropout"):
                 # Compiled code may not mutate these aliases: torch.compile bans mutating an as_strided view,
