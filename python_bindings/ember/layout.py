@@ -81,6 +81,16 @@ def channels_last_convolutions(gm, force=False, weights=True):
         else:
             kwargs["weight"] = w_cl
         node.args, node.kwargs = tuple(args), kwargs
+    # A view or as_strided reads its input's strides: where the input was NCHW-contiguous in the trace, it gets
+    # that layout back first (else `view` may fail on a channels_last tensor, and as_strided would read other
+    # elements).
+    for node in list(graph.nodes):
+        reads_strides = (node.op == "call_method" and node.target in ("view", "as_strided")) or (
+            node.op == "call_function" and node.target in (torch.Tensor.view, torch.as_strided))
+        source = node.args[0] if reads_strides and node.args else None
+        if isinstance(source, torch.fx.Node) and _nchw(_tensor(source), force):
+            with graph.inserting_before(node):
+                node.replace_input_with(source, graph.call_method("contiguous", (source,)))
     output = next(n for n in graph.nodes if n.op == "output")
 
     def restore(value):

@@ -121,3 +121,22 @@ def test_cpu_training_graphs_keep_their_layout():
     # forward and gradients against eager on random inputs, and no layout copies in the compiled graphs
     helpers.check(net(8).train(), torch.randn(2, 3, 11, 9), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
     assert "aten::clone" not in _steps()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_views_of_rewritten_convolutions_see_the_traced_layout(device):
+    # `view(-1)` of a convolution's NCHW result fails on a channels_last tensor, and as_strided would read other
+    # elements: the rewrite gives both their traced layout back (found by the graph fuzzer, seed 60872).
+    w1 = torch.randn(4, 3, 3, 3, device=device) * 0.2
+    w2 = torch.randn(4, 4, 3, 3, device=device) * 0.2
+
+    def fn(x):
+        y = torch.conv2d(torch.conv2d(x, w1), w2)
+        return y.view(-1) * 2, y.as_strided((3, 5), (7, 1), 2) + 1
+
+    x = torch.randn(2, 3, 11, 9, device=device)
+    with torch.no_grad():
+        expected, actual = fn(x), compile_ember(fn)(x)
+    for a, e in zip(actual, expected):
+        assert_same(a, e, atol=1e-4, rtol=1e-3)
