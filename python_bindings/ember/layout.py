@@ -10,7 +10,7 @@ already in that layout: the graph's first input and the weights (a small copy ea
 convolution's result comes out channels_last, and the pointwise ops after it keep that layout (ember's
 CUDA kernels iterate in memory order, passes/batchnorm_pointwise.cpp fuses the batch norms), so the next
 convolution's input needs none. Graph outputs that were 4-D and NCHW go back to NCHW, so callers see
-eager's strides.
+eager's strides; so do the inputs of `view` and `as_strided`, which read strides.
 
 Only where a graph has at least two CUDA 2-D convolutions over floating NCHW tensors (a conv-heavy
 model, as inductor decides); ember.config.conv_channels_last = False turns it off.
