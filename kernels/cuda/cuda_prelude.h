@@ -159,13 +159,18 @@ template <class T, int V> __device__ __forceinline__ void st_vec(T* p, const T* 
 // instead of 8 (one per element) or 8 floats. Inputs are never written by the kernel that reads them
 // (outputs are fresh allocations), so loads take the read-only path (ld.global.nc), which the compiler
 // may also move ahead of stores. W words (1, 2 or 4) at a 4 * W-byte aligned address.
+// The asm is volatile: the compiler takes a plain asm for a pure function of its operands, free to run
+// where the source does not. A single row's load (its address the same on every trip of the row loop)
+// was hoisted out of the loop and out of the p.vec and column checks that guard it: a bf16 row one
+// element into its storage faulted with "misaligned address" (fuzz seed 200718), and lanes past the
+// row's end read past the tensor.
 template <int W> __device__ __forceinline__ void ld_words(const void* p, unsigned* w) {
   if constexpr (W == 4)
-    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+    asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
   else if constexpr (W == 2)
-    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
   else
-    asm("ld.global.nc.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
 }
 template <int W> __device__ __forceinline__ void st_words(void* p, const unsigned* w) {
   if constexpr (W == 4) *(ember_u4*)p = ember_u4{w[0], w[1], w[2], w[3]};

@@ -278,6 +278,23 @@ def test_rows_transposed_and_misaligned(family, cols, dtype):
     compare(fn, xs)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("cols", [12, 1024])
+@pytest.mark.parametrize("family", list(ROW_FNS))
+def test_rows_one_misaligned_row(family, cols, dtype):
+    """A single row (a 1-d input) one element into its storage: its row offset is the same on every trip
+    of the row loop, and the compiler hoisted a plain asm vector load out of that loop and out of the
+    p.vec check that guards it (cuda_prelude.h: ld_words), a misaligned address (fuzz seed 200718)."""
+    fn = ROW_FNS[family](cols, dtype)
+    compare(fn, misaligned(cols, dtype=dtype))
+
+    def mixed(x):  # a bf16 row read by a group whose f32 outputs set the vector width
+        y = x.float() + x
+        return torch.log_softmax(y, dim=0), y
+
+    compare(mixed, misaligned(cols, dtype=dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
 def test_rows_fast_division_by_the_row_value(dtype):
     """x / x.sum(-1) in 16 bits divides by one reciprocal per row (div_row in cuda_prelude.h): row sums

@@ -10,10 +10,6 @@ KIND = 'crash'
 SEED = 200718
 DEVICE = 'cuda'
 MODE = 'reduce-overhead'
-KNOWN_OPEN = ("CUDA: misaligned address. compute-sanitizer memcheck: an 8-byte read at 2 bytes past a 1024-byte boundary "
-              "in ember_fused_w1 (a warp-row kernel), during the replay of a captured graph; in a fresh process the fault "
-              "also shows at call 0. The bfloat16 input's slice i0[1::1] starts 2 bytes into its allocation. Not shrunk "
-              "further: candidates fail as errors (a sticky CUDA error) rather than crashes.")
 PROGRAM = {'inputs': [{'dtype': 'bfloat16', 'grad': False, 'layout': 'contig', 'shape': [13], 'special': False}],
  'ops': [{'args': ['i0'], 'expr': 'torch.ge({0}, 0.5)', 'tag': 'ge_s'},
          {'args': ['i0'], 'expr': 'torch.log_softmax({0}, dim=0)', 'tag': 'log_softmax'},
