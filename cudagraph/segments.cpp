@@ -100,6 +100,14 @@ class Splitter {
         const bool read = step.expand_list || (i < step.outputs.size() && step.outputs[i] >= 0 && read_[static_cast<size_t>(step.outputs[i])]);
         if (!tensorish && read) return "returns a host value";
       }
+      // as_strided places its view by absolute storage offset, so it may read the storage of its input
+      // outside the input's own elements (x[1::2].as_strided(..., 1) reads x[0]). A captured part sees a
+      // copied input as a static buffer of the input's elements alone: the view runs eagerly on the
+      // caller's tensor, and the next part copies the view itself.
+      if (step.node->op == "aten::as_strided")
+        for (uint32_t b : reads)
+          if (value(b) && value(b)->type.is_tensor() && !stable(b))
+            return "views " + name_of(value(b)) + " by storage offset, memory a replay sees as a static copy";
       if (!info.has(kView)) *device_work = true;
       // In-place writes must land in memory that keeps its address between calls.
       for (auto [slot, buf] : step.from_buffer) {
