@@ -222,7 +222,8 @@ def gen_op(rng, pool, training):
         if a is None:
             return None
         b = _same_shape_partner(rng, pool, a)
-        if kind == "compare" and b is not None and not b.exact:
+        # floor_divide and remainder jump at every multiple of their divisor, as comparisons at their threshold.
+        if kind in ("compare", "int") and b is not None and not b.exact:
             b = None
         if b is None:
             tag, e = rng.choice(COMPARE if kind == "compare" else (INT_BINARY if kind == "int" else BINARY))
