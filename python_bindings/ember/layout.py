@@ -13,7 +13,8 @@ convolution's input needs none. Graph outputs that were 4-D and NCHW go back to 
 eager's strides; so do the inputs of `view` and `as_strided`, which read strides.
 
 Only where a graph has at least two CUDA 2-D convolutions over floating NCHW tensors (a conv-heavy
-model, as inductor decides); ember.config.conv_channels_last = False turns it off.
+model, as inductor decides), and not where an in-place write would show that a `contiguous()` or
+`reshape` which shared memory in the trace now copies; ember.config.conv_channels_last = False turns it off.
 
 On the CPU the same holds for inference graphs, with the weights left as they are: ember's convolution
 kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's blocked layout for a
@@ -48,6 +49,58 @@ def _nchw(value, force):
     )
 
 
+# Ops whose result may share its first argument's memory: a write into either shows in the other.
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "contiguous", "as_strided", "transpose",
+          "swapaxes", "permute", "movedim", "t", "expand", "expand_as", "squeeze", "unsqueeze", "narrow", "select",
+          "split", "chunk", "unbind", "detach", "alias", "diagonal", "unfold", "getitem", "__getitem__"}
+# Of those, the ones that share memory with an NCHW-contiguous tensor and copy a channels_last one (view and
+# as_strided get a copy of their input first, below).
+_SHARES_BY_LAYOUT = {"contiguous", "reshape", "reshape_as", "flatten", "view", "as_strided"}
+_IN_PLACE_OPERATORS = {"iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                       "ilshift", "irshift"}
+
+
+def _name(node):
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", "")
+    return ""
+
+
+def _writes_in_place(node):
+    name = _name(node)
+    return (name.endswith("_") and not name.startswith("__")) or name in _IN_PLACE_OPERATORS or (
+        node.op == "call_function" and node.kwargs.get("inplace") is True)
+
+
+def _sharing_changes_show(graph, force):
+    """Whether the rewrite would change what a program computes: `x.contiguous()` (reshape, flatten) of a
+    tensor NCHW-contiguous in the trace is x's own memory, of its channels_last rewrite a copy, so an
+    in-place write after it into either side (or a view of one) no longer reaches the other (fuzz seed
+    65959: `v0.contiguous().mul_(2)` left a convolution's result v0 undoubled)."""
+    nodes = list(graph.nodes)
+    root = {n: n for n in nodes}
+
+    def find(n):
+        while root[n] is not n:
+            root[n] = root[root[n]]
+            n = root[n]
+        return n
+
+    for n in nodes:
+        if _name(n) in _VIEWS and n.args and isinstance(n.args[0], torch.fx.Node):
+            root[find(n)] = find(n.args[0])
+    changed = [(i, find(n)) for i, n in enumerate(nodes) if _name(n) in _SHARES_BY_LAYOUT and n.args
+               and isinstance(n.args[0], torch.fx.Node) and _nchw(_tensor(n.args[0]), force)]
+    for i, n in enumerate(nodes):
+        if _writes_in_place(n) and n.args and isinstance(n.args[0], torch.fx.Node):
+            written = find(n.args[0])
+            if any(j < i and group is written for j, group in changed):
+                return True
+    return False
+
+
 def channels_last_convolutions(gm, force=False, weights=True):
     """Rewrites `gm` (a Dynamo graph) in place; returns the number of convolutions now reading
     channels_last tensors. `force` applies it to CPU tensors too. `weights=False` leaves the weights as
@@ -64,6 +117,8 @@ def channels_last_convolutions(gm, force=False, weights=True):
             continue
         convs.append((node, x, w))
     if len(convs) < 2 or not any(_nchw(_tensor(x), force) for _, x, _ in convs):
+        return 0
+    if _sharing_changes_show(gm.graph, force):
         return 0
     graph = gm.graph
     for node, x, w in convs:

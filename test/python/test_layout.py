@@ -140,3 +140,35 @@ def test_views_of_rewritten_convolutions_see_the_traced_layout(device):
         expected, actual = fn(x), compile_ember(fn)(x)
     for a, e in zip(actual, expected):
         assert_same(a, e, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_writes_through_memory_the_rewrite_would_unshare_keep_eager_layouts(device):
+    # `y.contiguous()` of an NCHW y is y itself, so mul_ doubles y too; after a channels_last rewrite it would be a
+    # copy (fuzz seed 65959). Such a graph keeps its layouts, and one whose in-place writes touch nothing shared
+    # (relu_ on a convolution's result) is still rewritten.
+    w1 = torch.randn(4, 3, 1, 1, device=device) * 0.2
+    w2 = torch.randn(2, 4, 2, 2, device=device) * 0.2
+
+    def shared(x):
+        y = torch.conv2d(x, w1, stride=2)
+        z = torch.conv2d(y, w2, stride=2)
+        y.contiguous().mul_(2)
+        return z, torch.cat((y, y.flatten(1).unsqueeze(-1).unsqueeze(-1).reshape(y.shape)), dim=0)
+
+    def unshared(x):
+        y = torch.conv2d(x, w1).relu_()
+        return torch.conv2d(y, w2).flatten(1) * 2
+
+    x = torch.randn(2, 3, 7, 9, device=device)
+    for fn, convs in ((shared, 0), (unshared, 2)):
+        counts = []
+        with torch.no_grad():
+            torch._dynamo.reset()
+            expected, rewritten = fn(x), torch.compile(fn, backend=rewritten_backend(counts))(x)
+            actual = compile_ember(fn)(x)
+        assert counts == [convs]
+        for got in (rewritten, actual):
+            for a, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
+                assert_same(a, e, atol=1e-4, rtol=1e-3)
