@@ -9,7 +9,8 @@ crash, hang, error) are shrunk (shrink.py) and written as standalone reproducers
 DIR/<kind>_<seed>.py (test/fuzz/repros by default), which test/python/test_fuzz_repros.py runs. Graphs
 ember refuses (an EmberError, so they run eagerly with a warning) are no failure; they are counted as
 refusals, with their messages. A failure that backend="aot_eager" shows too is torch's (Dynamo or
-AOTAutograd), not ember's: counted as "upstream", no failure. A shrunk failure with the SIGNATURE of a
+AOTAutograd), not ember's, and so is a NaN of eager's float32 kernel where its float64 one agrees with
+ember (check.py): counted as "upstream", no failure. A shrunk failure with the SIGNATURE of a
 repro marked KNOWN_OPEN is that open bug: counted, no new repro. Exits 1 on any other failure.
 """
 
@@ -147,7 +148,7 @@ def fuzz(count, seed, device, mode, workers, out, timeout=60, shrink_failures=Tr
             for message in result.get("refused", []):
                 refusals[message.split("\n")[0][:160]] += 1
             if kind == "upstream":
-                log(f"seed {s}: upstream (aot_eager fails the same program too): {result['detail'][:300]}")
+                log(f"seed {s}: upstream (torch's, not ember's): {result['detail'][:300]}")
             if kind in FAILURES:
                 log(f"seed {s}: {kind}: {result['detail'][:500]}")
                 failures.append((s, result))
@@ -204,7 +205,7 @@ def main(argv=None):
     print(f"fuzz: {counts['run']} programs (seeds {args.seed}-{args.seed + counts['run'] - 1} of the {args.count} asked; "
           f"the last ones may be left out by --time-budget), {counts['mismatch']} mismatches, {counts['crash']} crashes, "
           f"{counts['hang']} hangs, {counts['error']} errors, {counts['refusal']} refusals "
-          f"({counts['known']} failures are open bugs with a repro, {counts['upstream']} failing under aot_eager too, "
+          f"({counts['known']} failures are open bugs with a repro, {counts['upstream']} torch's own, "
           f"{counts['invalid']} rejected by eager, "
           f"{time.time() - start:.0f} s)")
     return 1 if failures else 0
