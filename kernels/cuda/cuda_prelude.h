@@ -161,7 +161,7 @@ template <class T, int V> __device__ __forceinline__ void st_vec(T* p, const T* 
 // may also move ahead of stores. W words (1, 2 or 4) at a 4 * W-byte aligned address.
 // The asm is volatile: the compiler takes a plain asm for a pure function of its operands, free to run
 // where the source does not. A single row's load (its address the same on every trip of the row loop)
-// was hoisted out of the loop and out of the p.vec and column checks that guard it: a bf16 row one
+// was hoisted out of the loop and out of the vector-mask and column checks that guard it: a bf16 row one
 // element into its storage faulted with "misaligned address" (fuzz seed 200718), and lanes past the
 // row's end read past the tensor.
 template <int W> __device__ __forceinline__ void ld_words(const void* p, unsigned* w) {
