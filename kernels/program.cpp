@@ -99,6 +99,55 @@ class Lowering {
     return Operand::reg(r);
   }
 
+  // The dtype a comparison runs in: torch's result_type of its two operands. Tensors with dimensions decide it;
+  // a 0-dim tensor, then a Python number, changes it only when its category (bool < integer < floating) is
+  // higher. So ne(x, s) for a bfloat16 x and a float32 0-dim s (or the number 1.541) compares in bfloat16: s is
+  // rounded first, and 1.5391 == 1.541 there, as eager finds.
+  static c10::ScalarType comparison_dtype(const Node& n) {
+    enum Tier { Dimensioned, ZeroDim, Number };
+    c10::ScalarType tier[3] = {c10::ScalarType::Undefined, c10::ScalarType::Undefined, c10::ScalarType::Undefined};
+    auto join = [&](Tier t, c10::ScalarType d) {
+      tier[t] = tier[t] == c10::ScalarType::Undefined ? d : c10::promoteTypes(tier[t], d);
+    };
+    for (size_t i = 0; i < 2; ++i) {
+      const Arg* a = n.arg(i, i == 0 ? "self" : "other");
+      if (!a) continue;
+      if (a->kind == Arg::Kind::Value && a->value->type.is_tensor()) {
+        const TensorType& t = a->value->type.tensor;
+        join(t.sizes.empty() ? ZeroDim : Dimensioned, t.dtype);
+      } else {
+        join(Number, operand_dtype(*a));
+      }
+    }
+    auto category = [](c10::ScalarType d) {
+      return d == c10::ScalarType::Undefined ? -1 : d == c10::kBool ? 0 : c10::isFloatingType(d) ? 2 : 1;
+    };
+    c10::ScalarType result = tier[Dimensioned];
+    for (Tier t : {ZeroDim, Number}) {
+      if (category(tier[t]) <= category(result)) continue;
+      // A Python float joins as the default dtype; a 0-dim tensor as its own.
+      result = result == c10::ScalarType::Undefined || category(tier[t]) == 2 ? tier[t] : c10::promoteTypes(result, tier[t]);
+    }
+    return result;
+  }
+  // The dtype an argument holds: a tensor's own, or a Python number's (float as float32, the default dtype).
+  static c10::ScalarType operand_dtype(const Arg& a) {
+    if (a.kind == Arg::Kind::Value && a.value->type.is_tensor()) return a.value->type.tensor.dtype;
+    Type::Kind k = a.kind == Arg::Kind::Value ? a.value->type.kind : Type::Kind::None;
+    if (a.kind == Arg::Kind::Bool || k == Type::Kind::Bool) return c10::kBool;
+    if (a.kind == Arg::Kind::Int || k == Type::Kind::Int) return c10::kLong;
+    return c10::kFloat;
+  }
+  // An operand held in a wider dtype than `common` takes `common`'s rounding (a constant is rounded now).
+  Operand round_to(Operand o, c10::ScalarType held, c10::ScalarType common) {
+    if (held == common || held == c10::kBool) return o;
+    if (o.kind == Operand::Kind::Imm) {
+      o.imm = common == c10::kHalf ? static_cast<float>(c10::Half(o.imm)) : static_cast<float>(c10::BFloat16(o.imm));
+      return o;
+    }
+    return emit(common == c10::kHalf ? OpCode::RoundHalf : OpCode::RoundBFloat16, o);
+  }
+
   // A node is a row node when its output has fewer elements per row than the full shape: it follows
   // a reduction and works on reduced values only.
   bool node_is_row(const Node& n) const {
@@ -200,7 +249,15 @@ class Lowering {
     };
     if (auto it = unary.find(op); it != unary.end()) return out(emit(it->second, x(0, "self")));
     std::string base = op.substr(0, op.find('.', 6));
-    if (auto it = compare.find(base); it != compare.end()) return out(emit(it->second, x(0, "self"), x(1, "other")));
+    if (auto it = compare.find(base); it != compare.end()) {
+      Operand a = x(0, "self"), b = x(1, "other");
+      c10::ScalarType common = comparison_dtype(n);
+      if (common == c10::kHalf || common == c10::kBFloat16) {
+        a = round_to(a, operand_dtype(*n.arg(0, "self")), common);
+        b = round_to(b, operand_dtype(*n.arg(1, "other")), common);
+      }
+      return out(emit(it->second, a, b));
+    }
 
     if (op == "aten::add.Tensor" || op == "aten::add.Scalar" || op == "aten::sub.Tensor" || op == "aten::sub.Scalar") {
       Operand b = x(1, "other");

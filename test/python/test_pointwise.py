@@ -143,6 +143,27 @@ def test_erf_near_zero_keeps_its_relative_accuracy(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_comparison_with_a_wider_scalar_runs_in_the_tensors_dtype(device, dtype):
+    """ne(x, s) for a 16-bit x and a float32 0-dim s (or a Python float, or an int) compares in x's dtype: s
+    is rounded to it first, as torch's type promotion says. Each s here is an element of x nudged by less
+    than half an ulp of x's dtype, so only a comparison in float32 tells them apart (fuzz seeds 303334,
+    306959)."""
+    x = torch.randn(4, 37, device=device).to(dtype)
+    x[0, :3] = torch.tensor([256.0, -2048.0, 1.0])
+    nudge = 2.0 ** -13 if dtype == torch.bfloat16 else 2.0 ** -14
+    s = torch.tensor(float(x[1, 5]) * (1 + nudge), device=device)
+    c = float(x[2, 7]) * (1 - nudge)
+
+    def f(x, s):
+        return (torch.ne(x, s), torch.eq(x, s), torch.lt(x, s), torch.ge(x, s),
+                torch.maximum(torch.ne(x, s), x), torch.where(x <= c, x, -x), x.eq(257), x.gt(-2049))
+
+    out, _ = check(f, x, s, grad=False, options={"fallback": "raise"})
+    assert not bool(out[0][1, 5]) and bool(out[1][1, 5])  # the case that tells the two dtypes apart
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
 def test_division_by_powers_of_two_is_exact(device, dtype):
     """A division by a power of two runs as a product by its reciprocal (kernels/program.cpp): the same bits

@@ -10,7 +10,7 @@ KIND = 'mismatch'
 SEED = 306959
 DEVICE = 'cpu'
 MODE = 'default'
-KNOWN_OPEN = "CPU: minimum/maximum of a 16-bit float tensor and a bool comparison result gives the wrong value (not yet looked at)"
+# KNOWN_OPEN = "why it still fails"  (set it while the bug is open: the test then xfails strictly)
 PROGRAM = {'inputs': [{'dtype': 'float16',
              'grad': False,
              'layout': 'contig',
