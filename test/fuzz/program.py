@@ -14,7 +14,7 @@ and the reproducer files run, so there is one code path.
 The generator builds a program op by op on live CPU tensors: a candidate op that eager rejects is
 dropped and another is drawn, so programs are eager-valid by construction (the checker still runs eager
 first and discards any program that raises). Ops whose result jumps at a threshold (comparisons, floor,
-round, casts to integers, argmax, floor_divide, atan2's y) only read "exact" values, ones both sides compute bit for bit (inputs,
+round, casts to integers, argmax, floor_divide, atan2) only read "exact" values, ones both sides compute bit for bit (inputs,
 views and copies of them, integer math), so a last-ulp difference in a fused float kernel cannot flip them.
 """
 
@@ -234,8 +234,10 @@ def gen_op(rng, pool, training):
                 e = e.replace("(1).abs() + 1", "2")
             return tag + "_s", e, [a], a.exact and not a.t.is_floating_point()
         tag, e = rng.choice(COMPARE if kind == "compare" else (INT_BINARY if kind == "int" else BINARY))
-        # atan2(y, x) jumps by 2 pi where y crosses 0 (its sign, -0.0 too) at x < 0: y must be exact.
-        if tag == "atan2" and not a.exact:
+        # atan2(y, x) jumps by 2 pi where y crosses 0 (its sign, -0.0 too) at x < 0, and by pi where x's zero
+        # changes sign at y = 0: both must be exact. (The sign of a zero a GEMM gives is the library's: eager's
+        # CPU mm gives -1.5 * 0.0 as -0.0 in float32, MKL, and +0.0 in bfloat16, oneDNN.)
+        if tag == "atan2" and not (a.exact and b.exact):
             return None
         exact = (kind == "compare") or (a.exact and b.exact and not a.t.is_floating_point()
                                         and not b.t.is_floating_point())
