@@ -24,6 +24,13 @@ Replaced: embedding_dense_backward becomes ember::embedding_grad (kernels/embedd
 and one index_add_) without scale_grad_by_freq: on CUDA outside deterministic mode (its index_add_ adds with
 atomics), on the CPU for float32 and float64 gradients (its zero table costs only the pages written);
 ember.config.embedding_grad = "aten" keeps ATen's kernel.
+
+Wrapped: the scatter ops functionalization writes for an in-place write into a view (select_scatter,
+slice_scatter, diagonal_scatter, as_strided_scatter) return a tensor with their input's strides, and the core
+table's decompositions (a `where`) a contiguous one where the input is not dense. A later reshape in the same
+trace decides between a view and a copy from those strides: `x[0].copy_(x[1]); y = x.flatten(); x.add_(1)`
+for an `x = t[1::2]` made `y` a view that saw the add (fuzz seed 402227). Where the strides differ, the wrapped
+decomposition keeps the op whole (it runs through ATen; its unused decomposition is dead code the trace drops).
 """
 
 import functools
@@ -120,7 +127,29 @@ def _table(for_export, embedding_grad_setting):
     table = {op: fn for op, fn in core.items() if op not in keep}
     if embedding_grad_setting != "aten":
         table[torch.ops.aten.embedding_dense_backward.default] = embedding_grad
+    for name in _SCATTERS:
+        op = getattr(getattr(torch.ops.aten, name, None), "default", None)
+        if op in table:
+            table[op] = _with_input_strides(table[op])
     return table
+
+
+_SCATTERS = ("select_scatter", "slice_scatter", "diagonal_scatter", "as_strided_scatter")
+
+
+def _with_input_strides(decomposition):
+    """A scatter's decomposition where its result has the input's strides, as ATen's kernel's has; else
+    NotImplemented, which keeps the op (module docstring)."""
+    import torch
+
+    @functools.wraps(decomposition)
+    def run(self, *args, **kwargs):
+        out = decomposition(self, *args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.stride() != self.stride():
+            return NotImplemented
+        return out
+
+    return run
 
 
 def embedding_grad(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
