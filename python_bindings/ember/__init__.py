@@ -12,6 +12,7 @@ Public API:
     load(path, device="cpu")                 load a package through the C++ loader
     wait_for_compiles()                      wait for fused CUDA kernels compiling in the background
     config                                   every setting, typed (ember/config.py, docs/configuration.md)
+    cache.clear(), cache.entries()           the compile cache on disk (ember/cache.py)
     EmberError                               what ember raises for a graph, option or package it cannot handle
     ember_backend                            the backend function itself (torch.compile(backend=ember.ember_backend))
 
@@ -29,11 +30,11 @@ Importing ember is cheap: the C++ extension, AOTAutograd and the decomposition t
 first compile, not here.
 """
 
-from . import config
+from . import cache, config
 from .errors import EmberError
 
 __version__ = "0.1.0"
-__all__ = ["EmberError", "config", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
+__all__ = ["EmberError", "cache", "config", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
 
 
 def wait_for_compiles():

@@ -82,55 +82,79 @@ def _hint_nvrtc():
         ember_config.nvrtc_path = os.path.realpath(found[-1])
 
 
-def compile_fx_graph(gm, config, kind, pinned=None):
+def compile_fx_graph(gm, config, kind, pinned=None, lowered=None):
     """Lowers and compiles one ATen graph (from AOTAutograd or trace.py); returns a boxed callable. `pinned`:
-    which inputs keep their address from call to call, where AOTAutograd did not say (_pinned_inputs)."""
-    from functorch.compile import make_boxed_func
-
+    which inputs keep their address from call to call, where AOTAutograd did not say (_pinned_inputs).
+    `lowered`: a list that gets what the compile cache stores of this graph (cache.py), where it has no
+    control flow and compiled."""
     graph_name = f"g{next(_graph_ids)}_{kind}"
-    from . import report
-
     try:
-        from . import _C
         from .lower import inline_invoke_subgraphs, lower_graph
 
         gm = inline_invoke_subgraphs(gm)
         _dump_fx(config, graph_name, gm)
-        if any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes):
-            _hint_nvrtc()
         start = time.perf_counter()
         ir, constants, subgraphs = lower_graph(gm)
         lower_ms = (time.perf_counter() - start) * 1e3
-        # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
-        # norm's scale and shift) run once, and again only when a parameter changes.
         if pinned is None:
             pinned = _pinned_inputs(gm, kind)
-        cached = []
-        if kind == "inference" and config.parameter_cache:
-            cached = pinned
-        subgraphs = _compile_subgraphs(subgraphs, config, graph_name)
-        # Under the Python dispatcher, as the tracing was (and as AOTAutograd compiles): the plan's view steps
-        # take their geometry from meta kernels, and only where those agree with the traced types do they
-        # become fast paths (under plain C++ meta kernels, 12 of BERT-base's views did not: the strides of
-        # size-1 dims differ).
-        from torch._dispatch.python import enable_python_dispatcher
-
-        with enable_python_dispatcher():
-            compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
-        compiled._boxed_call = True
-        if cached:
-            compiled.cache_parameter_steps(cached)
-        graphs_note = _enable_cuda_graphs(compiled, gm, config, pinned) if config.cudagraphs else ""
-        report.record_graph(graph_name, kind, gm, compiled, lower_ms, ir, graphs_note)
+        fx_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        is_cuda = any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes)
+        compiled = _compile_ir(ir, constants, _compile_subgraphs(subgraphs, config, graph_name), config, kind,
+                               graph_name, pinned, fx_nodes, lower_ms, is_cuda)
+        if lowered is not None and not subgraphs:
+            lowered.append({"ir": ir, "constants": dict(constants), "pinned": list(pinned), "fx_nodes": fx_nodes,
+                            "cuda": is_cuda})
         return compiled
     except Exception as e:
-        report.record_fallback(kind, str(e))
-        if config.fallback == "raise":
-            if isinstance(e, EmberError):
-                raise
-            raise EmberError(f"ember could not compile the {kind} graph: {e}") from e
-        warnings.warn(f"ember could not compile the {kind} graph and runs it eagerly: {e}", stacklevel=2)
-        return make_boxed_func(gm.forward)
+        return _fell_back(e, config, kind, gm)
+
+
+def compile_cached_graph(graph, config, kind):
+    """compile_fx_graph for one graph of a compile cache entry: the C++ pipeline over its stored IR."""
+    graph_name = f"g{next(_graph_ids)}_{kind}"
+    return _compile_ir(graph["ir"], graph["constants"], {}, config, kind, graph_name, graph["pinned"],
+                       graph["fx_nodes"], 0.0, graph["cuda"])
+
+
+def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_nodes, lower_ms, is_cuda):
+    from . import _C, report
+
+    if is_cuda:
+        _hint_nvrtc()
+    # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
+    # norm's scale and shift) run once, and again only when a parameter changes.
+    cached = pinned if kind == "inference" and config.parameter_cache else []
+    # Under the Python dispatcher, as the tracing was (and as AOTAutograd compiles): the plan's view steps
+    # take their geometry from meta kernels, and only where those agree with the traced types do they
+    # become fast paths (under plain C++ meta kernels, 12 of BERT-base's views did not: the strides of
+    # size-1 dims differ).
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with enable_python_dispatcher():
+        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
+    compiled._boxed_call = True
+    if cached:
+        compiled.cache_parameter_steps(cached)
+    graphs_note = _enable_cuda_graphs(compiled, is_cuda, config, pinned) if config.cudagraphs else ""
+    report.record_graph(graph_name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note)
+    return compiled
+
+
+def _fell_back(e, config, kind, gm):
+    """What a graph ember could not compile becomes: EmberError with fallback="raise", else gm itself (a
+    warning says so)."""
+    from functorch.compile import make_boxed_func
+
+    from . import report
+
+    report.record_fallback(kind, str(e))
+    if config.fallback == "raise":
+        if isinstance(e, EmberError):
+            raise
+        raise EmberError(f"ember could not compile the {kind} graph: {e}") from e
+    warnings.warn(f"ember could not compile the {kind} graph and runs it eagerly: {e}", stacklevel=3)
+    return make_boxed_func(gm.forward)
 
 
 def _dump_fx(config, graph_name, gm):
@@ -157,7 +181,8 @@ def _compile_subgraphs(subgraphs, config, prefix):
         lower_ms = (time.perf_counter() - start) * 1e3
         nested = _compile_subgraphs(nested, config, graph_name)
         compiled[name] = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, [], nested)
-        report.record_graph(graph_name, "subgraph", sub, compiled[name], lower_ms, ir)
+        fx_nodes = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+        report.record_graph(graph_name, "subgraph", fx_nodes, compiled[name], lower_ms, ir)
     return compiled
 
 
@@ -371,9 +396,10 @@ def _direct_call(gm, example_inputs, inference):
                           _shapes_guarded(gm, example_inputs), bump=bump)
 
 
-def _traced_call(gm, example_inputs, config):
+def _traced_call(gm, example_inputs, config, key=None):
     """The C++ DirectCall of an inference graph traced in one pass without AOTAutograd (trace.py), the
-    Dynamo graph itself where ember could not compile it (and warned), or None: then AOTAutograd traces it."""
+    Dynamo graph itself where ember could not compile it (and warned), or None: then AOTAutograd traces it.
+    Stored in the compile cache under `key` (cache.py)."""
     if not ember_config.direct_call:
         return None
     from .decompositions import decomposition_table
@@ -382,20 +408,36 @@ def _traced_call(gm, example_inputs, config):
     traced, pinned = trace_inference(gm, example_inputs, decomposition_table())
     if traced is None:
         return None
-    compiled = compile_fx_graph(traced, config, "inference", pinned)
+    lowered = []
+    compiled = compile_fx_graph(traced, config, "inference", pinned, lowered)
     if not hasattr(compiled, "num_inputs"):  # fell back (with a warning): Dynamo's graph runs as it is
         return gm.forward
     if not _called_directly(gm, example_inputs, compiled):
         return None
-    from . import _C
+    from . import _C, cache
 
+    if key is not None and lowered:
+        cache.store(key, {"kind": "inference", "graphs": lowered, "pinned": list(pinned)})
     return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=[])
 
 
-def _joint_traced_call(gm, example_inputs, config):
+def _cached_call(gm, example_inputs, config, entry):
+    """The C++ DirectCall of a compile cache entry (cache.py), or None where it does not fit these inputs."""
+    from . import _C
+
+    graphs = [compile_cached_graph(g, config, kind)
+              for g, kind in zip(entry["graphs"], ("inference",) if entry["kind"] == "inference" else ("forward", "backward"))]
+    if not _called_directly(gm, example_inputs, graphs[0]):
+        return None
+    training = _C.training_graph(graphs[0], graphs[1], **entry["spec"]) if entry["kind"] == "training" else None
+    return _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs), bump=[],
+                          **({"training": training} if training is not None else {}))
+
+
+def _joint_traced_call(gm, example_inputs, config, key=None):
     """The C++ DirectCall of a training graph traced call by call without AOTAutograd (joint.py), its forward
     and backward one C++ autograd function; the Dynamo graph itself where ember could not compile them (and
-    warned); or None: then AOTAutograd traces it."""
+    warned); or None: then AOTAutograd traces it. Stored in the compile cache under `key` (cache.py)."""
     from .decompositions import decomposition_table
     from .joint import trace_training
 
@@ -404,14 +446,19 @@ def _joint_traced_call(gm, example_inputs, config):
         return None
     from . import _C
 
-    forward = compile_fx_graph(forward_gm, config, "forward", pinned)
+    lowered = []
+    forward = compile_fx_graph(forward_gm, config, "forward", pinned, lowered)
     if not isinstance(forward, _C.CompiledGraph):  # fell back (with a warning): Dynamo's graph runs as it is
         return gm.forward
-    backward = compile_fx_graph(backward_gm, config, "backward", _pinned_inputs(backward_gm, "backward"))
+    backward = compile_fx_graph(backward_gm, config, "backward", _pinned_inputs(backward_gm, "backward"), lowered)
     if not isinstance(backward, _C.CompiledGraph):
         return gm.forward
     if not _called_directly(gm, example_inputs, forward):
         return None
+    if key is not None and len(lowered) == 2:
+        from . import cache
+
+        cache.store(key, {"kind": "training", "graphs": lowered, "pinned": list(pinned), "spec": spec})
     return _C.direct_call(forward, [], pinned, _shapes_guarded(gm, example_inputs), bump=[],
                           training=_C.training_graph(forward, backward, **spec))
 
@@ -455,15 +502,14 @@ def _hook_mark_step_begin():
     cudagraph_trees.mark_step_begin = mark_step_begin
 
 
-def _enable_cuda_graphs(compiled, gm, config, pinned):
-    """Installs CUDA graph capture on `compiled`; returns '' or why the graph runs without it."""
+def _enable_cuda_graphs(compiled, is_cuda, config, pinned):
+    """Installs CUDA graph capture on `compiled` (a graph with CUDA inputs where is_cuda); returns '' or why
+    the graph runs without it."""
     global _warned_no_cuda_graphs
     from . import _C
 
     if not _C.cuda_graphs_supported():
-        if not _warned_no_cuda_graphs and any(
-            getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes if n.op == "placeholder"
-        ):
+        if not _warned_no_cuda_graphs and is_cuda:
             _warned_no_cuda_graphs = True
             warnings.warn("ember: this build has no CUDA graph support (built against a torch without CUDA)")
         return "this ember build has no CUDA graph support"
@@ -590,6 +636,22 @@ def _compiling_for_ember():
     return False
 
 
+def _from_cache(gm, example_inputs, config, entry):
+    """_cached_call, or None (then the graph compiles afresh) where the entry does not compile or fit."""
+    from . import report
+
+    try:
+        direct = _cached_call(gm, example_inputs, config, entry)
+    except Exception as e:  # an entry this ember cannot run: a miss
+        import logging
+
+        logging.getLogger("ember").debug("ember: compile cache entry %s not used (%s: %s)", entry.get("key"),
+                                         type(e).__name__, e)
+        direct = None
+    report.record_cache(direct is not None)
+    return direct
+
+
 def _compile_graph(gm, example_inputs, config):
     """ember_backend's work, with the collector paused."""
     if config.disabled_passes:  # a configuration error raises whatever the fallback setting
@@ -605,12 +667,19 @@ def _compile_graph(gm, example_inputs, config):
 
     import torch._functorch.config
 
+    from . import cache
     from .decompositions import decomposition_table
 
     if any(getattr(x, "is_cuda", False) for x in example_inputs):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
+    key = cache.key(gm, example_inputs, config.mode)
+    entry = cache.load(key)
+    if entry is not None:
+        direct = _from_cache(gm, example_inputs, config, entry)
+        if direct is not None:
+            return direct
 
     inference = []
     training = []  # (kind, compiled, facts) for the forward and the backward
@@ -656,9 +725,9 @@ def _compile_graph(gm, example_inputs, config):
             channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
         elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
             channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
-    direct = _traced_call(gm, example_inputs, config)
+    direct = _traced_call(gm, example_inputs, config, key)
     if direct is None:
-        direct = _joint_traced_call(gm, example_inputs, config)
+        direct = _joint_traced_call(gm, example_inputs, config, key)
     if direct is not None:
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):

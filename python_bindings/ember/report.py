@@ -69,6 +69,7 @@ class ExplainReport:
         self.as_is = []  # what graphs with nothing to compile did (views, detach): they run as Dynamo traced them
         self.masks = [0, 0]  # attention masks read at compile time: dropped, made is_causal (attention.py)
         self.flex = []  # per flex_attention call: None (ember's CUDA kernel) or why it runs dense (flex.py)
+        self.cache_hits = 0  # Dynamo graphs whose compile came from the compile cache (cache.py)
         self.total_s = 0.0
         self.backend_s = 0.0  # inside ember's compilers
 
@@ -97,6 +98,8 @@ class ExplainReport:
                 lines.extend("    " + line for line in g.cuda_graphs.rstrip().splitlines())
             elif g.graphs_note:
                 lines.append(f"    no CUDA graphs: {g.graphs_note}")
+        if self.cache_hits:
+            lines.append(f"- {self.cache_hits} Dynamo graph(s) from the compile cache: no tracing or lowering")
         for kind, reason in self.fallbacks:
             lines.append(f"- {kind} graph ran eagerly: {reason}")
         for what in self.as_is:
@@ -132,12 +135,16 @@ def _timing(name, value):
     return f"{name} {int(value)}" if name in _COUNTS else f"{name} {value:.1f} ms"
 
 
-def record_graph(name, kind, gm, compiled, lower_ms, ir, graphs_note=""):
+def record_graph(name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note=""):
     if _active:
-        fx_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
         _active[-1].graphs.append(
             GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir, compiled, graphs_note)
         )
+
+
+def record_cache(hit):
+    if _active:
+        _active[-1].cache_hits += 1 if hit else 0
 
 
 def record_as_is(what):

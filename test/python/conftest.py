@@ -32,6 +32,11 @@ def _ember_test_env(monkeypatch):
     # TF32 convolutions and matmuls pick algorithms by layout, so eager and any compiled backend differ
     # by ~0.3 in resnet18 input gradients with it on (measured on an H200, inductor too) and by 2e-5
     # with it off. Tests compare backends, not cuDNN's algorithm choices.
+    # The compile cache (ember/cache.py) is off, so that each test compiles what it compares; test_compile_cache.py
+    # turns it on over a folder of its own. EMBER_TEST_COMPILE_CACHE=1 leaves it on for every test: run twice over
+    # one cache folder, the second run's graphs then come from the cache.
+    if os.environ.get("EMBER_TEST_COMPILE_CACHE") != "1":  # a variable of the test harness, not an ember setting
+        monkeypatch.setattr(ember.config, "compile_cache", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch._dynamo.reset()
@@ -40,15 +45,17 @@ def _ember_test_env(monkeypatch):
     import ember._C
     import ember.backend
 
-    original = ember.backend.compile_fx_graph
+    def counting(original):
+        def compile_and_count(graph, config, kind, *args, **kwargs):
+            compiled = original(graph, config, kind, *args, **kwargs)
+            if isinstance(compiled, ember._C.CompiledGraph):
+                helpers.EMBER_GRAPHS.append((kind, compiled))
+            return compiled
 
-    def counting_compile_fx_graph(gm, config, kind, pinned=None):
-        compiled = original(gm, config, kind, pinned)
-        if isinstance(compiled, ember._C.CompiledGraph):
-            helpers.EMBER_GRAPHS.append((kind, compiled))
-        return compiled
+        return compile_and_count
 
-    monkeypatch.setattr(ember.backend, "compile_fx_graph", counting_compile_fx_graph)
+    for name in ("compile_fx_graph", "compile_cached_graph"):
+        monkeypatch.setattr(ember.backend, name, counting(getattr(ember.backend, name)))
     helpers.EMBER_GRAPHS.clear()
     yield
     helpers.EMBER_GRAPHS.clear()

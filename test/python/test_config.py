@@ -26,7 +26,7 @@ SCANNED_FILES = ("README.md", "CMakeLists.txt")
 SUFFIXES = (".py", ".cpp", ".h", ".cu", ".sh", ".md", ".txt", ".cmake", ".yml")
 # EMBER_* names that are neither settings nor build-time: test-harness variables (docs/configuration.md lists
 # them) and Python names in tests and benchmarks.
-HARNESS = {"EMBER_TEST_BACKGROUND", "EMBER_FUZZ_COUNT", "EMBER_PACKAGE_TEST_DIR", "EMBER_PACKAGE_DEVICE",
+HARNESS = {"EMBER_TEST_BACKGROUND", "EMBER_TEST_COMPILE_CACHE", "EMBER_FUZZ_COUNT", "EMBER_PACKAGE_TEST_DIR", "EMBER_PACKAGE_DEVICE",
            "EMBER_GPU_BENCH", "EMBER_EDITABLE"}
 PYTHON_NAMES = {"EMBER_GRAPHS", "EMBER_OPTIONS", "EMBER_OK"}  # helpers' graph list, bench's options, a printed marker
 

@@ -10,7 +10,7 @@ import torch._dynamo
 
 import ember
 
-PUBLIC = ("EmberError", "config", "explain", "export", "load", "wait_for_compiles")
+PUBLIC = ("EmberError", "cache", "config", "explain", "export", "load", "wait_for_compiles")
 
 
 def test_public_names_are_listed_and_documented():

@@ -1,0 +1,200 @@
+"""ember.cache: whole compiles on disk, so that a restarted process skips ATen tracing and lowering.
+
+    ember.cache.clear()          # every entry gone
+    ember.cache.entries()        # [(path, bytes)] of what the cache holds
+
+A graph Dynamo hands ember that trace.py (inference) or joint.py (training) traces without AOTAutograd is
+stored, once compiled, as what came out of lowering: the IR text of each graph (inference; or forward and
+backward), the constants it reads, which inputs keep their address, and the facts the C++ training call
+needs. A later compile of the same graph with the same inputs and settings, in this process or another, reads
+the entry instead of tracing: the C++ pipeline (passes, code generation, plan) runs on the stored IR, and CUDA
+kernels come from the kernel cache beside it, as for a package (ember.load). Graphs that go through
+AOTAutograd (an input mutated, outputs aliasing inputs, dynamic shapes) and graphs with control flow are not
+stored.
+
+The key (`key`) hashes the Dynamo graph's code; each input's dtype, sizes, strides, storage offset, device,
+requires_grad, leaf-ness and which inputs share memory; the mode and every ember setting; the torch, CUDA and
+ember versions (ember's files' sizes and times) and each GPU's name and compute capability; and the global
+state that changes a trace or its kernels: grad mode, autocast, the default dtype, deterministic algorithms,
+TF32 and reduced-precision matmul flags, the float32 matmul precision and the enabled attention kernels.
+
+An entry that is unreadable, truncated, of another format or of another key is a miss (logged at debug level
+on the "ember" logger), never an error. Entries are written to a temporary file and renamed into place, so
+that processes writing one key at once leave one whole entry. The folder is `<cache_dir>/graphs`
+(`ember.config.cache_dir`: empty, ~/.cache/ember; "off": no cache); `ember.config.compile_cache = False` turns
+this cache off; past `ember.config.compile_cache_mb` the least recently used entries go.
+"""
+
+import functools
+import hashlib
+import logging
+import os
+import tempfile
+
+from . import config
+
+FORMAT = 1
+_log = logging.getLogger("ember")
+
+
+def folder():
+    """The cache's folder, or None where it is off."""
+    root = config.cache_dir
+    if root in ("off", "0") or not config.compile_cache:
+        return None
+    if not root:
+        root = os.path.join(os.path.expanduser("~"), ".cache", "ember")
+    return os.path.join(root, "graphs")
+
+
+def entries():
+    """[(path, size in bytes)] of the entries, least recently used first."""
+    where = folder()
+    if where is None or not os.path.isdir(where):
+        return []
+    found = []
+    for name in os.listdir(where):
+        if name.endswith(".entry"):
+            path = os.path.join(where, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, path, st.st_size))
+    return [(path, size) for _, path, size in sorted(found)]
+
+
+def clear():
+    """Removes every entry; returns how many."""
+    gone = 0
+    for path, _ in entries():
+        try:
+            os.remove(path)
+            gone += 1
+        except OSError:
+            pass
+    return gone
+
+
+@functools.lru_cache(maxsize=1)
+def _versions():
+    """torch's and CUDA's versions and ember's files (sizes and modification times): a rebuilt or edited
+    ember is another ember."""
+    import torch
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = []
+    for name in sorted(os.listdir(here)):
+        if name.endswith((".py", ".so")):
+            st = os.stat(os.path.join(here, name))
+            files.append((name, st.st_size, st.st_mtime_ns))
+    return repr((FORMAT, torch.__version__, torch.version.cuda, files))
+
+
+def _global_state(devices):
+    import torch
+
+    state = [torch.is_grad_enabled(), str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
+             torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
+             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction]
+    for kind in ("cpu", "cuda"):
+        state.append((kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind))))
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
+        probe = getattr(torch.backends.cuda, name, None)
+        state.append(probe() if probe else None)
+    for d in sorted(devices):
+        if d.startswith("cuda"):
+            index = torch.device(d).index or 0
+            state.append((d, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)))
+    return state
+
+
+def key(gm, example_inputs, mode):
+    """The hex key of one compile, or None where it is not cached (the cache is off, a debug directory is
+    asked for, an input is not a tensor with plain sizes, the graph module holds tensors or submodules)."""
+    import torch
+
+    if folder() is None or config.debug_dir:
+        return None
+    if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
+        return None
+    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
+        return None
+    inputs, storages, devices = [], {}, set()
+    for x in example_inputs:
+        if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_nested or type(x) not in (
+                torch.Tensor, torch.nn.Parameter):
+            return None
+        if any(not isinstance(v, int) for v in (*x.shape, *x.stride(), x.storage_offset())):
+            return None
+        storage = storages.setdefault(x.untyped_storage().data_ptr(), len(storages))
+        devices.add(str(x.device))
+        inputs.append((str(x.dtype), tuple(x.shape), x.stride(), x.storage_offset(), str(x.device), x.requires_grad,
+                       x.is_leaf, type(x) is torch.nn.Parameter, storage))
+    settings = sorted((name, repr(value)) for name, value in config._current().items())
+    text = repr((_versions(), mode, settings, _global_state(devices), inputs, gm.code))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load(k):
+    """The entry stored under key k, or None (a miss)."""
+    where = folder()
+    if k is None or where is None:
+        return None
+    path = os.path.join(where, k + ".entry")
+    if not os.path.exists(path):
+        return None
+    import torch
+
+    try:
+        entry = torch.load(path, weights_only=True)
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
+            raise ValueError("another format or key")
+        if entry.get("kind") not in ("inference", "training") or not isinstance(entry.get("graphs"), list):
+            raise ValueError("no graphs")
+    except Exception as e:  # unreadable, truncated, another version's: a miss
+        _log.debug("ember: compile cache entry %s is unusable (%s: %s); compiling afresh", path, type(e).__name__, e)
+        return None
+    try:
+        os.utime(path)  # least recently used goes first
+    except OSError:
+        pass
+    return entry
+
+
+def store(k, entry):
+    """Writes entry under key k (a temporary file renamed into place), then evicts past the size cap."""
+    where = folder()
+    if k is None or where is None:
+        return
+    import torch
+
+    try:
+        os.makedirs(where, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-", suffix=".entry")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(dict(entry, format=FORMAT, key=k), f)
+            os.replace(tmp, os.path.join(where, k + ".entry"))
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except Exception as e:  # a full or read-only disk: no entry, nothing else lost
+        _log.debug("ember: compile cache entry %s not written (%s: %s)", k, type(e).__name__, e)
+        return
+    _evict(config.compile_cache_mb * 2**20)
+
+
+def _evict(cap):
+    held = entries()
+    total = sum(size for _, size in held)
+    for path, size in held:
+        if total <= cap:
+            break
+        try:
+            os.remove(path)
+            total -= size
+        except OSError:
+            pass

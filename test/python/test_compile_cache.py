@@ -1,0 +1,146 @@
+"""The compile cache (ember/cache.py): a graph compiled once comes back from disk, in this process after
+torch._dynamo.reset() and in a fresh one, with the results of a fresh compile; a bad entry is a miss."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import ember
+import ember.cache
+from helpers import DEVICES, MATMUL_TOL, check
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(ember.config, "compile_cache", True)
+    monkeypatch.setattr(ember.config, "cache_dir", str(tmp_path))
+    return tmp_path
+
+
+def _model():
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 6))
+
+
+def _explain(model, *inputs, train=False):
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(train):
+        return ember.explain(model)(*inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_a_cached_compile_matches_eager_as_a_fresh_one_does(cache_dir, device, train):
+    model = _model().to(device)
+    x = torch.randn(16, 24, device=device, requires_grad=train)
+    first = _explain(model, x, train=train)
+    assert first.cache_hits == 0 and len(ember.cache.entries()) == 1
+    again = _explain(model, x, train=train)
+    assert again.cache_hits == 1, str(again)
+    assert "from the compile cache" in str(again)
+    # The entry's graphs compiled again, each compared with eager on fresh inputs (and gradients in training).
+    torch._dynamo.reset()
+    if train:
+        check(model, torch.randn(16, 24, device=device), **MATMUL_TOL)
+    else:
+        with torch.no_grad():
+            check(model, torch.randn(16, 24, device=device), grad=False, **MATMUL_TOL)
+    assert len(ember.cache.entries()) == 1
+
+
+def test_what_changes_a_compile_changes_the_key(cache_dir):
+    model = _model()
+    x = torch.randn(16, 24)
+    _explain(model, x)
+    for run in (lambda: _explain(model, torch.randn(8, 24)),                  # another size
+                lambda: _explain(model, torch.randn(24, 16).t()),             # other strides
+                lambda: _explain(model.double(), x.double())):                # another dtype
+        assert run().cache_hits == 0
+    with ember.config.patch(cpu_matmul="aten"):                               # a setting
+        assert _explain(model.float(), x).cache_hits == 0
+    assert _explain(model.float(), x).cache_hits == 1
+    assert len(ember.cache.entries()) == 5
+
+
+def test_a_debug_directory_or_the_setting_off_keeps_nothing(cache_dir, tmp_path_factory, monkeypatch):
+    with ember.config.patch(debug_dir=str(tmp_path_factory.mktemp("dump"))):
+        _explain(_model(), torch.randn(4, 24))
+    monkeypatch.setattr(ember.config, "compile_cache", False)
+    _explain(_model(), torch.randn(4, 24))
+    assert ember.cache.entries() == []
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty", "other key"])
+def test_a_bad_entry_is_a_miss(cache_dir, damage):
+    model = _model()
+    x = torch.randn(16, 24)
+    _explain(model, x)
+    ((path, size),) = ember.cache.entries()
+    data = open(path, "rb").read()
+    if damage == "garbage":
+        data = bytes(b ^ 0x5A for b in data)
+    elif damage == "truncated":
+        data = data[: size // 2]
+    elif damage == "empty":
+        data = b""
+    else:
+        torch.save(dict(torch.load(path, weights_only=True), key="0" * 64), path)
+        data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data)
+    report = _explain(model, x)
+    assert report.cache_hits == 0 and len(report.graphs) == 1
+    torch._dynamo.reset()
+    with torch.no_grad():
+        check(model, x, grad=False, **MATMUL_TOL)
+    # The fresh compile wrote a good entry over the bad one.
+    assert _explain(model, x).cache_hits == 1
+
+
+def test_clear_and_the_size_cap(cache_dir, monkeypatch):
+    for n in (4, 5, 6):
+        _explain(_model(), torch.randn(n, 24))
+    held = ember.cache.entries()
+    assert len(held) == 3
+    monkeypatch.setattr(ember.config, "compile_cache_mb", 1)
+    filler = os.path.join(ember.cache.folder(), "f" * 64 + ".entry")
+    with open(filler, "wb") as f:
+        f.write(b"\0" * (2**20 - sum(size for _, size in held) + 1))
+    _explain(_model(), torch.randn(7, 24))  # its store evicts the least recently used until under 1 MiB
+    left = [path for path, _ in ember.cache.entries()]
+    assert held[0][0] not in left and len(left) < 5
+    assert ember.cache.clear() == len(left) and ember.cache.entries() == []
+
+
+def test_a_fresh_process_reads_what_another_wrote(tmp_path):
+    script = textwrap.dedent("""
+        import torch, ember
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 6))
+        x = torch.randn(16, 24, requires_grad=True)
+        report = ember.explain(model)(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ember", options={"fallback": "raise"})
+        y = torch.randn(16, 24, requires_grad=True)
+        out = compiled(y)
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()] + [y.grad.clone()]
+        for p in model.parameters():
+            p.grad = None
+        y2 = y.detach().clone().requires_grad_(True)
+        model(y2).square().sum().backward()
+        expected = [p.grad for p in model.parameters()] + [y2.grad]
+        error = max((a - b).abs().max().item() for a, b in zip(grads, expected))
+        print("HITS", report.cache_hits, "ERROR", error)
+    """)
+    env = dict(os.environ, EMBER_CACHE_DIR=str(tmp_path), EMBER_COMPILE_CACHE="1")
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (hits0, error0), (hits1, error1) = [run.stdout.split("HITS ")[1].split(" ERROR ") for run in runs]
+    assert (hits0, hits1) == ("0", "1")
+    assert float(error0) < 1e-4 and float(error1) < 1e-4
