@@ -5,6 +5,7 @@
     python bench/harness.py --only mlp_b64,mlp_b1 --no-inductor
     python bench/harness.py --list
     python bench/harness.py --device cuda --cold --cold-only --only gpt2_b4_s128  # first calls in fresh processes only
+    python bench/harness.py --device cpu --cold --cold-only --warm                # and again over the caches they filled
 
 For each workload and backend it records
     first_call_s    the first call, compile included (torch._dynamo.reset() and a garbage collection before it;
@@ -25,6 +26,9 @@ For each workload and backend it records
                     --cold-over R, only workloads whose in-process ratio of ember's first call to inductor's is
                     over R (the in-process ratio flatters inductor, whose compile finds what earlier workloads warmed).
                     --cold-only skips the in-process part: a suite's fresh processes split over runs with --only
+    warm_first_call_s   with --cold --warm: each backend's cold process shares one folder of caches (inductor's FX
+                    graph and autotune caches on, Triton's, ember's kernels and compiles, the CUDA driver's) with a
+                    second fresh process run right after it: that one's first call (warm_dynamo_s its Dynamo share)
     latency_ms      the median of --repeat individually timed calls after --warmup calls (on CUDA each call is
                     bracketed by torch.cuda.synchronize()), taken in turns: each backend runs one untimed call and
                     then --block timed ones, and the next backend takes over; a steady loop calling one model
@@ -572,14 +576,17 @@ def fmt(value, spec, width):
 
 def print_table(results):
     cold = any("cold_first_call_s" in row for r in results for row in r.get("backends", {}).values())
+    warm = any("warm_first_call_s" in row for r in results for row in r.get("backends", {}).values())
     header = (f"{'workload':<20} {'backend':<11} {'first call s':>12} {'Dynamo s':>8} "
               + (f"{'cold first s':>12} {'Dynamo s':>8} " if cold else "")
+              + (f"{'warm first s':>12} {'Dynamo s':>8} " if warm else "")
               + f"{'latency ms':>11} {'speedup':>8} {'alt.':>6} {'max rel err':>11} {'graphs':>6}  note")
     print(header)
     print("-" * len(header))
     for r in results:
         if "skipped" in r:
             print(f"{r['workload']:<20} {'':<11} {'':>12} {'':>8} " + (f"{'':>12} {'':>8} " if cold else "")
+                  + (f"{'':>12} {'':>8} " if warm else "")
                   + f"{'':>11} {'':>8} {'':>6} {'':>11} {'':>6}  skipped: {r['skipped']}")
             continue
         for backend, row in r["backends"].items():
@@ -587,6 +594,7 @@ def print_table(results):
             alternating = f"{row['speedup_alternating']:.2f}x" if "speedup_alternating" in row else "-"
             print(f"{r['workload']:<20} {backend:<11} {fmt(row.get('first_call_s'), '.3f', 12)} {fmt(row.get('dynamo_s'), '.3f', 8)} "
                   + (f"{fmt(row.get('cold_first_call_s'), '.3f', 12)} {fmt(row.get('cold_dynamo_s'), '.3f', 8)} " if cold else "")
+                  + (f"{fmt(row.get('warm_first_call_s'), '.3f', 12)} {fmt(row.get('warm_dynamo_s'), '.3f', 8)} " if warm else "")
                   + f"{fmt(row.get('latency_ms'), '.3f', 11)} {speedup:>8} {alternating:>6} {fmt(row.get('max_rel_error'), '.1e', 11)} "
                   f"{fmt(row.get('graphs'), 'd', 6)}  {row.get('error', '')}")
 
@@ -669,18 +677,20 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def cold_first_call(name, backend, device, threads=0, env=None):
+def cold_first_call(name, backend, device, threads=0, env=None, warm=False):
     """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in this fresh process
     (a child of the fork server, fresh_processes): the cache variables set to `env` (fresh cache folders for what
     it leaves out), eager runs once (the device, its libraries and the model warmed as any program's first eager
-    call would), then the backend's first call is timed, Dynamo's own first use in the process included."""
+    call would), then the backend's first call is timed, Dynamo's own first use in the process included. `warm`:
+    inductor's caches stay on (as by default), so that a second process over the same `env` folders reads what
+    the first wrote."""
     for key in CACHE_ENV:
         os.environ.pop(key, None)
     os.environ.update(env or {})
     if threads:
         torch.set_num_threads(threads)
     torch._dynamo.config.suppress_errors = False
-    made = disable_inductor_caches()
+    made = tempfile.mkdtemp(prefix="ember-bench-caches-") if warm else disable_inductor_caches()
     try:
         w = WORKLOADS[name]
         torch.manual_seed(0)
@@ -727,17 +737,23 @@ def fresh_processes():
     return _FRESH
 
 
-def cold_first_call_in_child(name, backend, args):
+def cold_first_call_in_child(name, backend, args, shared=None):
     """(seconds, Dynamo's share of them or None) of `backend`'s first call on workload `name` in a fresh process
-    (cold_first_call in a child of the fork server), or None."""
+    (cold_first_call in a child of the fork server), or None. `shared`: a folder holding every cache the child
+    uses, with inductor's caches on (--warm), instead of fresh folders."""
     context, module = fresh_processes()
     # Fresh cache folders for the child, unless the caller chose them (not this process's fresh ones).
     env = dict(_CALLER_CACHE_ENV)
     fresh = tempfile.mkdtemp(prefix="ember-bench-cuda-cache-")
     env.setdefault("CUDA_CACHE_PATH", fresh)
+    if shared:
+        env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(shared, "inductor"),
+               "TRITON_CACHE_DIR": os.path.join(shared, "inductor", "triton"),
+               "EMBER_CACHE_DIR": os.path.join(shared, "ember"), "CUDA_CACHE_PATH": os.path.join(shared, "cuda")}
     print(f"[harness] {name} {backend}: first call in a fresh process ...", file=sys.stderr, flush=True)
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=module._cold_child, args=(send, name, backend, args.device, args.threads, env))
+    child = context.Process(target=module._cold_child,
+                            args=(send, name, backend, args.device, args.threads, env, bool(shared)))
     try:
         child.start()
         send.close()
@@ -782,12 +798,26 @@ def cold_first_calls(result, args):
     args.cold_repeat rounds of one process per backend, and their medians into the backend's row."""
     rows = {b: row for b, row in result.get("backends", {}).items() if b != "eager" and "error" not in row}
     samples = {b: [] for b in rows}
+    warm = {b: [] for b in rows}
     for _ in range(max(1, args.cold_repeat)):
         for backend in rows:
-            cold = cold_first_call_in_child(result["workload"], backend, args)
-            if cold is not None:
-                samples[backend].append(cold)
+            shared = tempfile.mkdtemp(prefix="ember-bench-warm-") if getattr(args, "warm", False) else None
+            try:
+                cold = cold_first_call_in_child(result["workload"], backend, args, shared)
+                if cold is not None:
+                    samples[backend].append(cold)
+                    if shared:  # a second fresh process over the caches the first one filled
+                        again = cold_first_call_in_child(result["workload"], backend, args, shared)
+                        if again is not None:
+                            warm[backend].append(again)
+            finally:
+                if shared:
+                    shutil.rmtree(shared, ignore_errors=True)
     for backend, row in rows.items():
+        if warm[backend]:
+            row["warm_first_call_s"] = statistics.median(s for s, _ in warm[backend])
+            dynamo = [d for _, d in warm[backend] if d is not None]
+            row["warm_dynamo_s"] = statistics.median(dynamo) if dynamo else None
         if not samples[backend]:
             continue
         seconds = [s for s, _ in samples[backend]]
@@ -823,6 +853,9 @@ def main(argv=None):
     parser.add_argument("--cold-over", type=float, default=0.0,
                         help="with --cold: fresh processes only for workloads whose in-process first call under ember "
                              "took more than this share of inductor's (e.g. 0.25, the first-call target)")
+    parser.add_argument("--warm", action="store_true",
+                        help="with --cold: each fresh process is followed by a second one over the caches it filled "
+                             "(inductor's caches on in both): warm_first_call_s")
     parser.add_argument("--cold-only", action="store_true",
                         help="with --cold: fresh processes only, no in-process first calls or latencies (a suite's "
                              "first calls split over several runs)")

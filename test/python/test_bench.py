@@ -55,6 +55,17 @@ def test_cold_first_calls_take_the_median_of_fresh_processes(harness):
     assert rows["ember"]["cold_dynamo_s"] == statistics.median(dynamo)
 
 
+def test_warm_first_calls_follow_each_cold_one_over_its_caches(harness):
+    # --cold --warm: a second fresh process per cold one, over the caches that one filled.
+    import argparse
+
+    result = {"workload": "matmul_softmax", "backends": {"eager": {}, "ember": {}}}
+    harness.cold_first_calls(result, argparse.Namespace(device="cpu", threads=1, cold_repeat=1, warm=True))
+    row = result["backends"]["ember"]
+    assert row["cold_first_call_s"] > 0 and row["warm_first_call_s"] > 0
+    assert 0 < row["warm_dynamo_s"] < row["warm_first_call_s"]
+
+
 def test_cold_over_picks_the_workloads_above_the_ratio(harness):
     # --cold-over 0.25: fresh processes only where ember's in-process first call took over a quarter of
     # inductor's, or where either is missing.

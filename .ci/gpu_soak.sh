@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The long GPU checks, one call on the GPU machine each (device tool, carry=[".carry"]; logs under $OUT):
+#   bash .ci/gpu_soak.sh fuzz N SEED      N fuzzed programs in the default mode and N in reduce-overhead (graph_fuzz.py)
+#   bash .ci/gpu_soak.sh memcheck         compute-sanitizer memcheck over the CUDA-graph and training tests
+#   bash .ci/gpu_soak.sh train STEPS      BertModel(BertConfig()) trained STEPS steps in reduce-overhead (bench/train_soak.py)
+#   bash .ci/gpu_soak.sh zoo              every bench/zoo.py model trained 20 steps in reduce-overhead
+# ember is installed from .carry/ember-prebuilt.tgz where it matches the tree (.ci/prebuilt.sh), else built.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/ember_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+for deb in .carry/libdnnl2_*.deb .carry/libdnnl-dev_*.deb .carry/ocl-icd-libopencl1_*.deb .carry/libgtest-dev_*.deb; do
+  [ -f "$deb" ] && dpkg -x "$deb" /tmp/debs
+done
+[ -d /tmp/debs/usr ] && export GTest_ROOT=/tmp/debs/usr dnnl_ROOT=/tmp/debs/usr \
+  LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if ! bash .ci/prebuilt.sh unpack .carry/ember-prebuilt.tgz; then
+  bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+  bash .ci/prebuilt.sh pack "$OUT/ember-prebuilt.tgz"
+fi
+workers=$(( $(nproc) - 2 ))
+case "${1:-}" in
+  fuzz)
+    for mode in default reduce-overhead; do
+      mkdir -p "$OUT/fuzz-$mode"
+      python3 test/fuzz/graph_fuzz.py --count "${2:-1000}" --seed "${3:-0}" --device cuda --mode "$mode" \
+        --workers "$workers" --progress 1000 --shrink-budget 120 --out "$OUT/fuzz-$mode" > "$OUT/fuzz-$mode/log.txt" 2>&1
+      echo "fuzz $mode exit $?"; tail -1 "$OUT/fuzz-$mode/log.txt"
+    done
+    ;;
+  memcheck)
+    (cd test/python && compute-sanitizer --tool memcheck --target-processes all --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider test_cudagraphs.py test_reduce_overhead_training.py) > "$OUT/memcheck.log" 2>&1
+    echo "memcheck exit $?"; grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -5
+    ;;
+  train)
+    python3 bench/train_soak.py --steps "${2:-200}" --mode reduce-overhead 2>&1 | tee "$OUT/train.log" | tail -4
+    ;;
+  zoo)
+    python3 bench/zoo.py --device cuda --train --mode reduce-overhead --steps 20 --out "$OUT/zoo_ro_train.json" \
+      > "$OUT/zoo.log" 2>&1
+    echo "zoo exit $?"; tail -30 "$OUT/zoo.log"
+    ;;
+  *)
+    sed -n 2,6p "$0"; exit 2
+    ;;
+esac
