@@ -674,7 +674,7 @@ def _compile_graph(gm, example_inputs, config):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
-    key = cache.key(gm, example_inputs, config.mode)
+    key = cache.key(gm, example_inputs, config)
     entry = cache.load(key)
     if entry is not None:
         direct = _from_cache(gm, example_inputs, config, entry)

@@ -13,7 +13,8 @@ AOTAutograd (an input mutated, outputs aliasing inputs, dynamic shapes) and grap
 stored.
 
 The key (`key`) hashes the Dynamo graph's code; each input's dtype, sizes, strides, storage offset, device,
-requires_grad, leaf-ness and which inputs share memory; the mode and every ember setting; the torch, CUDA and
+requires_grad, leaf-ness and which inputs share memory; the mode, the compile's options and every ember setting
+but `fallback`; the torch, CUDA and
 ember versions (ember's files' sizes and times) and each GPU's name and compute capability; and the global
 state that changes a trace or its kernels: grad mode, autocast, the default dtype, deterministic algorithms,
 TF32 and reduced-precision matmul flags, the float32 matmul precision and the enabled attention kernels.
@@ -111,12 +112,12 @@ def _global_state(devices):
     return state
 
 
-def key(gm, example_inputs, mode):
+def key(gm, example_inputs, compile_config):
     """The hex key of one compile, or None where it is not cached (the cache is off, a debug directory is
     asked for, an input is not a tensor with plain sizes, the graph module holds tensors or submodules)."""
     import torch
 
-    if folder() is None or config.debug_dir:
+    if folder() is None or config.debug_dir or getattr(compile_config, "debug_dir", ""):
         return None
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         return None
@@ -133,8 +134,10 @@ def key(gm, example_inputs, mode):
         devices.add(str(x.device))
         inputs.append((str(x.dtype), tuple(x.shape), x.stride(), x.storage_offset(), str(x.device), x.requires_grad,
                        x.is_leaf, type(x) is torch.nn.Parameter, storage))
-    settings = sorted((name, repr(value)) for name, value in config._current().items())
-    text = repr((_versions(), mode, settings, _global_state(devices), inputs, gm.code))
+    settings = sorted((name, repr(value)) for name, value in config._current().items() if name != "fallback")
+    # The mode and options; not `fallback`, which decides only what a failed compile does (a stored one did not fail).
+    options = sorted((name, repr(value)) for name, value in vars(compile_config).items() if name != "fallback")
+    text = repr((_versions(), options, settings, _global_state(devices), inputs, gm.code))
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -25,10 +25,10 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.LayerNorm(48), torch.nn.Linear(48, 6))
 
 
-def _explain(model, *inputs, train=False):
+def _explain(model, *inputs, train=False, **options):
     torch._dynamo.reset()
     with torch.set_grad_enabled(train):
-        return ember.explain(model)(*inputs)
+        return ember.explain(model, options=options or None)(*inputs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,13 +61,15 @@ def test_what_changes_a_compile_changes_the_key(cache_dir):
         assert run().cache_hits == 0
     with ember.config.patch(cpu_matmul="aten"):                               # a setting
         assert _explain(model.float(), x).cache_hits == 0
+    assert _explain(model.float(), x, disable_passes="cse").cache_hits == 0  # an option
     assert _explain(model.float(), x).cache_hits == 1
-    assert len(ember.cache.entries()) == 5
+    assert len(ember.cache.entries()) == 6
 
 
 def test_a_debug_directory_or_the_setting_off_keeps_nothing(cache_dir, tmp_path_factory, monkeypatch):
     with ember.config.patch(debug_dir=str(tmp_path_factory.mktemp("dump"))):
         _explain(_model(), torch.randn(4, 24))
+    _explain(_model(), torch.randn(4, 24), debug_dir=str(tmp_path_factory.mktemp("dump")))
     monkeypatch.setattr(ember.config, "compile_cache", False)
     _explain(_model(), torch.randn(4, 24))
     assert ember.cache.entries() == []
