@@ -26,6 +26,7 @@ that processes writing one key at once leave one whole entry. The folder is `<ca
 this cache off; past `ember.config.compile_cache_mb` the least recently used entries go.
 """
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -141,6 +142,17 @@ def key(gm, example_inputs, compile_config):
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@contextlib.contextmanager
+def _outside_tracing():
+    """No fake mode in sight: torch.load under Dynamo's tracing context (the backend runs inside it) gives meta
+    tensors, without their values, where a fake mode is detected."""
+    import torch._guards
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with torch._guards.tracing(None), unset_fake_temporarily():
+        yield
+
+
 def load(k):
     """The entry stored under key k, or None (a miss)."""
     where = folder()
@@ -152,11 +164,15 @@ def load(k):
     import torch
 
     try:
-        entry = torch.load(path, weights_only=True)
+        with _outside_tracing():
+            entry = torch.load(path, weights_only=True)
         if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
             raise ValueError("another format or key")
         if entry.get("kind") not in ("inference", "training") or not isinstance(entry.get("graphs"), list):
             raise ValueError("no graphs")
+        for graph in entry["graphs"]:
+            if any(type(t) is not torch.Tensor or t.is_meta for t in graph["constants"].values()):
+                raise ValueError("a constant without its values")
     except Exception as e:  # unreadable, truncated, another version's: a miss
         _log.debug("ember: compile cache entry %s is unusable (%s: %s); compiling afresh", path, type(e).__name__, e)
         return None
@@ -178,7 +194,7 @@ def store(k, entry):
         os.makedirs(where, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-", suffix=".entry")
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb") as f, _outside_tracing():
                 torch.save(dict(entry, format=FORMAT, key=k), f)
             os.replace(tmp, os.path.join(where, k + ".entry"))
         except BaseException:

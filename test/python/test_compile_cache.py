@@ -51,6 +51,21 @@ def test_a_cached_compile_matches_eager_as_a_fresh_one_does(cache_dir, device, t
     assert len(ember.cache.entries()) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_with_tensor_constants_reads_their_values_from_the_entry(cache_dir, device):
+    """A tensor made in the graph (an index list) is a constant of the lowered graph, stored with the entry. Read
+    inside Dynamo's compile, torch.load gave it as a meta tensor, without values: garbage out (fuzz seed 700016)."""
+    def fn(x):
+        return torch.tanh(x[torch.tensor([5, 7, 7, 1], device=x.device)]) * x[torch.tensor([0, 2], device=x.device)].sum()
+
+    for n in range(3):  # a miss, then hits
+        torch._dynamo.reset()
+        x = torch.randn(13, device=device)
+        torch.testing.assert_close(torch.compile(fn, backend="ember", options={"fallback": "raise"})(x), fn(x))
+    assert len(ember.cache.entries()) == 1
+    assert _explain(fn, x, train=True).cache_hits == 1  # grad mode on, as for the compiles above
+
+
 def test_what_changes_a_compile_changes_the_key(cache_dir):
     model = _model()
     x = torch.randn(16, 24)
