@@ -98,7 +98,7 @@ def compile_fx_graph(gm, config, kind, pinned=None, lowered=None):
         lower_ms = (time.perf_counter() - start) * 1e3
         if pinned is None:
             pinned = _pinned_inputs(gm, kind)
-        fx_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function")
+        fx_nodes = _fx_nodes(gm)
         is_cuda = any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes)
         compiled = _compile_ir(ir, constants, _compile_subgraphs(subgraphs, config, graph_name), config, kind,
                                graph_name, pinned, fx_nodes, lower_ms, is_cuda)
@@ -108,6 +108,11 @@ def compile_fx_graph(gm, config, kind, pinned=None, lowered=None):
         return compiled
     except Exception as e:
         return _fell_back(e, config, kind, gm)
+
+
+def _fx_nodes(gm):
+    """The calls of an ATen graph (what ember.explain counts as its FX nodes)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function")
 
 
 def compile_cached_graph(graph, config, kind):
@@ -181,8 +186,7 @@ def _compile_subgraphs(subgraphs, config, prefix):
         lower_ms = (time.perf_counter() - start) * 1e3
         nested = _compile_subgraphs(nested, config, graph_name)
         compiled[name] = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, [], nested)
-        fx_nodes = sum(1 for n in sub.graph.nodes if n.op == "call_function")
-        report.record_graph(graph_name, "subgraph", fx_nodes, compiled[name], lower_ms, ir)
+        report.record_graph(graph_name, "subgraph", _fx_nodes(sub), compiled[name], lower_ms, ir)
     return compiled
 
 
@@ -643,10 +647,9 @@ def _from_cache(gm, example_inputs, config, entry):
     try:
         direct = _cached_call(gm, example_inputs, config, entry)
     except Exception as e:  # an entry this ember cannot run: a miss
-        import logging
+        from . import cache
 
-        logging.getLogger("ember").debug("ember: compile cache entry %s not used (%s: %s)", entry.get("key"),
-                                         type(e).__name__, e)
+        cache._log.debug("ember: compile cache entry %s not used (%s: %s)", entry.get("key"), type(e).__name__, e)
         direct = None
     report.record_cache(direct is not None)
     return direct
