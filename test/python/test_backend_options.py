@@ -344,7 +344,8 @@ def test_entry_point_in_fresh_process(tmp_path):
         assert ("torch._inductor.scheduler" in sys.modules) == (os.environ.get("TORCH_COMPILE_DEBUG") == "1")
         print("EMBER_OK")
     """)
-    env = dict(os.environ, EMBER_FALLBACK="raise", PYTHONPATH="")
+    # The compile cache off: the second process would find the first one's graph and skip the tracing it checks.
+    env = dict(os.environ, EMBER_FALLBACK="raise", PYTHONPATH="", EMBER_COMPILE_CACHE="0")
     env.pop("TORCH_COMPILE_DEBUG", None)
     r = subprocess.run([sys.executable, "-W", "error:ember could not compile", "-c", code], capture_output=True, text=True,
                        timeout=300, env=env, cwd="/")
