@@ -10,12 +10,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-# Every file the build reads (the Python tests, benchmarks and docs are not), and the torch it built against.
+# Every file the build reads (the Python tests, benchmarks, docs and GPU check scripts are not), and the torch it built against.
 sources_hash() {
   {
     git ls-files -z --cached --others --exclude-standard -- . ':(exclude)test/python' ':(exclude)test/fuzz/*.py' \
       ':(exclude)test/fuzz/repros' ':(exclude)bench' ':(exclude)docs' ':(exclude)examples' ':(exclude)*.md' \
-      ':(exclude)python_bindings/ember/*.py' | sort -z | xargs -0 sha256sum
+      ':(exclude)python_bindings/ember/*.py' ':(exclude).ci/gpu_*.sh' | sort -z | xargs -0 sha256sum
     "$PY" -c "import torch; print(torch.__version__, torch.version.cuda)"
   } | sha256sum | cut -d' ' -f1
 }
