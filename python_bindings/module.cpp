@@ -188,8 +188,11 @@ PyObject* direct_call(PyObject* self_obj, PyObject* const* args, size_t nargsf, 
     for (size_t i = 0; i < outputs.size(); ++i) PyList_SET_ITEM(result.ptr(), i, to_python(std::move(outputs[i])));
     return result.release().ptr();
   } catch (const Error& e) {
+    // Thrown on rather than returned: the warnings the call raised (HANDLE_TH_ERRORS buffers them) are
+    // then flushed around the pending error. Returning nullptr here would flush them into Python with the
+    // error already set, which Python reports as a SystemError that hides this one.
     PyErr_SetString(ember_error_type.ptr(), e.what());
-    return nullptr;
+    throw python_error();
   }
   END_HANDLE_TH_ERRORS
 }

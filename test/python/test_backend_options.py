@@ -854,6 +854,27 @@ def test_direct_call_errors_are_clear():
         call(x=torch.ones(2))
 
 
+def test_direct_call_error_after_a_warning_stays_an_ember_error():
+    """A call that raises a c10 warning (here ATen's resized-output one) and then fails in ember gives the
+    EmberError, with the warning delivered, not a SystemError about a result with an exception set (fuzz seed
+    708770 on the GPU: a CUDA graph capture warned, then the call failed)."""
+    negate = ember._C.compile("graph(%x: f32[3]{1}@cpu):\n  %y: f32[3]{1}@cpu = aten::neg(%x)\n  return (%y)\n",
+                              {}, [], "", "negate")
+    graph = ember._C.compile(
+        "graph(%p: b8[]{}@cpu, %x: f32[3]{1}@cpu, %o: f32[5]{1}@cpu):\n"
+        "  %v: f32[3]{1}@cpu = aten::add.out(%x, %x, 1, %o)\n"
+        "  %y: f32[3]{1}@cpu = ember::cond(%p, \"t\", \"f\", [%v])\n"
+        "  return (%y)\n", {}, [], "", "g", subgraphs={"t": negate, "f": negate})
+    call = ember._C.direct_call(graph, [])
+    x = torch.randn(3)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.testing.assert_close(call(torch.tensor(True), x, torch.empty(5))[0], -2 * x)
+        with pytest.raises(EmberError, match="predicate tensor must hold one value"):
+            call(torch.tensor([True, False]), x, torch.empty(5))
+    assert sum("resized" in str(w.message) for w in seen) == 2
+
+
 @pytest.mark.parametrize("setting", ["default", "another backend", "EMBER_PAUSE_GC=0", "compile fails"])
 def test_full_collections_held_off_while_dynamo_compiles_for_ember(monkeypatch, setting):
     """While Dynamo compiles a frame for ember, the collector's oldest-generation threshold is out of reach (no full
