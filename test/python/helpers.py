@@ -49,7 +49,11 @@ MATMUL_TOL = dict(atol=1e-4, rtol=1e-3)  # for fp32 graphs with matmuls / convs 
 
 
 def record_returns(monkeypatch, module, name):
-    """The list of what `module.name` returns, call by call, for the rest of the test."""
+    """The list of what `module.name` (a step of the compile) returns, call by call, for the rest of the test. The
+    compile cache goes off for the test: a hit would skip the step (EMBER_TEST_COMPILE_CACHE=1)."""
+    import ember.config
+
+    monkeypatch.setattr(ember.config, "compile_cache", False)
     made = []
     original = getattr(module, name)
 

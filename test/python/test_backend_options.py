@@ -682,6 +682,7 @@ def test_trace_by_node_leaves_graphs_with_state_to_the_whole_trace(monkeypatch):
     import ember.trace
 
     monkeypatch.setattr(ember.config, "trace_by_node", True)
+    monkeypatch.setattr(ember.config, "compile_cache", False)  # a trace must run (EMBER_TEST_COMPILE_CACHE=1)
     refused = []
     original = ember.trace._trace_by_node
 
@@ -887,6 +888,7 @@ def test_full_collections_held_off_while_dynamo_compiles_for_ember(monkeypatch, 
     if setting == "EMBER_PAUSE_GC=0":
         monkeypatch.setattr(ember.config, "pause_gc", False)
     ember.backend._hold_full_collections_in_dynamo()  # as at import: the fixture's torch._dynamo.reset() dropped it
+    monkeypatch.setattr(ember.config, "compile_cache", False)  # a compile must run (EMBER_TEST_COMPILE_CACHE=1)
     seen = []
     if setting == "compile fails":
         def fail(*args, **kwargs):
@@ -926,6 +928,7 @@ def test_collector_paused_while_compiling(monkeypatch, setting):
     when the compile raises; EMBER_PAUSE_GC=0 leaves it running. Results still match eager."""
     import gc
 
+    monkeypatch.setattr(ember.config, "compile_cache", False)  # a compile must run (EMBER_TEST_COMPILE_CACHE=1)
     seen = []
     original = ember.backend.compile_fx_graph
 
