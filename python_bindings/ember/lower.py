@@ -34,7 +34,10 @@ _MEMORY_FORMATS = {
     torch.contiguous_format: "contiguous_format", torch.preserve_format: "preserve_format",
     torch.channels_last: "channels_last", torch.channels_last_3d: "channels_last_3d",
 }
+# AOTAutograd's wrapper of an op with side effects (lowered by _Lowering.with_effects).
+_WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
 # Python-level functions that appear in graphs over SymInts, and the prim ops that run them in C++.
+
 _PRIMS = {
     operator.add: "prim::add", operator.sub: "prim::sub", operator.mul: "prim::mul",
     operator.floordiv: "prim::floordiv", operator.mod: "prim::mod", operator.truediv: "prim::truediv",
@@ -272,6 +275,8 @@ class _Lowering:
             return self.sym_sum(node)
         if target in self.control_flow:
             return self.control_flow_call(node, self.control_flow[target])
+        if target is _WITH_EFFECTS:
+            return self.with_effects(node)
         if target in _PRIMS:
             args = node.args
             if target is round:
@@ -376,6 +381,26 @@ class _Lowering:
             return
         # Several outputs (or one list): name each after the getitem that reads it, if any.
         self.declare_outputs(node, list(val), call)
+
+    def with_effects(self, node):
+        """with_effects(token, op, *args): AOTAutograd threads a token through an op with side effects (linalg's
+        _linalg_check_errors, which raises for a singular matrix) to keep it in order. The op is a call where the
+        node stands (ember's steps keep their order, and a call without results is never dropped); the token
+        passes through, as nothing but the graph's outputs reads it."""
+        token, op, *args = node.args
+        if not isinstance(op, torch._ops.OpOverload) or token not in self.names:
+            raise EmberError(f"node {node.name}: with_effects of {op} over token {token} is not supported")
+        parts = [self.literal(a, node) for a in args] + [f"{k}={self.literal(v, node)}" for k, v in node.kwargs.items()]
+        call = f"{op_name(op)}({', '.join(parts)})"
+        vals = list(self.val_of(node))[1:] if op._schema.returns else []  # (token, *the op's results)
+        names = [f"{node.name}_{i}" for i in range(1, len(vals) + 1)]
+        for user in node.users:
+            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
+                if user.args[1] >= 1:
+                    names[user.args[1] - 1] = user.name
+        self.names[node] = [self.names[token], *names]
+        decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
+        self.lines.append(f"  {decls} = {call}" if vals else f"  {call}")
 
     def getitem(self, node):
         source, index = node.args

@@ -255,3 +255,23 @@ def test_cpu_max_pool_training_gradients_match_eager():
     torch.testing.assert_close(got[0], x.grad, atol=0, rtol=0)
     torch.testing.assert_close(got[1], conv.weight.grad)
     assert _cpu_max_pools() == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linalg_ops_with_effect_tokens(device):
+    """tensorinv and tensorsolve check their factorization's info through `_linalg_check_errors`, which AOTAutograd
+    wraps in with_effects in a gradient graph: ember runs it in its place (fallback="raise" compiles the graph),
+    values and gradients match eager's, and a singular input still raises."""
+    import ember
+
+    a = torch.randn(4, 4, device=device) + 4 * torch.eye(4, device=device)
+    b = torch.randn(2, 2, device=device)
+    check(lambda a: torch.linalg.tensorinv(a.reshape(4, 2, 2), ind=1) * 2, a, **MATMUL_TOL)
+    check(lambda a, b: torch.linalg.tensorsolve(a.reshape(2, 2, 2, 2), b).sin(), a, b, **MATMUL_TOL)
+    compiled = torch.compile(lambda a: torch.linalg.tensorinv(a.reshape(4, 2, 2), ind=1), backend="ember",
+                             options={"fallback": "raise"})
+    compiled(a.clone().requires_grad_())
+    with pytest.raises(RuntimeError, match="could not be completed"):  # eager's LinAlgError, as a RuntimeError
+        compiled(torch.zeros(4, 4, device=device, requires_grad=True))
+    report = ember.explain(lambda a: torch.linalg.tensorinv(a.reshape(4, 2, 2), ind=1))(a.clone().requires_grad_())
+    assert "aten::_linalg_check_errors" in str(report), str(report)
