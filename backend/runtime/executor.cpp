@@ -256,10 +256,13 @@ void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c
       stack.clear();
       stack.push_back(std::move(r));
     }
-  } catch (const c10::Error& e) {
+  } catch (c10::Error& e) {
+    // The same error, named by the step: its type (IndexError, LinAlgError, OutOfMemoryError, ...) is the
+    // Python exception eager raises.
     std::string where = step.node->outputs.empty() ? step.node->op
                                                    : "%" + step.node->outputs[0]->name + " = " + step.node->op;
-    throw std::runtime_error(std::string(e.what_without_backtrace()) + "\n(ember: while running " + where + ")");
+    e.add_context("ember: while running " + where);
+    throw;
   }
   if (step.expand_list) {
     c10::List<c10::IValue> list = stack[0].toList();

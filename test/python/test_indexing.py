@@ -141,3 +141,17 @@ def test_topk_sort(device):
         return v * 2, i, s, si
 
     check(fn, torch.randn(5, 8, device=device))
+
+
+def test_aten_errors_keep_their_python_type():
+    """An ATen op that fails inside a compiled graph raises what eager raises (IndexError here, not a
+    RuntimeError), with the step named."""
+    def fn(x, i):
+        return x[i] * 2
+
+    compiled = torch.compile(fn, backend="ember", options={"fallback": "raise"})
+    torch.testing.assert_close(compiled(torch.arange(3.0), torch.tensor([2])), torch.tensor([4.0]))
+    with pytest.raises(IndexError, match="out of bounds"):
+        fn(torch.randn(3), torch.tensor([5]))
+    with pytest.raises(IndexError, match=r"out of bounds.*ember: while running"):
+        compiled(torch.randn(3), torch.tensor([5]))
