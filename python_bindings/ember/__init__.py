@@ -13,6 +13,8 @@ Public API:
     wait_for_compiles()                      wait for fused CUDA kernels compiling in the background
     config                                   every setting, typed (ember/config.py, docs/configuration.md)
     cache.clear(), cache.entries()           the compile cache on disk (ember/cache.py)
+    save_cache_artifacts()                   the compile and kernel caches as bytes, for another machine
+    load_cache_artifacts(data)               install those bytes into this machine's caches
     EmberError                               what ember raises for a graph, option or package it cannot handle
     ember_backend                            the backend function itself (torch.compile(backend=ember.ember_backend))
 
@@ -34,7 +36,21 @@ from . import cache, config
 from .errors import EmberError
 
 __version__ = "0.1.0"
-__all__ = ["EmberError", "cache", "config", "ember_backend", "explain", "export", "load", "wait_for_compiles", "__version__"]
+__all__ = ["EmberError", "cache", "config", "ember_backend", "explain", "export", "load", "load_cache_artifacts",
+           "save_cache_artifacts", "wait_for_compiles", "__version__"]
+
+
+def save_cache_artifacts():
+    """The compile cache's entries and the CUDA kernels compiled so far, as bytes (in the spirit of
+    torch.compiler.save_cache_artifacts): load_cache_artifacts installs them on another machine, so that its
+    first compiles of the same graphs skip tracing and kernel compiles. What must match there: ember/cache.py."""
+    return cache.save_artifacts()
+
+
+def load_cache_artifacts(data):
+    """Installs bytes from save_cache_artifacts into this machine's caches; returns how many files it wrote.
+    EmberError for bytes that are not such artifacts."""
+    return cache.load_artifacts(data)
 
 
 def wait_for_compiles():

@@ -1,7 +1,9 @@
 """ember.cache: whole compiles on disk, so that a restarted process skips ATen tracing and lowering.
 
-    ember.cache.clear()          # every entry gone
-    ember.cache.entries()        # [(path, bytes)] of what the cache holds
+    ember.cache.clear()                  # every entry gone
+    ember.cache.entries()                # [(path, bytes)] of what the cache holds
+    blob = ember.save_cache_artifacts()  # this cache and the CUDA kernel cache beside it, as bytes
+    ember.load_cache_artifacts(blob)     # ... installed into another process's or machine's cache
 
 A graph Dynamo hands ember that trace.py (inference) or joint.py (training) traces without AOTAutograd is
 stored, once compiled, as what came out of lowering: the IR text of each graph (inference; or forward and
@@ -14,8 +16,8 @@ stored.
 
 The key (`key`) hashes the Dynamo graph's code; each input's dtype, sizes, strides, storage offset, device,
 requires_grad, leaf-ness and which inputs share memory; the mode, the compile's options and every ember setting
-but `fallback`; the torch, CUDA and
-ember versions (ember's files' sizes and times) and each GPU's name and compute capability; and the global
+but `fallback` and those of caching and threads (`_NOT_IN_KEY`); the torch, CUDA and ember versions (a hash of
+ember's installed files) and each GPU's name and compute capability; and the global
 state that changes a trace or its kernels: grad mode, autocast, the default dtype, deterministic algorithms,
 TF32 and reduced-precision matmul flags, the float32 matmul precision and the enabled attention kernels.
 
@@ -24,6 +26,11 @@ on the "ember" logger), never an error. Entries are written to a temporary file 
 that processes writing one key at once leave one whole entry. The folder is `<cache_dir>/graphs`
 (`ember.config.cache_dir`: empty, ~/.cache/ember; "off": no cache); `ember.config.compile_cache = False` turns
 this cache off; past `ember.config.compile_cache_mb` the least recently used entries go.
+
+Artifacts (`save_artifacts`, `load_artifacts`; `ember.save_cache_artifacts` / `ember.load_cache_artifacts`)
+carry the entries and the compiled CUDA kernels to another machine, so that a CI job can prewarm a fleet. An
+entry is used there only where its key matches: the same torch, CUDA and ember build (the same files), the same
+GPU model, and the same graphs, inputs, settings and global state. What does not match is a miss.
 """
 
 import contextlib
@@ -31,6 +38,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import tempfile
 
 from . import config
@@ -39,13 +47,19 @@ FORMAT = 1
 _log = logging.getLogger("ember")
 
 
+def _root():
+    """The disk caches' folder (the CUDA kernels, and graphs/ for this one), or None where they are off."""
+    root = config.cache_dir
+    if root in ("off", "0"):
+        return None
+    return root or os.path.join(os.path.expanduser("~"), ".cache", "ember")
+
+
 def folder():
     """The cache's folder, or None where it is off."""
-    root = config.cache_dir
-    if root in ("off", "0") or not config.compile_cache:
+    root = _root()
+    if root is None or not config.compile_cache:
         return None
-    if not root:
-        root = os.path.join(os.path.expanduser("~"), ".cache", "ember")
     return os.path.join(root, "graphs")
 
 
@@ -80,17 +94,18 @@ def clear():
 
 @functools.lru_cache(maxsize=1)
 def _versions():
-    """torch's and CUDA's versions and ember's files (sizes and modification times): a rebuilt or edited
-    ember is another ember."""
+    """torch's and CUDA's versions and a hash of ember's files (its Python files, the extension and the
+    libember it loads): a rebuilt or edited ember is another ember, and one installed from the same build on
+    another machine the same (hashing them takes a few milliseconds, once per process)."""
     import torch
 
     here = os.path.dirname(os.path.abspath(__file__))
-    files = []
+    digest = hashlib.sha256()
     for name in sorted(os.listdir(here)):
         if name.endswith((".py", ".so")):
-            st = os.stat(os.path.join(here, name))
-            files.append((name, st.st_size, st.st_mtime_ns))
-    return repr((FORMAT, torch.__version__, torch.version.cuda, files))
+            with open(os.path.join(here, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
+    return repr((FORMAT, torch.__version__, torch.version.cuda, digest.hexdigest()))
 
 
 def _global_state(devices):
@@ -111,6 +126,11 @@ def _global_state(devices):
             index = torch.device(d).index or 0
             state.append((d, torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)))
     return state
+
+
+# Settings that change neither a trace nor what is built from it: what a failed compile does, and where, whether
+# and with how many threads things are cached and compiled (artifacts move between cache folders).
+_NOT_IN_KEY = {"fallback", "cache_dir", "compile_cache", "compile_cache_mb", "compile_threads", "nvrtc_path"}
 
 
 def key(gm, example_inputs, compile_config):
@@ -135,7 +155,7 @@ def key(gm, example_inputs, compile_config):
         devices.add(str(x.device))
         inputs.append((str(x.dtype), tuple(x.shape), x.stride(), x.storage_offset(), str(x.device), x.requires_grad,
                        x.is_leaf, type(x) is torch.nn.Parameter, storage))
-    settings = sorted((name, repr(value)) for name, value in config._current().items() if name != "fallback")
+    settings = sorted((name, repr(value)) for name, value in config._current().items() if name not in _NOT_IN_KEY)
     # The mode and options; not `fallback`, which decides only what a failed compile does (a stored one did not fail).
     options = sorted((name, repr(value)) for name, value in vars(compile_config).items() if name != "fallback")
     text = repr((_versions(), options, settings, _global_state(devices), inputs, gm.code))
@@ -217,3 +237,69 @@ def _evict(cap):
             total -= size
         except OSError:
             pass
+
+
+# Artifacts: a zip of the files below, by their names under the cache's root.
+_ARTIFACT_NAMES = re.compile(r"(graphs/[0-9a-f]{64}\.entry|[0-9a-f]{16}\.cubin)")
+_MANIFEST = "ember-cache-artifacts"
+
+
+def save_artifacts():
+    """The compile cache's entries and the CUDA kernel cache's kernels, as bytes for load_artifacts (b"" where the
+    caches are off)."""
+    import io
+    import zipfile
+
+    root = _root()
+    if root is None:
+        return b""
+    names = [n for n in os.listdir(root) if _ARTIFACT_NAMES.fullmatch(n)] if os.path.isdir(root) else []
+    names += ["graphs/" + os.path.basename(path) for path, _ in entries()]
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
+        z.writestr(_MANIFEST, str(FORMAT))
+        for name in sorted(set(names)):
+            if _ARTIFACT_NAMES.fullmatch(name):
+                try:
+                    z.write(os.path.join(root, name), name)
+                except OSError:  # evicted meanwhile
+                    pass
+    return out.getvalue()
+
+
+def load_artifacts(data):
+    """Installs what save_artifacts returned (here or on another machine) into this process's caches; returns how
+    many files it wrote. Bytes that are not such artifacts raise EmberError, and nothing is written; an entry of
+    another ember, torch or GPU is written but never matches a key (a miss)."""
+    import io
+    import zipfile
+
+    from .errors import EmberError
+
+    root = _root()
+    if root is None:
+        return 0
+    try:
+        z = zipfile.ZipFile(io.BytesIO(bytes(data)))
+        if z.read(_MANIFEST).decode() != str(FORMAT):
+            raise ValueError(f"format {z.read(_MANIFEST)[:20]!r}, this ember reads {FORMAT}")
+        members = [(i.filename, z.read(i)) for i in z.infolist() if _ARTIFACT_NAMES.fullmatch(i.filename)]
+    except Exception as e:
+        raise EmberError(f"ember.load_cache_artifacts: not ember cache artifacts ({type(e).__name__}: {e})") from None
+    written = 0
+    for name, payload in members:
+        if name.startswith("graphs/") and folder() is None:
+            continue
+        path = os.path.join(root, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, path)
+            written += 1
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    _evict(config.compile_cache_mb * 2**20)
+    return written

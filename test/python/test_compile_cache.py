@@ -161,3 +161,28 @@ def test_a_fresh_process_reads_what_another_wrote(tmp_path):
     (hits0, error0), (hits1, error1) = [run.stdout.split("HITS ")[1].split(" ERROR ") for run in runs]
     assert (hits0, hits1) == ("0", "1")
     assert float(error0) < 1e-4 and float(error1) < 1e-4
+
+
+def test_artifacts_carry_the_cache_to_another_folder(tmp_path, monkeypatch):
+    """save_cache_artifacts from one cache folder, load_cache_artifacts into an empty one (another machine with
+    the same ember, torch and GPU): a compile there is a hit with eager's results; bytes that are not artifacts
+    are an EmberError that writes nothing."""
+    monkeypatch.setattr(ember.config, "compile_cache", True)
+    first, second = tmp_path / "first", tmp_path / "second"
+    model, x = _model(), torch.randn(16, 24)
+    monkeypatch.setattr(ember.config, "cache_dir", str(first))
+    assert _explain(model, x).cache_hits == 0
+    blob = ember.save_cache_artifacts()
+    assert len(ember.cache.entries()) == 1 and blob
+
+    monkeypatch.setattr(ember.config, "cache_dir", str(second))
+    for bad in (b"", b"not a zip", blob[: len(blob) // 2]):
+        with pytest.raises(ember.EmberError, match="not ember cache artifacts"):
+            ember.load_cache_artifacts(bad)
+    assert ember.cache.entries() == []
+    assert ember.load_cache_artifacts(blob) >= 1
+    assert len(ember.cache.entries()) == 1
+    assert _explain(model, x).cache_hits == 1
+    torch._dynamo.reset()
+    y = torch.randn(16, 24)
+    torch.testing.assert_close(torch.compile(model, backend="ember")(y), model(y), rtol=1e-5, atol=1e-5)
