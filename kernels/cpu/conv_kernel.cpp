@@ -2,8 +2,9 @@
 // two libraries, with ATen for what neither takes.
 // By default: torch's own oneDNN convolution with the epilogue as post-ops, the op
 // inductor's CPU backend calls (mkldnn::_convolution_pointwise, and its .binary form for a residual add),
-// through the dispatcher, so no second oneDNN is involved. A relu is ATen's, in place on the call's result:
-// torch's relu post-op maps NaN to 0 (epilogue_support.h, library_exact_ops).
+// through the dispatcher, so no second oneDNN is involved. A relu or a sigmoid is ATen's, in place on the call's
+// result: torch's relu post-op maps NaN to 0, and its sigmoid does where the convolution pads
+// (epilogue_support.h, library_exact_ops).
 //  1. Weights that are a parameter coming back unmodified (WeightsPacking) are reordered once into the
 //     blocked layout oneDNN prefers for the call's input (mkldnn::_reorder_convolution_weight), for
 //     channels-last sources: ATen's convolution reorders them on every call, which is most of a call where
@@ -203,8 +204,11 @@ std::optional<TorchConv> torch_conv(const EpilogueGroup& g, std::string* why_not
   TorchConv t{*conv, *binary, *reorder};
   t.add = !g.ops.empty() && g.ops[0].kind == EpilogueOp::Kind::Add;
   const char* algorithm = nullptr;
-  const char* activation = g.ops.empty() ? nullptr : torch_activation(g.ops.back().kind, &algorithm);
-  std::string unary = activation ? activation : "none";  // none: no op, the add alone, or a relu ATen applies
+  // A sigmoid is ATen's too: torch's sigmoid post-op maps NaN to 0 where the convolution pads (torch 2.13's
+  // CPU oneDNN; fuzz seed 623693), as a relu does everywhere.
+  const bool aten_sigmoid = !g.ops.empty() && g.ops.back().kind == EpilogueOp::Kind::Sigmoid;
+  const char* activation = g.ops.empty() || aten_sigmoid ? nullptr : torch_activation(g.ops.back().kind, &algorithm);
+  std::string unary = activation ? activation : "none";  // none: no op, the add alone, or what ATen applies
   t.fused = (t.add ? 1 : 0) + (activation ? 1 : 0);
   t.padding = c10::IValue(std::vector<int64_t>(g.padding, g.padding + 2));
   t.stride = c10::IValue(std::vector<int64_t>(g.stride, g.stride + 2));

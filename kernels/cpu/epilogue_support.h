@@ -69,8 +69,9 @@ inline onednn::DType onednn_dtype(c10::ScalarType t) {
 // torch.relu keeps it, and it has no other form that keeps NaN (its clip and binary max are the same max;
 // a negative slope of -0.0 takes the same code). So a relu and what follows it run through ATen, in place
 // on the library's result (apply_epilogue_with_aten from this index): one more pass over the result.
-// Debian's oneDNN 2.6 convolutions also map NaN to 0 through a sigmoid (its exp clamps the input first;
-// its matmuls, and torch's convolution, keep NaN): there a sigmoid stops the chain too.
+// oneDNN's convolutions also map NaN to 0 through a sigmoid (its exp clamps the input first): Debian's 2.6
+// always, torch 2.13's own where the convolution pads (their matmuls, and ATen's sigmoid, keep NaN). There a
+// sigmoid stops the chain too.
 inline size_t library_exact_ops(const EpilogueGroup& g) {
   size_t i = 0;
   for (; i < g.ops.size(); ++i) {
