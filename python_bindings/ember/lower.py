@@ -37,7 +37,6 @@ _MEMORY_FORMATS = {
 # AOTAutograd's wrapper of an op with side effects (lowered by _Lowering.with_effects).
 _WITH_EFFECTS = getattr(torch.ops.higher_order, "with_effects", None)
 # Python-level functions that appear in graphs over SymInts, and the prim ops that run them in C++.
-
 _PRIMS = {
     operator.add: "prim::add", operator.sub: "prim::sub", operator.mul: "prim::mul",
     operator.floordiv: "prim::floordiv", operator.mod: "prim::mod", operator.truediv: "prim::truediv",
