@@ -339,12 +339,14 @@ class _Lowering:
         vals = list(vals) if isinstance(vals, (list, tuple)) else [vals]
         self.declare_outputs(node, vals, f"ember::{kind}({', '.join(parts)})")
 
-    def declare_outputs(self, node, vals, call):
-        """One line defining a value per output, named after the getitem that reads it, if any."""
-        names = [f"{node.name}_{i}" for i in range(len(vals))]
+    def declare_outputs(self, node, vals, call, first=0):
+        """One line defining a value per output, named after the getitem that reads it, if any; the node's
+        getitem i reads output i - first (with_effects: its item 0 is the token)."""
+        names = [f"{node.name}_{i}" for i in range(first, first + len(vals))]
         for user in node.users:
             if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
-                names[user.args[1]] = user.name
+                if 0 <= user.args[1] - first < len(names):
+                    names[user.args[1] - first] = user.name
         self.names[node] = names
         decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
         self.lines.append(f"  {decls} = {call}")
@@ -391,15 +393,12 @@ class _Lowering:
             raise EmberError(f"node {node.name}: with_effects of {op} over token {token} is not supported")
         parts = [self.literal(a, node) for a in args] + [f"{k}={self.literal(v, node)}" for k, v in node.kwargs.items()]
         call = f"{op_name(op)}({', '.join(parts)})"
-        vals = list(self.val_of(node))[1:] if op._schema.returns else []  # (token, *the op's results)
-        names = [f"{node.name}_{i}" for i in range(1, len(vals) + 1)]
-        for user in node.users:
-            if user.op == "call_function" and user.target is operator.getitem and isinstance(user.args[1], int):
-                if user.args[1] >= 1:
-                    names[user.args[1] - 1] = user.name
-        self.names[node] = [self.names[token], *names]
-        decls = ", ".join(self.decl(n, v) for n, v in zip(names, vals))
-        self.lines.append(f"  {decls} = {call}" if vals else f"  {call}")
+        if not op._schema.returns:
+            self.names[node] = [self.names[token]]
+            self.lines.append(f"  {call}")
+            return
+        self.declare_outputs(node, list(self.val_of(node))[1:], call, first=1)  # val: (token, *the op's results)
+        self.names[node] = [self.names[token], *self.names[node]]
 
     def getitem(self, node):
         source, index = node.args
