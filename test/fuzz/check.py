@@ -231,10 +231,12 @@ def check_program(program, device="cpu", mode="default"):
     if result["kind"] == "mismatch":
         # Eager against eager (through Dynamo, no AOTAutograd): a program whose eager results change from run to
         # run says nothing about ember. torch 2.13's CPU float16 conv2d (stride 2, padding 1, a 13x1x257x1 input)
-        # gives NaN at a different number of positions on each run, uninitialised memory read (fuzz seed 701175).
-        again = check(fn, make_inputs, device, mode, grad=grad, loose=loose, backend="eager", low=low)
-        if again["kind"] == "mismatch":
-            return dict(result, kind="upstream", detail=f"{result['detail']} (eager twice: {again['detail']})"[:2000])
+        # gives NaN at a different number of positions on each run, uninitialised memory read (fuzz seed 701175);
+        # in some runs only (2 of 5 identical calls for seed 635513), so eager is asked three times.
+        for _ in range(3):
+            again = check(fn, make_inputs, device, mode, grad=grad, loose=loose, backend="eager", low=low)
+            if again["kind"] == "mismatch":
+                return dict(result, kind="upstream", detail=f"{result['detail']} (eager twice: {again['detail']})"[:2000])
     if result["kind"] in ("mismatch", "error"):
         other = check(fn, make_inputs, device, mode, grad=grad, loose=loose, backend="aot_eager", low=low)
         if other["kind"] in ("mismatch", "error"):
