@@ -210,20 +210,30 @@ def store(k, entry):
         return
     import torch
 
+    def write(f):
+        with _outside_tracing():
+            torch.save(dict(entry, format=FORMAT, key=k), f)
+
     try:
-        os.makedirs(where, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=where, prefix=".tmp-", suffix=".entry")
-        try:
-            with os.fdopen(fd, "wb") as f, _outside_tracing():
-                torch.save(dict(entry, format=FORMAT, key=k), f)
-            os.replace(tmp, os.path.join(where, k + ".entry"))
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        _write_atomically(os.path.join(where, k + ".entry"), write)
     except Exception as e:  # a full or read-only disk: no entry, nothing else lost
         _log.debug("ember: compile cache entry %s not written (%s: %s)", k, type(e).__name__, e)
         return
     _evict(config.compile_cache_mb * 2**20)
+
+
+def _write_atomically(path, write):
+    """write(file) into a temporary file beside `path`, then renamed to it: a reader sees the old file or the
+    whole new one, and processes writing one path at once leave one whole file."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _evict(cap):
@@ -290,16 +300,7 @@ def load_artifacts(data):
     for name, payload in members:
         if name.startswith("graphs/") and folder() is None:
             continue
-        path = os.path.join(root, name)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(payload)
-            os.replace(tmp, path)
-            written += 1
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        _write_atomically(os.path.join(root, name), lambda f: f.write(payload))
+        written += 1
     _evict(config.compile_cache_mb * 2**20)
     return written
