@@ -491,6 +491,14 @@ int max_shared_memory_optin(int device) {
 }
 
 void set_max_dynamic_shared_memory(void* function, int bytes) {
+  // Only ever raised: steps that share an entry point (one image's kernels are loaded once per device) each
+  // ask for their own size, and lowering the limit to a later step's smaller size made an earlier step's next
+  // launch fail with "invalid argument" (two linear chains of a forward and its backward, fuzz seed 708770).
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  int allowed = 0;
+  check(api().cuFuncGetAttribute(&allowed, kFunctionMaxDynamicSharedSizeBytes, function), "cuFuncGetAttribute");
+  if (allowed >= bytes) return;
   check(api().cuFuncSetAttribute(function, kFunctionMaxDynamicSharedSizeBytes, bytes), "cuFuncSetAttribute");
 }
 
@@ -520,8 +528,13 @@ void launch(void* function, unsigned blocks, unsigned threads, void* stream, voi
             unsigned shared_bytes) {
   make_current(device);
   void* args[] = {params};
-  check(api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, shared_bytes, stream, args, nullptr),
-        "cuLaunchKernel");
+  const CUresult r = api().cuLaunchKernel(function, blocks, blocks_y, 1, threads, 1, 1, shared_bytes, stream, args, nullptr);
+  if (r != 0) {
+    const std::string what = "cuLaunchKernel (" + std::to_string(blocks) + " x " + std::to_string(blocks_y) +
+                             " blocks of " + std::to_string(threads) + " threads, " + std::to_string(shared_bytes) +
+                             " bytes of dynamic shared memory)";
+    check(r, what.c_str());
+  }
 }
 
 namespace {

@@ -66,7 +66,8 @@ int multiprocessor_count(int device);
 
 // The most shared memory one block of a kernel may use on `device` once the kernel allows it (bytes).
 int max_shared_memory_optin(int device);
-// Allows `function` up to `bytes` of dynamic shared memory per block (beyond the default 48 KB).
+// Allows `function` at least `bytes` of dynamic shared memory per block (beyond the default 48 KB); never
+// lowers what an earlier call allowed the same function.
 void set_max_dynamic_shared_memory(void* function, int bytes);
 
 // Fills `map` (a CUtensorMap: 128 bytes, 64-byte aligned) for TMA loads of a 4-D tensor of 16-bit values at

@@ -323,6 +323,23 @@ def test_linear_chain_in_reduce_overhead_mode():
     assert chain_calls() >= 1, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
 
 
+def test_linear_chains_sharing_a_kernel_keep_their_shared_memory():
+    """Two chains of one dtype and row count share an entry point; the wider one (more shared memory) is
+    compiled first, then the narrower, then the wider runs again. Each chain once set the entry point's
+    shared-memory limit to its own size, so the wider chain's next launch failed (fuzz seed 708770: a
+    forward and its backward)."""
+    wide = chain_model([100, 100, 100], ["relu"]).cuda().eval()
+    narrow = chain_model([3, 3, 2], ["none"]).cuda().eval()
+    compiled_wide = torch.compile(wide, backend="ember", options={"fallback": "raise"})
+    compiled_narrow = torch.compile(narrow, backend="ember", options={"fallback": "raise"})
+    with torch.no_grad():
+        for _ in range(2):
+            x, y = torch.randn(2, 100, device="cuda"), torch.randn(2, 3, device="cuda")
+            assert_same(compiled_wide(x), wide(x), **MATMUL_TOL)
+            assert_same(compiled_narrow(y), narrow(y), **MATMUL_TOL)
+    assert chain_calls() >= 4, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
 @pytest.mark.parametrize("rows", [1, 33, 100, 300])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_matmul_softmax_as_one_chain_kernel(dtype, rows):
