@@ -108,8 +108,9 @@ def _run(fn, inputs, grad, seed):
 def check(fn, make_inputs, device="cpu", mode="default", grad=True, loose=False, calls=None, backend="ember",
           low=None, reference_float64=False):
     """low: the least precise float dtype the program computes in (its tolerance applies to every output).
-    reference_float64: eager runs on float64 copies of the floating inputs, and its results are compared in
-    the compiled results' dtypes."""
+    reference_float64: eager runs on float64 copies of the floating inputs, with float64 as the default dtype
+    (what integer and bool values promote to: atan2 of two bool tensors), and its results are compared in the
+    compiled results' dtypes."""
     # cuDNN's float32 convolutions run in TF32 by default, and ember may choose another layout and so another
     # algorithm (layout.py): two TF32 roundings differ by ~1e-3, more than float32's tolerance. Full float32 on
     # both sides makes the comparison about ember.
@@ -139,11 +140,16 @@ def _check(fn, make_inputs, device, mode, grad, loose, calls, backend, low, refe
     refs = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        default_dtype = torch.get_default_dtype()
         try:
             for k in range(calls):
                 inputs = make_inputs(device, k)
+                if reference_float64:
+                    torch.set_default_dtype(torch.float64)
                 refs.append(_run(fn, _float64(inputs) if reference_float64 else inputs, grad, k))
+                torch.set_default_dtype(default_dtype)
         except Exception as e:
+            torch.set_default_dtype(default_dtype)
             return {"kind": "invalid", "detail": f"eager: {type(e).__name__}: {e}"[:300], "refused": []}
 
     failures = []  # (kind, message) of each graph ember did not compile

@@ -53,3 +53,22 @@ def test_fuzz_checker_finds_a_wrong_backend():
         if check.check(fn, make_inputs, backend=_off_by_a_little)["kind"] == "mismatch":
             found += 1  # ... and catch the wrong one
     assert found >= 10
+
+
+def test_float64_reference_promotes_bool_values_to_float64():
+    """Fuzz seed 722035: atan2 of two bool tensors is float32 (the default dtype) and 1 ulp apart between
+    elements (ATen's vector and scalar loops); layer_norm of that row divides the ulp by sqrt(eps) and sqrt
+    magnifies it, so eager and ember gave 0 against 0.004. Only a reference that computes the promoted values
+    in float64 too shows that float32 cannot resolve the program: it is counted as ill-conditioned."""
+    import check
+
+    prog = {"inputs": [{"dtype": "bool", "grad": False, "layout": "contig", "shape": [13, 2, 2], "special": False}],
+            "ops": [{"args": ["i0"], "expr": "{0}.flatten()", "tag": "flatten"},
+                    {"args": ["v0"], "expr": "torch.add({0}, True, alpha=2)", "tag": "add_alpha_s"},
+                    {"args": ["v0"], "expr": "torch.amax({0}, dim=(0,), keepdim=True)", "tag": "amax"},
+                    {"args": ["v2", "v1"], "expr": "torch.atan2({0}, {1})", "tag": "atan2"},
+                    {"args": ["v3"], "expr": "F.layer_norm({0}, [52])", "tag": "layer_norm"},
+                    {"args": ["v4"], "expr": "torch.sqrt({0}.abs())", "tag": "sqrt"}]}
+    result = check.check_program(prog, "cpu")
+    assert result["kind"] != "mismatch", result["detail"]
+    assert torch.get_default_dtype() == torch.float32
