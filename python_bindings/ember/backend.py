@@ -366,9 +366,10 @@ def _called_directly(gm, example_inputs, compiled):
     return next(gm.parameters(), None) is None and next(gm.buffers(), None) is None
 
 
-def _training_call(gm, example_inputs, compiled):
+def _training_call(gm, example_inputs, compiled, stored):
     """The C++ DirectCall of a training graph, its forward and backward one C++ autograd function
-    (python_bindings/training_graph.h), or None where AOTAutograd's wrapper must stay."""
+    (python_bindings/training_graph.h), or None where AOTAutograd's wrapper must stay. `stored` gets what
+    else the compile cache keeps to build it again (_cached_call)."""
     if [kind for kind, _, _ in compiled] != ["forward", "backward"]:
         return None
     (_, forward, forward_facts), (_, backward, backward_facts) = compiled
@@ -382,13 +383,16 @@ def _training_call(gm, example_inputs, compiled):
     if spec is None:
         return None
     pinned = forward_facts["pinned"]
-    return _C.direct_call(forward, [], pinned if len(pinned) == len(example_inputs) else [],
-                          _shapes_guarded(gm, example_inputs), bump=_bumped_inputs(forward_facts["meta"]),
+    pinned = pinned if len(pinned) == len(example_inputs) else []
+    bump = _bumped_inputs(forward_facts["meta"])
+    stored.update(kind="training", pinned=list(pinned), bump=list(bump), spec=spec)
+    return _C.direct_call(forward, [], pinned, _shapes_guarded(gm, example_inputs), bump=bump,
                           training=_C.training_graph(forward, backward, **spec))
 
 
-def _direct_call(gm, example_inputs, inference):
-    """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay."""
+def _direct_call(gm, example_inputs, inference, stored):
+    """The C++ DirectCall for this Dynamo graph, or None where AOTAutograd's wrapper must stay. `stored` gets
+    what else the compile cache keeps to build it again (_cached_call)."""
     if inference is None:
         return None
     compiled, ok, pinned, bump = inference
@@ -396,14 +400,15 @@ def _direct_call(gm, example_inputs, inference):
         return None
     from . import _C
 
-    return _C.direct_call(compiled, [], pinned if len(pinned) == len(example_inputs) else [],
-                          _shapes_guarded(gm, example_inputs), bump=bump)
+    pinned = pinned if len(pinned) == len(example_inputs) else []
+    stored.update(kind="inference", pinned=list(pinned), bump=list(bump))
+    return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=bump)
 
 
-def _traced_call(gm, example_inputs, config, key=None):
+def _traced_call(gm, example_inputs, config, stored):
     """The C++ DirectCall of an inference graph traced in one pass without AOTAutograd (trace.py), the
     Dynamo graph itself where ember could not compile it (and warned), or None: then AOTAutograd traces it.
-    Stored in the compile cache under `key` (cache.py)."""
+    `stored` gets the compile cache's entry (cache.py)."""
     if not ember_config.direct_call:
         return None
     from .decompositions import decomposition_table
@@ -418,10 +423,10 @@ def _traced_call(gm, example_inputs, config, key=None):
         return gm.forward
     if not _called_directly(gm, example_inputs, compiled):
         return None
-    from . import _C, cache
+    from . import _C
 
-    if key is not None and lowered:
-        cache.store(key, {"kind": "inference", "graphs": lowered, "pinned": list(pinned)})
+    if lowered:
+        stored.update(kind="inference", graphs=lowered, pinned=list(pinned))
     return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=[])
 
 
@@ -434,14 +439,14 @@ def _cached_call(gm, example_inputs, config, entry):
     if not _called_directly(gm, example_inputs, graphs[0]):
         return None
     training = _C.training_graph(graphs[0], graphs[1], **entry["spec"]) if entry["kind"] == "training" else None
-    return _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs), bump=[],
-                          **({"training": training} if training is not None else {}))
+    return _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs),
+                          bump=entry.get("bump", []), **({"training": training} if training is not None else {}))
 
 
-def _joint_traced_call(gm, example_inputs, config, key=None):
+def _joint_traced_call(gm, example_inputs, config, stored):
     """The C++ DirectCall of a training graph traced call by call without AOTAutograd (joint.py), its forward
     and backward one C++ autograd function; the Dynamo graph itself where ember could not compile them (and
-    warned); or None: then AOTAutograd traces it. Stored in the compile cache under `key` (cache.py)."""
+    warned); or None: then AOTAutograd traces it. `stored` gets the compile cache's entry (cache.py)."""
     from .decompositions import decomposition_table
     from .joint import trace_training
 
@@ -459,10 +464,8 @@ def _joint_traced_call(gm, example_inputs, config, key=None):
         return gm.forward
     if not _called_directly(gm, example_inputs, forward):
         return None
-    if key is not None and len(lowered) == 2:
-        from . import cache
-
-        cache.store(key, {"kind": "training", "graphs": lowered, "pinned": list(pinned), "spec": spec})
+    if len(lowered) == 2:
+        stored.update(kind="training", graphs=lowered, pinned=list(pinned), spec=spec)
     return _C.direct_call(forward, [], pinned, _shapes_guarded(gm, example_inputs), bump=[],
                           training=_C.training_graph(forward, backward, **spec))
 
@@ -686,10 +689,11 @@ def _compile_graph(gm, example_inputs, config):
 
     inference = []
     training = []  # (kind, compiled, facts) for the forward and the backward
+    lowered = []  # what the compile cache stores of the graphs AOTAutograd hands over
 
     def compiler(kind):
         def compile_one(g, inputs):
-            compiled = compile_fx_graph(g, config, kind)
+            compiled = compile_fx_graph(g, config, kind, lowered=lowered)
             if kind == "inference":
                 inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind), _inference_bumps()))
             elif kind == "forward":
@@ -728,10 +732,12 @@ def _compile_graph(gm, example_inputs, config):
             channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
         elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
             channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
-    direct = _traced_call(gm, example_inputs, config, key)
+    stored = {}  # what the DirectCall returned is built from: the compile cache's entry
+    direct = _traced_call(gm, example_inputs, config, stored)
     if direct is None:
-        direct = _joint_traced_call(gm, example_inputs, config, key)
+        direct = _joint_traced_call(gm, example_inputs, config, stored)
     if direct is not None:
+        cache.store(key, stored)
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
@@ -740,10 +746,15 @@ def _compile_graph(gm, example_inputs, config):
             compiled_fn = backend(gm, example_inputs)
     else:
         compiled_fn = backend(gm, example_inputs)
-    direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None)
+    stored = {}
+    direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None, stored)
     if direct is None:
-        direct = _training_call(gm, example_inputs, training)
-    return direct if direct is not None else compiled_fn
+        direct = _training_call(gm, example_inputs, training, stored)
+    if direct is None:
+        return compiled_fn
+    if len(lowered) == (1 if stored["kind"] == "inference" else 2):
+        cache.store(key, dict(stored, graphs=lowered))
+    return direct
 
 
 def _aot_autograd(**kwargs):

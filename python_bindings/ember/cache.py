@@ -5,21 +5,24 @@
     blob = ember.save_cache_artifacts()  # this cache and the CUDA kernel cache beside it, as bytes
     ember.load_cache_artifacts(blob)     # ... installed into another process's or machine's cache
 
-A graph Dynamo hands ember that trace.py (inference) or joint.py (training) traces without AOTAutograd is
-stored, once compiled, as what came out of lowering: the IR text of each graph (inference; or forward and
-backward), the constants it reads, which inputs keep their address, and the facts the C++ training call
-needs. A later compile of the same graph with the same inputs and settings, in this process or another, reads
-the entry instead of tracing: the C++ pipeline (passes, code generation, plan) runs on the stored IR, and CUDA
-kernels come from the kernel cache beside it, as for a package (ember.load). Graphs that go through
-AOTAutograd (an input mutated, outputs aliasing inputs, dynamic shapes) and graphs with control flow are not
-stored.
+A graph Dynamo hands ember is stored, once compiled into a C++ DirectCall, as what came out of lowering: the
+IR text of each graph (inference; or forward and backward), the constants it reads, which inputs keep their
+address, the inputs whose version counters a call bumps and the facts the C++ training call needs. That holds
+for graphs trace.py (inference) or joint.py (training) traced and for those AOTAutograd traced (inputs or
+buffers written in place, a batch norm's running statistics). A later compile of the same graph with the same
+inputs and settings, in this process or another, reads the entry instead of tracing: the C++ pipeline
+(passes, code generation, plan) runs on the stored IR, and CUDA kernels come from the kernel cache beside it,
+as for a package (ember.load). Not stored: graphs that keep AOTAutograd's Python wrapper (outputs aliasing
+inputs; symbolic shapes, whose outputs the wrapper marks dynamic for Dynamo), graphs with control flow, and
+graphs whose inputs are not plain tensors.
 
 The key (`key`) hashes the Dynamo graph's code; each input's dtype, sizes, strides, storage offset, device,
 requires_grad, leaf-ness and which inputs share memory; the mode, the compile's options and every ember setting
 but `fallback` and those of caching and threads (`_NOT_IN_KEY`); the torch, CUDA and ember versions (a hash of
 ember's installed files) and each GPU's name and compute capability; and the global
 state that changes a trace or its kernels: grad mode, autocast, the default dtype, deterministic algorithms,
-TF32 and reduced-precision matmul flags, the float32 matmul precision and the enabled attention kernels.
+TF32 and reduced-precision matmul flags, the float32 matmul precision, the enabled attention kernels and
+whether compiled autograd is on.
 
 An entry that is unreadable, truncated, of another format or of another key is a miss (logged at debug level
 on the "ember" logger), never an error. Entries are written to a temporary file and renamed into place, so
@@ -110,6 +113,7 @@ def _versions():
 
 def _global_state(devices):
     import torch
+    import torch._dynamo.config
 
     state = [torch.is_grad_enabled(), str(torch.get_default_dtype()), torch.are_deterministic_algorithms_enabled(),
              torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32,
@@ -118,6 +122,7 @@ def _global_state(devices):
              torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction]
     for kind in ("cpu", "cuda"):
         state.append((kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind))))
+    state.append(bool(torch._dynamo.config.compiled_autograd))  # retraces backwards: no C++ training call then
     for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled", "cudnn_sdp_enabled"):
         probe = getattr(torch.backends.cuda, name, None)
         state.append(probe() if probe else None)
@@ -206,7 +211,7 @@ def load(k):
 def store(k, entry):
     """Writes entry under key k (a temporary file renamed into place), then evicts past the size cap."""
     where = folder()
-    if k is None or where is None:
+    if k is None or where is None or not entry.get("graphs"):
         return
     import torch
 

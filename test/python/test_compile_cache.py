@@ -186,3 +186,58 @@ def test_artifacts_carry_the_cache_to_another_folder(tmp_path, monkeypatch):
     torch._dynamo.reset()
     y = torch.randn(16, 24)
     torch.testing.assert_close(torch.compile(model, backend="ember")(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+def _bn_model():
+    return torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_graphs_through_aot_autograd_are_cached(cache_dir, device, train):
+    """Graphs that AOTAutograd traces (here: buffers written in place, a batch norm's running statistics in
+    training mode, and an input mutated by an inference graph) are stored too; a hit gives what a fresh compile
+    gives, the in-place writes included, and gradients in training."""
+    def mutate(x, acc):
+        acc.mul_(0.5).add_(x.sum(0))
+        return torch.tanh(x) * acc
+
+    results = []
+    for attempt in range(2):  # a miss, then a hit
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _bn_model().to(device).train()
+        x = torch.randn(16, 12, device=device)
+        acc = torch.randn(12, device=device)
+        with torch.set_grad_enabled(train):
+            report = ember.explain(model)(x)
+            compiled_out = torch.compile(mutate, backend="ember", options={"fallback": "raise"})(x, acc)
+            out = torch.compile(model, backend="ember", options={"fallback": "raise"})(x)
+            if train:
+                out.square().sum().backward()
+        results.append((report.cache_hits, out.detach(), compiled_out, acc.clone(), model[1].running_mean.clone(),
+                        model[1].running_var.clone(), model[0].weight.grad))
+    assert results[0][0] == 0 and results[1][0] == 1, str(report)
+    assert len(ember.cache.entries()) == 2  # the model's graph and mutate's
+    assert _explain(mutate, x, acc, train=train).cache_hits == 1
+    for fresh, hit in zip(results[0][1:], results[1][1:]):
+        if fresh is not None:
+            torch.testing.assert_close(hit, fresh, atol=1e-5, rtol=1e-5)
+    # ... and the hit is right, against eager from the same start (model and inputs seeded alike).
+    torch.manual_seed(0)
+    model = _bn_model().to(device).train()
+    x = torch.randn(16, 12, device=device)
+    acc = torch.randn(12, device=device)
+    with torch.set_grad_enabled(train):
+        model(x)  # explain's call above moved the running statistics once
+        expected_mutated = mutate(x, acc)
+        out = model(x)
+        if train:
+            out.square().sum().backward()
+    torch.testing.assert_close(results[1][2], expected_mutated, **MATMUL_TOL)
+    torch.testing.assert_close(results[1][3], acc)
+    torch.testing.assert_close(results[1][1], out.detach(), **MATMUL_TOL)
+    torch.testing.assert_close(results[1][4], model[1].running_mean, **MATMUL_TOL)
+    if train:
+        torch.testing.assert_close(results[1][6], model[0].weight.grad, **MATMUL_TOL)
+
