@@ -228,12 +228,47 @@ def _plain_metadata(meta):
         return False
     if meta.num_intermediate_bases or meta.tokens or meta.grad_enabled_mutation is not None:
         return False
-    if getattr(meta, "is_rng_op_functionalized", False) or getattr(meta, "dynamic_outputs", False):
+    if getattr(meta, "is_rng_op_functionalized", False):
         return False
+    if getattr(meta, "dynamic_outputs", False) and _dynamic_dims_marker() is None:
+        return False  # a torch whose wrapper marks outputs' symbolic dims in a way ember does not copy
     subclass_meta = list(getattr(meta, "subclass_inp_meta", None) or []) + list(
         getattr(meta, "subclass_fw_graph_out_meta", None) or []
     )
     return all(isinstance(m, int) or type(m).__name__ == "PlainTensorMeta" for m in subclass_meta)
+
+
+def _dynamic_dims_marker():
+    """AOTAutograd's function that marks an output's symbolic dims for Dynamo (best effort, unguarded: a
+    graph fed by this output after a graph break then treats those dims as dynamic at once), or None."""
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    return getattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices", None)
+
+
+def _output_dynamic_dims(meta):
+    """[(output index, its symbolic dims)] that AOTAutograd's wrapper marks per call (see _marking_dims)."""
+    if not getattr(meta, "dynamic_outputs", False):
+        return []
+    return [(i, sorted(o.dynamic_dims)) for i, o in enumerate(meta.output_info) if o.dynamic_dims]
+
+
+def _marking_dims(direct, dims):
+    """`direct`, or where outputs have symbolic dims, a function that calls it and marks them as AOTAutograd's
+    wrapper would: the one per-call Python step of a DirectCall, taken by symbolic-shape graphs alone."""
+    if not dims:
+        return direct
+    mark = _dynamic_dims_marker()
+    marks = [(i, frozenset(d)) for i, d in dims]
+
+    def call(*args):
+        outputs = direct(*args)
+        for i, d in marks:
+            mark(outputs[i], set(d))
+        return outputs
+
+    call._boxed_call = getattr(direct, "_boxed_call", False)
+    return call
 
 
 def _bumped_inputs(meta):
@@ -260,11 +295,17 @@ def _wrapper_would_do_nothing(compiled):
         return False
 
 
-def _inference_bumps():
+def _inference_facts():
+    """The inference graph's inputs whose version counters a call bumps, and its outputs' symbolic dims."""
     import torch._guards
 
     meta = getattr(torch._guards.TracingContext.try_get(), "fw_metadata", None)
-    return _bumped_inputs(meta) if meta is not None else []
+    if meta is None:
+        return [], []
+    try:
+        return _bumped_inputs(meta), _output_dynamic_dims(meta)
+    except AttributeError:
+        return [], []
 
 
 def _forward_facts(gm, compiled):
@@ -309,6 +350,8 @@ def _training_spec(forward, backward):
     meta = forward["meta"]
     try:
         if not _plain_metadata(meta) or meta.num_mutated_inp_runtime_indices:
+            return None
+        if getattr(meta, "dynamic_outputs", False):  # the C++ training call marks no symbolic dims
             return None
         if meta.num_symints_saved_for_bw != 0 or getattr(meta, "num_opaque_objects_saved_for_bw", 0):
             return None
@@ -395,14 +438,14 @@ def _direct_call(gm, example_inputs, inference, stored):
     what else the compile cache keeps to build it again (_cached_call)."""
     if inference is None:
         return None
-    compiled, ok, pinned, bump = inference
+    compiled, ok, pinned, (bump, dims) = inference
     if not ok or not _called_directly(gm, example_inputs, compiled):
         return None
     from . import _C
 
     pinned = pinned if len(pinned) == len(example_inputs) else []
-    stored.update(kind="inference", pinned=list(pinned), bump=list(bump))
-    return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=bump)
+    stored.update(kind="inference", pinned=list(pinned), bump=list(bump), dynamic_dims=dims)
+    return _marking_dims(_C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=bump), dims)
 
 
 def _traced_call(gm, example_inputs, config, stored):
@@ -439,8 +482,9 @@ def _cached_call(gm, example_inputs, config, entry):
     if not _called_directly(gm, example_inputs, graphs[0]):
         return None
     training = _C.training_graph(graphs[0], graphs[1], **entry["spec"]) if entry["kind"] == "training" else None
-    return _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs),
-                          bump=entry.get("bump", []), **({"training": training} if training is not None else {}))
+    direct = _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs),
+                            bump=entry.get("bump", []), **({"training": training} if training is not None else {}))
+    return _marking_dims(direct, entry.get("dynamic_dims", []))
 
 
 def _joint_traced_call(gm, example_inputs, config, stored):
@@ -681,6 +725,7 @@ def _compile_graph(gm, example_inputs, config):
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
     key = cache.key(gm, example_inputs, config)
+    assumed = cache.shape_state(gm, example_inputs) if key is not None else None
     entry = cache.load(key)
     if entry is not None:
         direct = _from_cache(gm, example_inputs, config, entry)
@@ -695,7 +740,7 @@ def _compile_graph(gm, example_inputs, config):
         def compile_one(g, inputs):
             compiled = compile_fx_graph(g, config, kind, lowered=lowered)
             if kind == "inference":
-                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind), _inference_bumps()))
+                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind), _inference_facts()))
             elif kind == "forward":
                 training.append((kind, compiled, _forward_facts(g, compiled)))
             else:
@@ -737,7 +782,7 @@ def _compile_graph(gm, example_inputs, config):
     if direct is None:
         direct = _joint_traced_call(gm, example_inputs, config, stored)
     if direct is not None:
-        cache.store(key, stored)
+        cache.store(key, stored)  # (these traces take static shapes alone)
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
@@ -752,7 +797,8 @@ def _compile_graph(gm, example_inputs, config):
         direct = _training_call(gm, example_inputs, training, stored)
     if direct is None:
         return compiled_fn
-    if len(lowered) == (1 if stored["kind"] == "inference" else 2):
+    # Symbolic sizes: stored where the compile added no guard on them (a hit would not add it again).
+    if len(lowered) == (1 if stored["kind"] == "inference" else 2) and cache.shape_state(gm, example_inputs) == assumed:
         cache.store(key, dict(stored, graphs=lowered))
     return direct
 

@@ -12,12 +12,14 @@ for graphs trace.py (inference) or joint.py (training) traced and for those AOTA
 buffers written in place, a batch norm's running statistics). A later compile of the same graph with the same
 inputs and settings, in this process or another, reads the entry instead of tracing: the C++ pipeline
 (passes, code generation, plan) runs on the stored IR, and CUDA kernels come from the kernel cache beside it,
-as for a package (ember.load). Not stored: graphs that keep AOTAutograd's Python wrapper (outputs aliasing
-inputs; symbolic shapes, whose outputs the wrapper marks dynamic for Dynamo), graphs with control flow, and
-graphs whose inputs are not plain tensors.
+as for a package (ember.load). Graphs with symbolic sizes are stored too (inference graphs; symbolic training
+graphs keep AOTAutograd's wrapper), unless their compile added a guard on a size. Not stored: graphs that keep
+AOTAutograd's Python wrapper (outputs aliasing inputs), graphs with control flow, and graphs whose inputs are
+not plain tensors.
 
 The key (`key`) hashes the Dynamo graph's code; each input's dtype, sizes, strides, storage offset, device,
-requires_grad, leaf-ness and which inputs share memory; the mode, the compile's options and every ember setting
+requires_grad, leaf-ness and which inputs share memory (symbolic sizes by their expression, with the ShapeEnv's
+guards, replacements and ranges: not the sizes of the call that compiled them); the mode, the compile's options and every ember setting
 but `fallback` and those of caching and threads (`_NOT_IN_KEY`); the torch, CUDA and ember versions (a hash of
 ember's installed files) and each GPU's name and compute capability; and the global
 state that changes a trace or its kernels: grad mode, autocast, the default dtype, deterministic algorithms,
@@ -149,22 +151,73 @@ def key(gm, example_inputs, compile_config):
         return None
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         return None
-    inputs, storages, devices = [], {}, set()
-    for x in example_inputs:
-        if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_nested or type(x) not in (
-                torch.Tensor, torch.nn.Parameter):
+    inputs, storages, devices, symbols = [], {}, set(), set()
+
+    def dims(values):  # sizes and strides: integers, or symbolic ones by their expression ("s0", "64*s0")
+        out = []
+        for v in values:
+            if isinstance(v, torch.SymInt) and not v.node.is_nested_int():
+                symbols.update(v.node.expr.free_symbols)
+                out.append(str(v.node.expr))
+            elif isinstance(v, int):
+                out.append(v)
+            else:
+                raise TypeError(type(v))
+        return tuple(out)
+
+    traced = _traced_values(gm, example_inputs)
+    try:
+        for x, v in zip(example_inputs, traced):
+            if isinstance(v, torch.SymInt):  # a size Dynamo passes the graph
+                inputs.append(("size", dims([v])))
+                continue
+            if not isinstance(x, torch.Tensor) or x.layout != torch.strided or x.is_nested or type(x) not in (
+                    torch.Tensor, torch.nn.Parameter):
+                return None
+            storage = storages.setdefault(x.untyped_storage().data_ptr(), len(storages))
+            devices.add(str(x.device))
+            v = v if isinstance(v, torch.Tensor) else x
+            inputs.append((str(x.dtype), dims(v.shape), dims(v.stride()), dims([v.storage_offset()]), str(x.device),
+                           x.requires_grad, x.is_leaf, type(x) is torch.nn.Parameter, storage))
+    except TypeError:  # a float or nested size, a SymBool: not cached
+        return None
+    if symbols:
+        state = shape_state(gm, example_inputs)
+        if state is None:
             return None
-        if any(not isinstance(v, int) for v in (*x.shape, *x.stride(), x.storage_offset())):
-            return None
-        storage = storages.setdefault(x.untyped_storage().data_ptr(), len(storages))
-        devices.add(str(x.device))
-        inputs.append((str(x.dtype), tuple(x.shape), x.stride(), x.storage_offset(), str(x.device), x.requires_grad,
-                       x.is_leaf, type(x) is torch.nn.Parameter, storage))
+        inputs.append(state)
     settings = sorted((name, repr(value)) for name, value in config._current().items() if name not in _NOT_IN_KEY)
     # The mode and options; not `fallback`, which decides only what a failed compile does (a stored one did not fail).
     options = sorted((name, repr(value)) for name, value in vars(compile_config).items() if name != "fallback")
     text = repr((_versions(), options, settings, _global_state(devices), inputs, gm.code))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _traced_values(gm, example_inputs):
+    """The graph's inputs as Dynamo traced them (its fake values: symbolic sizes where they vary), else the
+    example inputs themselves (which Dynamo passes with the sizes of this call)."""
+    values = [n.meta.get("example_value", n.meta.get("val")) for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(values) != len(example_inputs):
+        return list(example_inputs)
+    return [x if v is None else v for x, v in zip(example_inputs, values)]
+
+
+def shape_state(gm, example_inputs):
+    """What the compile of a graph with symbolic sizes assumed about them, or None where its inputs have none:
+    the ShapeEnv's guards, replacements and each symbol's range. A compile that changes this (AOTAutograd or
+    ember guarding on a size) is not stored, as a hit would skip those guards (see backend._compile_graph)."""
+    import torch
+
+    env = None
+    for x in _traced_values(gm, example_inputs):
+        values = [x] if isinstance(x, torch.SymInt) else list(x.shape) + list(x.stride()) if isinstance(
+            x, torch.Tensor) else []
+        env = next((v.node.shape_env for v in values if isinstance(v, torch.SymInt)), env)
+    if env is None:
+        return None
+    ranges = sorted((str(s), str(r)) for s, r in env.var_to_range.items())
+    return (tuple(str(g.expr) for g in env.guards), tuple(sorted((str(a), str(b)) for a, b in env.replacements.items())),
+            tuple(ranges))
 
 
 @contextlib.contextmanager

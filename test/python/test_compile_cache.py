@@ -241,3 +241,53 @@ def test_graphs_through_aot_autograd_are_cached(cache_dir, device, train):
     if train:
         torch.testing.assert_close(results[1][6], model[0].weight.grad, **MATMUL_TOL)
 
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_graph_with_symbolic_sizes_is_cached_and_serves_every_size(cache_dir, device):
+    """A graph Dynamo traced with a symbolic batch is stored once; after a restart of Dynamo the hit serves
+    sizes it never saw, with eager's results, and its outputs carry the dynamic-dim mark AOTAutograd's wrapper
+    puts on them (so that a graph fed by them after a graph break stays dynamic)."""
+    torch.manual_seed(0)
+    model = _model().to(device)
+    hits, outs = [], []
+    for sizes in ((3, 5), (11, 7)):  # a miss at first sight of the symbolic graph, then a hit
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="ember", dynamic=True, options={"fallback": "raise"})
+        with torch.no_grad():
+            report = ember.explain(model, dynamic=True)(torch.randn(sizes[0], 24, device=device))
+            hits.append(report.cache_hits)
+            for n in sizes:
+                x = torch.randn(n, 24, device=device)
+                out = compiled(x)
+                torch.testing.assert_close(out, model(x), **MATMUL_TOL)
+                outs.append(out)
+    assert hits == [0, 1], hits
+    assert len(ember.cache.entries()) == 1
+    from torch._functorch._aot_autograd import runtime_wrappers
+
+    if hasattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices"):
+        assert all(getattr(o, "_dynamo_propagated_dynamic_indices", None) == {0} for o in outs)
+
+
+def test_a_symbolic_compile_that_adds_a_guard_is_not_stored(cache_dir, monkeypatch):
+    """Where the compile itself guards on a symbolic size, a hit would skip that guard: nothing is stored."""
+    import ember.backend
+
+    compile_fx_graph = ember.backend.compile_fx_graph
+
+    def guarding(gm, *args, **kwargs):
+        sizes = [d for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)
+                 for d in n.meta["val"].shape if isinstance(d, torch.SymInt)]
+        assert sizes
+        bool(sizes[0] > 2)  # a guard on the ShapeEnv, as a size-dependent lowering would add
+        return compile_fx_graph(gm, *args, **kwargs)
+
+    monkeypatch.setattr(ember.backend, "compile_fx_graph", guarding)
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="ember", dynamic=True)
+    with torch.no_grad():
+        x = torch.randn(5, 24)
+        torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+    assert ember.cache.entries() == []
