@@ -230,8 +230,6 @@ def _plain_metadata(meta):
         return False
     if getattr(meta, "is_rng_op_functionalized", False):
         return False
-    if getattr(meta, "dynamic_outputs", False) and _dynamic_dims_marker() is None:
-        return False  # a torch whose wrapper marks outputs' symbolic dims in a way ember does not copy
     subclass_meta = list(getattr(meta, "subclass_inp_meta", None) or []) + list(
         getattr(meta, "subclass_fw_graph_out_meta", None) or []
     )
@@ -239,11 +237,19 @@ def _plain_metadata(meta):
 
 
 def _dynamic_dims_marker():
-    """AOTAutograd's function that marks an output's symbolic dims for Dynamo (best effort, unguarded: a
-    graph fed by this output after a graph break then treats those dims as dynamic at once), or None."""
+    """How AOTAutograd's wrapper marks an output's symbolic dims for Dynamo, so that a graph fed by this output
+    after a graph break treats those dims as dynamic at once: its function where this torch has one (an
+    unguarded attribute), else what torchs without it do (`_dynamo_weak_dynamic_indices`, widened in place)."""
     from torch._functorch._aot_autograd import runtime_wrappers
 
-    return getattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices", None)
+    return getattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices", _mark_weak_dynamic_indices)
+
+
+def _mark_weak_dynamic_indices(t, dims):
+    if hasattr(t, "_dynamo_weak_dynamic_indices"):
+        t._dynamo_weak_dynamic_indices |= dims
+    else:
+        t._dynamo_weak_dynamic_indices = set(dims)
 
 
 def _output_dynamic_dims(meta):

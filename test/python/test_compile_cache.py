@@ -266,8 +266,27 @@ def test_a_graph_with_symbolic_sizes_is_cached_and_serves_every_size(cache_dir, 
     assert len(ember.cache.entries()) == 1
     from torch._functorch._aot_autograd import runtime_wrappers
 
-    if hasattr(runtime_wrappers, "mark_dynamo_propagated_dynamic_indices"):
-        assert all(getattr(o, "_dynamo_propagated_dynamic_indices", None) == {0} for o in outs)
+    mark = "_dynamo_propagated_dynamic_indices" if hasattr(
+        runtime_wrappers, "mark_dynamo_propagated_dynamic_indices") else "_dynamo_weak_dynamic_indices"
+    assert all(getattr(o, mark, None) == {0} for o in outs)
+
+
+def test_without_torchs_marking_function_outputs_get_the_older_mark(cache_dir, monkeypatch):
+    """Where AOTAutograd has no mark_dynamo_propagated_dynamic_indices, its wrapper marks
+    `_dynamo_weak_dynamic_indices` instead; ember's direct call does the same (and still stores the graph)."""
+    import ember.backend
+
+    monkeypatch.setattr(ember.backend, "_dynamic_dims_marker", lambda: ember.backend._mark_weak_dynamic_indices)
+    torch._dynamo.reset()
+    model = _model()
+    compiled = torch.compile(model, backend="ember", dynamic=True, options={"fallback": "raise"})
+    with torch.no_grad():
+        for n in (3, 6):
+            x = torch.randn(n, 24)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x), **MATMUL_TOL)
+            assert out._dynamo_weak_dynamic_indices == {0}
+    assert len(ember.cache.entries()) == 1
 
 
 def test_a_symbolic_compile_that_adds_a_guard_is_not_stored(cache_dir, monkeypatch):
