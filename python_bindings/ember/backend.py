@@ -37,7 +37,12 @@ import warnings
 from . import config as ember_config
 from .errors import EmberError
 
-MODES = (None, "default", "reduce-overhead")
+MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# Inductor's tuning modes, accepted so that code written for inductor runs when its backend string changes:
+# max-autotune captures CUDA graphs as reduce-overhead does (as inductor's does), max-autotune-no-cudagraphs
+# does not. Neither tunes beyond the default mode yet: ember's GEMM routes and kernel variants are chosen as
+# there.
+_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 OPTIONS = ember_config.OPTIONS
 
 _graph_ids = itertools.count()
@@ -57,7 +62,7 @@ class CompileConfig:
         self.disabled_passes = list(resolved["disable_passes"])
         self.debug_dir = resolved["debug_dir"]
         graphs = resolved["cudagraphs"]
-        self.cudagraphs = self.mode == "reduce-overhead" if graphs is None else graphs
+        self.cudagraphs = self.mode in _GRAPH_MODES if graphs is None else graphs
         self.cudagraph_warmup = resolved["cudagraph_warmup"]
         self.cudagraph_max_graphs = resolved["cudagraph_max_graphs"]
         self.parameter_cache = resolved["parameter_cache"]

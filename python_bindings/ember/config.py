@@ -123,7 +123,7 @@ SETTINGS = {s.name: s for s in (
             "a directory to write each graph's FX graph, IR after every pass, kernels and plan into; empty: none",
             USER, env="EMBER_DEBUG", option=True),
     Setting("cudagraphs", bool, None,
-            'capture CUDA graphs; None: on in mode="reduce-overhead", off otherwise', USER, option=True),
+            'capture CUDA graphs; None: on in mode="reduce-overhead" and "max-autotune", off otherwise', USER, option=True),
     Setting("cudagraph_warmup", int, 1,
             "eager calls of a new input signature before its CUDA graph capture", USER, option=True, minimum=0),
     Setting("cudagraph_max_graphs", int, 8,

@@ -57,11 +57,21 @@ def simple(x):
 
 
 def test_unknown_mode_lists_accepted_modes():
-    err = compile_error(simple, torch.randn(3), mode="max-autotune")
+    err = compile_error(simple, torch.randn(3), mode="fastest")
     msg = str(err)
-    assert "max-autotune" in msg
-    for accepted in ("default", "reduce-overhead"):
+    assert "fastest" in msg
+    for accepted in ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
         assert accepted in msg
+
+
+@pytest.mark.parametrize("mode, graphs", [("max-autotune", True), ("max-autotune-no-cudagraphs", False)])
+def test_inductors_tuning_modes_are_accepted(mode, graphs):
+    """Code written for inductor runs when its backend string changes; max-autotune captures CUDA graphs."""
+    assert ember.backend.CompileConfig(mode).cudagraphs is graphs
+    x = torch.randn(5, 7)
+    torch._dynamo.reset()
+    out = torch.compile(simple, backend="ember", mode=mode, options=None)(x)
+    torch.testing.assert_close(out, simple(x))
 
 
 def test_unknown_mode_direct_call():
