@@ -82,3 +82,19 @@ def test_cold_over_picks_the_workloads_above_the_ratio(harness):
     assert harness.cold_wanted(result(0.071, 3.48), 0.0)
     assert harness.cold_wanted(result(0.071, None), 0.25)
     assert harness.cold_wanted(result(None, 3.48), 0.25)
+
+
+def test_dynamic_bench_records_sizes_compiles_errors_and_the_serving_run():
+    """bench/dynamic.py's run for one workload and backend: latencies per size (dynamic and static), the
+    recompiles of automatic dynamic (the first size static, one symbolic recompile), errors against eager."""
+    spec = importlib.util.spec_from_file_location("ember_bench_dynamic", os.path.join(os.path.dirname(HARNESS), "dynamic.py"))
+    dynamic = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dynamic)
+    r = dynamic.child("mlp", "ember", "default", "cpu", serve=12, repeat=2, static=True)
+    sizes = r["sizes"]
+    for name in ("eager_s", "first_call_s", "dynamic_s", "static_s", "error"):
+        assert len(r[name]) == len(sizes), name
+    assert all(t > 0 for t in r["dynamic_s"] + r["static_s"] + r["eager_s"])
+    assert r["compiles"] == 2, r  # static at the first size, symbolic at the second, none after
+    assert 1 <= r["serve_compiles"] <= 3 and r["serve_s"] > 0
+    assert max(r["error"]) < 1e-4, r["error"]
