@@ -5,15 +5,16 @@
     python bench/dynamic.py --device cuda --only bert --backends ember --serve 200 --out bert.json
 
 Workloads (`--list`): BERT-base and a LLaMA-style decoder over prompt lengths, a small convnet and an MLP over batch
-sizes. For each workload, backend (eager, inductor, ember) and mode (default, reduce-overhead), one fresh process:
+sizes. For each workload, backend (inductor, ember) and mode (default, reduce-overhead), three phases, each in a
+fresh process whose compile caches start empty:
 
 1. **serving**: `--serve` calls (500) at sizes drawn from the workload's list with a fixed seed, from a fresh
    torch.compile: the wall time, every compile included, and the compiles Dynamo made;
 2. **dynamic**: a fresh torch.compile fed the sizes in turn, as Dynamo's automatic dynamic sees them (the first size
    static, a recompile with a symbolic size at the second): each first call's seconds, then each size's steady
    latency (median of `--repeat` calls), and its error against eager at that size;
-3. **static** (`--static`, on by default): per size, a fresh torch.compile(dynamic=False) at that size alone, its
-   steady latency: what the dynamic graph is compared with.
+3. **static** (`--static`: which backends; all by default): per size, a fresh torch.compile(dynamic=False) at that
+   size alone, its first call and steady latency: what the dynamic graph is compared with.
 
 Eager's latency per size comes from the same process as each compiled row (eager's speed varies between
 processes), and the table prints each compiled latency as a speedup over that. Nothing here asserts a speed.
@@ -120,49 +121,50 @@ def _settle(backend):
         harness.settle()
 
 
-def child(name, backend, mode, device, serve, repeat, static):
+PHASES = ("serve", "dynamic", "static")
+
+
+def child(name, backend, mode, phase, device, serve, repeat):
+    """One phase of one run, in a process whose compile caches start empty (so each phase's compiles are cold)."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model, sizes, make = WORKLOADS[name][1](device)
     inputs = {n: make(n) for n in sizes}
-    result = {"workload": name, "backend": backend, "mode": mode, "sizes": sizes}
+    result = {"sizes": sizes}
     with torch.no_grad():
-        eager = {n: harness.snapshot(model(*inputs[n])) for n in sizes}
-        result["eager_s"] = [_steady(model, inputs[n], device, "default", repeat) for n in sizes]
-        if backend == "eager":
+        if phase == "serve":  # random sizes from a fresh compile, every compile included
+            order = random.Random(0).choices(sizes, k=serve)
+            fn, before = _compile(model, backend, mode), _graphs()
+            harness.sync(device)
+            start = time.perf_counter()
+            for n in order:
+                if mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                fn(*inputs[n])
+            harness.sync(device)
+            result["serve_s"], result["serve_compiles"] = time.perf_counter() - start, _graphs() - before
             return result
 
-        # 1. serving: random sizes from a fresh compile, every compile included
-        torch._dynamo.reset()
-        order = random.Random(0).choices(sizes, k=serve)
-        fn, before = _compile(model, backend, mode), _graphs()
-        harness.sync(device)
-        start = time.perf_counter()
-        for n in order:
-            if mode == "reduce-overhead":
-                torch.compiler.cudagraph_mark_step_begin()
-            fn(*inputs[n])
-        harness.sync(device)
-        result["serve_s"], result["serve_compiles"] = time.perf_counter() - start, _graphs() - before
-
-        # 2. dynamic: the sizes in turn, then each one's steady latency and error
-        torch._dynamo.reset()
-        fn, before = _compile(model, backend, mode), _graphs()
-        result["first_call_s"] = [_call(fn, inputs[n], device, mode)[0] for n in sizes]
-        result["compiles"] = _graphs() - before
-        _settle(backend)
-        result["dynamic_s"] = [_steady(fn, inputs[n], device, mode, repeat) for n in sizes]
-        result["error"] = [harness.max_rel_error(harness.snapshot(_call(fn, inputs[n], device, mode)[1]), eager[n])
-                           for n in sizes]
-
-        # 3. static: each size compiled alone
-        if static:
-            result["static_s"] = []
+        eager = {n: harness.snapshot(model(*inputs[n])) for n in sizes}
+        eager_s = [_steady(model, inputs[n], device, "default", repeat) for n in sizes]
+        if phase == "dynamic":  # the sizes in turn, then each one's steady latency and error
+            fn, before = _compile(model, backend, mode), _graphs()
+            result["first_call_s"] = [_call(fn, inputs[n], device, mode)[0] for n in sizes]
+            result["compiles"] = _graphs() - before
+            _settle(backend)
+            result["dynamic_s"] = [_steady(fn, inputs[n], device, mode, repeat) for n in sizes]
+            result["error"] = [harness.max_rel_error(harness.snapshot(_call(fn, inputs[n], device, mode)[1]),
+                                                     eager[n]) for n in sizes]
+            result["eager_s"] = eager_s
+        else:  # static: each size compiled alone
+            result["static_s"], result["static_first_call_s"] = [], []
             for n in sizes:
                 torch._dynamo.reset()
                 fn = _compile(model, backend, mode, dynamic=False)
-                _call(fn, inputs[n], device, mode)
+                result["static_first_call_s"].append(_call(fn, inputs[n], device, mode)[0])
                 _settle(backend)
                 result["static_s"].append(_steady(fn, inputs[n], device, mode, repeat))
+            result["static_eager_s"] = eager_s
     return result
 
 
@@ -171,24 +173,36 @@ def child(name, backend, mode, device, serve, repeat, static):
 # ----------------------------------------------------------------------------------------------------------
 
 
-def run_child(args, name, backend, mode):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, backend, mode, "--device", args.device,
-           "--serve", str(args.serve), "--repeat", str(args.repeat)] + ([] if args.static else ["--no-static"])
+def run_phase(args, name, backend, mode, phase):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", name, backend, mode, phase, "--device", args.device,
+           "--serve", str(args.serve), "--repeat", str(args.repeat)]
     env = dict(os.environ)
-    caches = tempfile.mkdtemp(prefix="ember-dynamic-")  # every child starts with empty compile caches
+    caches = tempfile.mkdtemp(prefix="ember-dynamic-")  # every process starts with empty compile caches
     for key in harness.CACHE_ENV:
-        env.setdefault(key, os.path.join(caches, key.lower()))
+        env[key] = os.path.join(caches, key.lower())
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"workload": name, "backend": backend, "mode": mode, "failed": f"over {args.timeout:.0f} s"}
+        return {"failed": f"{phase}: over {args.timeout:.0f} s"}
     finally:
         shutil.rmtree(caches, ignore_errors=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"workload": name, "backend": backend, "mode": mode, "failed": " | ".join(tail)[-400:]}
+    return {"failed": f"{phase}: " + " | ".join(tail)[-400:]}
+
+
+def run_child(args, name, backend, mode):
+    """The run's phases, each in a fresh process, merged into one record."""
+    result = {"workload": name, "backend": backend, "mode": mode}
+    static = args.static is None or backend in args.static.split(",")
+    for phase in [p for p in PHASES if p != "static" or static]:
+        part = run_phase(args, name, backend, mode, phase)
+        if "failed" in part:
+            return {**result, **part}
+        result.update(part)
+    return result
 
 
 def print_rows(r):
@@ -196,14 +210,12 @@ def print_rows(r):
     if "failed" in r:
         print(f"{label} FAILED: {r['failed']}")
         return
-    if r["backend"] == "eager":
-        return
-    speed = lambda ts: " ".join(f"{e / t:5.2f}x" for e, t in zip(r["eager_s"], ts))  # noqa: E731
+    speed = lambda es, ts: " ".join(f"{e / t:5.2f}x" for e, t in zip(es, ts))  # noqa: E731
     print(f"{label} sizes        {' '.join(f'{n:>6}' for n in r['sizes'])}")
-    print(f"{label} dynamic      {speed(r['dynamic_s'])}")
+    print(f"{label} dynamic      {speed(r['eager_s'], r['dynamic_s'])}")
     if r.get("static_s"):
-        print(f"{label} static       {speed(r['static_s'])}")
-        print(f"{label} dyn/static   {' '.join(f'{s / d:5.2f}x' for s, d in zip(r['static_s'], r['dynamic_s']))}")
+        print(f"{label} static       {speed(r['static_eager_s'], r['static_s'])}")
+        print(f"{label} static s     {' '.join(f'{t:6.2f}' for t in r['static_first_call_s'])}  (first calls)")
     print(f"{label} first call s {' '.join(f'{t:6.2f}' for t in r['first_call_s'])}  compiles {r['compiles']}")
     print(f"{label} max error    {max(r['error']):.2e}   serving: {r['serve_s']:.2f} s, {r['serve_compiles']} compiles")
 
@@ -216,18 +228,19 @@ def main(argv=None):
     ap.add_argument("--modes", default=None, help="comma-separated: default, reduce-overhead (default: both on CUDA)")
     ap.add_argument("--serve", type=int, default=500, help="calls in the serving run")
     ap.add_argument("--repeat", type=int, default=20, help="timed calls per size (median reported)")
-    ap.add_argument("--no-static", dest="static", action="store_false", help="skip the static compile per size")
+    ap.add_argument("--static", default=None, help="backends that also get a static compile per size (default: all; "
+                    "'none': no static phase)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
     ap.add_argument("--out", default=None, help="JSON path for the results")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--child", nargs=3, metavar=("WORKLOAD", "BACKEND", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, metavar=("WORKLOAD", "BACKEND", "MODE", "PHASE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.list:
         for name, (text, _) in WORKLOADS.items():
             print(f"{name:8} {text}")
         return 0
     if args.child:
-        print("RESULT " + json.dumps(child(*args.child, args.device, args.serve, args.repeat, args.static)))
+        print("RESULT " + json.dumps(child(*args.child, args.device, args.serve, args.repeat)))
         return 0
     names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
     modes = (args.modes or ("default,reduce-overhead" if args.device == "cuda" else "default")).split(",")

@@ -479,9 +479,25 @@ def _traced_call(gm, example_inputs, config, stored):
         return None
     from . import _C
 
+    dims = _traced_dynamic_dims(traced)
     if lowered:
-        stored.update(kind="inference", graphs=lowered, pinned=list(pinned))
-    return _C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=[])
+        stored.update(kind="inference", graphs=lowered, pinned=list(pinned), dynamic_dims=dims)
+    return _marking_dims(_C.direct_call(compiled, [], pinned, _shapes_guarded(gm, example_inputs), bump=[]), dims)
+
+
+def _traced_dynamic_dims(traced):
+    """[(output index, its symbolic dims)] of a traced graph's outputs, as AOTAutograd's metadata has them."""
+    import torch
+
+    (output,) = [n for n in traced.graph.nodes if n.op == "output"]
+    values = output.args[0] if isinstance(output.args[0], (list, tuple)) else [output.args[0]]
+    dims = []
+    for i, o in enumerate(values):
+        shape = o.meta["val"].shape
+        symbolic = [d for d, size in enumerate(shape) if isinstance(size, torch.SymInt) and not size.node.is_constant()]
+        if symbolic:
+            dims.append((i, symbolic))
+    return dims
 
 
 def _cached_call(gm, example_inputs, config, entry):
@@ -793,7 +809,8 @@ def _compile_graph(gm, example_inputs, config):
     if direct is None:
         direct = _joint_traced_call(gm, example_inputs, config, stored)
     if direct is not None:
-        cache.store(key, stored)  # (these traces take static shapes alone)
+        if cache.shape_state(gm, example_inputs) == assumed:  # symbolic sizes: where the compile added no guard
+            cache.store(key, stored)
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a

@@ -7,8 +7,13 @@ pass gives the same graph: `make_fx` over `torch.func.functionalize` with ember'
 b8 s128's ATen tracing in a fresh process: 1.72 s through AOTAutograd, 1.02 s so (H100 host); 1.57 and
 0.58 s on this project's 2-core CPU host.
 
+Symbolic sizes trace so too, on Dynamo's symbolic fakes and SymInt inputs, but without functionalization
+(torch.func.functionalize reads sizes through aten.size, which fake tensors answer with ints: every size would
+be specialized). A write left in the traced graph then sends it to AOTAutograd. BERT-base's symbolic recompile
+(1x48 after 1x32, 2-core host): 4.72 s through AOTAutograd, 2.89 s so, against 2.62 s for Dynamo alone.
+
 What keeps AOTAutograd, read from the Dynamo graph before tracing or from the traced graph after:
-- anything that needs a gradient, autocast, dynamic shapes, inputs that are not plain tensors, two inputs
+- anything that needs a gradient, autocast, inputs that are neither plain tensors nor sizes, two inputs
   sharing memory, a graph module holding tensors of its own, higher-order ops or submodules;
 - a graph that still writes memory after functionalization (an input mutated: AOTAutograd's wrapper or its
   version-counter bookkeeping are needed), or whose outputs alias an input (the wrapper regenerates those).
@@ -38,9 +43,9 @@ def _plain_inputs(gm, example_inputs):
     """Why the graph's inputs rule a one-pass trace out, or None."""
     import torch
 
-    if any(type(x) not in (torch.Tensor, torch.nn.Parameter) for x in example_inputs):
-        return "an input is not a plain tensor"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in example_inputs):
+    if any(type(x) not in (torch.Tensor, torch.nn.Parameter, int, torch.SymInt) for x in example_inputs):
+        return "an input is not a plain tensor or a size"
+    if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs):
         return "an input requires grad"
     if torch._C._is_any_autocast_enabled():
         return "autocast is on"
@@ -145,10 +150,12 @@ def _traced_problem(traced):
 
     import torch
 
+    from .lower import _PRIMS
+
     for n in traced.graph.nodes:
         if n.op == "call_function":
-            if n.target is operator.getitem:
-                continue
+            if n.target is operator.getitem or n.target in _PRIMS or n.target is getattr(torch, "sym_sum", None):
+                continue  # (arithmetic on symbolic sizes, as lower.py runs it)
             if not isinstance(n.target, torch._ops.OpOverload):
                 return f"the traced graph calls {n.target}"
             if n.target._schema.is_mutable:
@@ -165,6 +172,37 @@ def _traced_problem(traced):
             if len(set(outputs)) != len(outputs):
                 return "an output is returned twice"
     return None
+
+
+def _functionalized(fn, fakes):
+    """fn functionalized (its writes to intermediates become out-of-place ops) for a trace over these fakes.
+    Over symbolic sizes fn as it is: torch.func.functionalize reads sizes through aten.size, which fake tensors
+    answer with ints, specializing every size; a write that is left then sends the graph to AOTAutograd
+    (_traced_problem)."""
+    import torch
+
+    if any(isinstance(f, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in (*f.shape, *f.stride()))
+           for f in fakes):
+        return fn
+    return torch.func.functionalize(fn, remove="mutations")
+
+
+def _fake_inputs(gm, example_inputs, fake_mode):
+    """What the trace runs on: each tensor as the fake mode has it (with Dynamo's symbolic sizes where the graph
+    has them), each size input as the SymInt of Dynamo's placeholder (None where it has none)."""
+    import torch
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = []
+    for x, node in zip(example_inputs, placeholders):
+        if isinstance(x, torch.Tensor):
+            fakes.append(fake_mode.from_tensor(x))
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if not isinstance(value, torch.SymInt):
+            return None
+        fakes.append(value)
+    return fakes if len(fakes) == len(example_inputs) else None
 
 
 def _lazy_graph_modules():
@@ -195,11 +233,12 @@ def trace_inference(gm, example_inputs, decompositions):
     fake_mode = detect_fake_mode(example_inputs)
     if fake_mode is None:
         return None, "no fake mode"
-    fakes = [fake_mode.from_tensor(x) for x in example_inputs]
-    if any(isinstance(d, torch.SymInt) for f in fakes for d in (*f.shape, *f.stride())):
-        return None, "dynamic shapes"
-    storages = {StorageWeakRef(f.untyped_storage()) for f in fakes}
-    if len(storages) != len(fakes):
+    fakes = _fake_inputs(gm, example_inputs, fake_mode)
+    if fakes is None:
+        return None, "a size input without its symbol"
+    tensors = [f for f in fakes if isinstance(f, torch.Tensor)]
+    storages = {StorageWeakRef(f.untyped_storage()) for f in tensors}
+    if len(storages) != len(tensors):
         return None, "two inputs share memory"
     # Graph modules whose Python code is generated when first run or read, not when made: lower.py reads
     # only the graph (BERT-base's 722 traced nodes took 80 ms to generate and compile, twice).
@@ -215,8 +254,7 @@ def trace_inference(gm, example_inputs, decompositions):
                 # The Python dispatcher, as AOTAutograd traces with it: decompositions registered for the
                 # Autograd key apply (an eval batch norm becomes _native_batch_norm_legit_no_training).
                 with fake_mode, enable_python_dispatcher():
-                    traced = make_fx(torch.func.functionalize(gm, remove="mutations"),
-                                     decomposition_table=decompositions)(*fakes)
+                    traced = make_fx(_functionalized(gm, fakes), decomposition_table=decompositions)(*fakes)
             except Exception as e:  # AOTAutograd's own trace then reports it, or copes
                 return None, f"tracing failed: {type(e).__name__}: {e}"
     _restride_out_of_place(traced)
@@ -314,8 +352,23 @@ def _tensor_nodes(x, found):
     return found
 
 
+def _dim_key(d):
+    """A size by its value, or a symbolic one by its expression (equal expressions are equal sizes)."""
+    import torch
+
+    return ("sym", str(d.node.expr)) if isinstance(d, torch.SymInt) else d
+
+
 def _tensor_key(t):
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device)
+    """The key of a call's input: a tensor's dtype, sizes, strides, offset and device, or a size's expression."""
+    import torch
+
+    if isinstance(t, torch.SymInt):
+        return ("size", _dim_key(t))
+    if not isinstance(t, torch.Tensor):
+        raise _NotByNode(f"an input of kind {type(t).__name__}")
+    return (t.dtype, tuple(map(_dim_key, t.shape)), tuple(map(_dim_key, t.stride())), _dim_key(t.storage_offset()),
+            t.device)
 
 
 def _repeats_enough(gm):
@@ -348,6 +401,8 @@ def _fresh_like(t):
     """A new fake tensor of t's dtype, sizes, strides, offset and device, sharing nothing with any other."""
     import torch
 
+    if isinstance(t, torch.SymInt):  # a size: the same symbol (sizes are values, not memory)
+        return t
     if t.storage_offset() == 0:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
     base = torch.empty(t.untyped_storage().nbytes() // t.element_size(), dtype=t.dtype, device=t.device)
@@ -373,7 +428,7 @@ def _trace_call(call, tensors, decompositions, fake_mode):
     with fake_mode, enable_python_dispatcher():
         fresh = [_fresh_like(t.meta["val"]) for t in tensors]
         try:
-            traced = make_fx(torch.func.functionalize(run, remove="mutations"), decomposition_table=decompositions)(*fresh)
+            traced = make_fx(_functionalized(run, fresh), decomposition_table=decompositions)(*fresh)
         except Exception as e:
             raise _NotByNode(f"{target}: {type(e).__name__}: {e}") from e
     for n in traced.graph.nodes:

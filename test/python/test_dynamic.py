@@ -88,6 +88,63 @@ def test_automatic_dynamic_recompiles_at_most_once(device):
     assert 1 <= len(forwards) <= 2, kinds()
 
 
+class _Block(nn.Module):
+    """An attention block whose views take the symbolic sequence length (view(b, s, heads, -1))."""
+
+    def __init__(self, dim=32, heads=4, in_place=False):
+        super().__init__()
+        self.heads, self.in_place = heads, in_place
+        self.norm, self.qkv, self.proj = nn.LayerNorm(dim), nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)).softmax(-1) @ v
+        y = self.proj(att.transpose(1, 2).reshape(b, s, d))
+        if self.in_place:
+            y.mul_(0.5)  # a write to an intermediate: functionalization's work, which this graph gets from AOTAutograd
+        return x + y, y.sum(-1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["plain", "in_place"])
+def test_symbolic_inference_graphs_compile_once_for_every_size(device, in_place):
+    """Under no_grad a graph with a symbolic length is traced without AOTAutograd (trace.py) unless it writes
+    an intermediate in place; either way one compile serves every length, each matching eager."""
+    from torch._dynamo.utils import counters
+
+    model = _Block(in_place=in_place).to(device).eval()
+    compiled = compile_ember(copy.deepcopy(model), dynamic=True)
+    counters.clear()
+    with torch.no_grad():
+        for s in (5, 11, 16, 1 + 2 * 3 * 5):
+            check(model, torch.randn(2, s, 32, device=device), grad=False, compiled=compiled, min_graphs=0, **MATMUL_TOL)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["aot_autograd"]["ok"] == (1 if in_place else 0), dict(counters["aot_autograd"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_symbolic_outputs_reach_the_next_graph_as_dynamic(device):
+    """The symbolic dims of a traced graph's outputs are marked as AOTAutograd's wrapper marks them: the graph
+    after a break takes them as dynamic at its first compile and does not recompile for the next length."""
+    from torch._dynamo.utils import counters
+
+    def fn(x):
+        y = (x * 2).relu()
+        torch._dynamo.graph_break()
+        return y.cumsum(1) + 1
+
+    compiled = compile_ember(fn)
+    counters.clear()
+    with torch.no_grad():
+        for s in (4, 7, 9, 12):
+            x = torch.randn(3, s, device=device)
+            torch._dynamo.mark_dynamic(x, 1)  # the first graph symbolic from its first compile
+            torch.testing.assert_close(compiled(x), fn(x))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # unmarked, the second would recompile
+    assert counters["aot_autograd"]["total"] == 0, dict(counters["aot_autograd"])
+
+
 class CachedDecoder(nn.Module):
     """One attention block with a KV cache, as Hugging Face's causal LMs run it: positions from the cache's
     length (`sum` over SymInts is torch.sym_sum in Dynamo's graph), keys and values concatenated to the cache."""
