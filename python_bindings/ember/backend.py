@@ -751,7 +751,11 @@ def _compile_graph(gm, example_inputs, config):
         from . import _C
 
         _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
-    key = cache.key(gm, example_inputs, config)
+    # DDP's graph splitter (DDPOptimizer) calls each compiled piece once on fake tensors to get the inputs of the
+    # next: AOTAutograd's wrapper answers that call, a DirectCall (C++, real tensors) cannot. Such pieces keep
+    # the wrapper and skip the compile cache, whose hits are DirectCalls.
+    direct_ok = not _first_call_is_fake()
+    key = cache.key(gm, example_inputs, config) if direct_ok else None
     assumed = cache.shape_state(gm, example_inputs) if key is not None else None
     entry = cache.load(key)
     if entry is not None:
@@ -805,8 +809,8 @@ def _compile_graph(gm, example_inputs, config):
         elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
             channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
     stored = {}  # what the DirectCall returned is built from: the compile cache's entry
-    direct = _traced_call(gm, example_inputs, config, stored)
-    if direct is None:
+    direct = _traced_call(gm, example_inputs, config, stored) if direct_ok else None
+    if direct is None and direct_ok:
         direct = _joint_traced_call(gm, example_inputs, config, stored)
     if direct is not None:
         if cache.shape_state(gm, example_inputs) == assumed:  # symbolic sizes: where the compile added no guard
@@ -819,6 +823,8 @@ def _compile_graph(gm, example_inputs, config):
             compiled_fn = backend(gm, example_inputs)
     else:
         compiled_fn = backend(gm, example_inputs)
+    if not direct_ok:
+        return compiled_fn
     stored = {}
     direct = _direct_call(gm, example_inputs, inference[0] if len(inference) == 1 else None, stored)
     if direct is None:
@@ -829,6 +835,14 @@ def _compile_graph(gm, example_inputs, config):
     if len(lowered) == (1 if stored["kind"] == "inference" else 2) and cache.shape_state(gm, example_inputs) == assumed:
         cache.store(key, dict(stored, graphs=lowered))
     return direct
+
+
+def _first_call_is_fake():
+    """Whether the graph being compiled will first be called on fake tensors (DDPOptimizer's pieces)."""
+    import torch._guards
+
+    context = torch._guards.TracingContext.try_get()
+    return bool(getattr(context, "fakify_first_call", False))
 
 
 def _aot_autograd(**kwargs):

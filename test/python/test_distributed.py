@@ -1,0 +1,202 @@
+"""torch.distributed under torch.compile(backend="ember"), on the CPU: two processes on the gloo backend.
+
+Each test starts a world of two (torch.multiprocessing, a file rendezvous in a temporary folder), runs the same
+training or collective program eagerly and compiled with ember in each rank, and compares them there: losses and
+parameters after the steps, collective results. A rank's failure or a run past its time limit fails the test.
+"""
+
+import os
+import tempfile
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
+
+WORLD = 2
+TIME_LIMIT = 240  # seconds for a whole world's run
+STEPS = 4
+
+
+def _rank_main(rank, program, rendezvous, errors):
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
+        try:
+            program(rank)
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(errors, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_world(program):
+    """Runs program(rank) in WORLD processes of one gloo group; fails with the first rank's traceback."""
+    with tempfile.TemporaryDirectory() as folder:
+        errors = os.path.join(folder, "errors")
+        os.makedirs(errors)
+        context = mp.start_processes(_rank_main, args=(program, os.path.join(folder, "rendezvous"), errors),
+                                     nprocs=WORLD, join=False, start_method="spawn")
+        deadline = time.monotonic() + TIME_LIMIT
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the world of {WORLD} ran past {TIME_LIMIT} s")
+        except mp.ProcessRaisedException:
+            reports = [open(os.path.join(errors, f)).read() for f in sorted(os.listdir(errors))]
+            pytest.fail("a rank failed:\n" + "\n".join(reports))
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: attention and an MLP, each with a residual."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=64, dim=32, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    return [torch.randint(0, 64, (4, 12), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for ids in batches:
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _compare(eager_losses, ember_losses, eager_params, ember_params):
+    torch.testing.assert_close(ember_losses, eager_losses, atol=1e-4, rtol=1e-4)
+    for (name, a), b in zip(eager_params, ember_params):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _ddp_program(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = TinyLM(dim=128)  # 1.6 MB of parameters: two 1 MB buckets (DDP's first bucket is 1 MB, the least a cap may be)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = DDP(_copy(base), bucket_cap_mb=1)  # DDPOptimizer splits the graph at each bucket
+        fn = torch.compile(model, backend="ember", options={"fallback": "raise"}) if compiled else model
+        losses = _train(fn, _batches(rank))
+        results.append((losses, [(n, p.detach().clone()) for n, p in model.module.named_parameters()]))
+    (eager_losses, eager_params), (ember_losses, ember_params) = results
+    _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
+    pieces = torch._dynamo.utils.counters["aot_autograd"]["ok"]  # each piece goes through AOTAutograd (backend.py)
+    assert pieces >= 2, f"ember compiled {pieces} piece(s); the bucket size should split the model"
+
+
+def _fsdp2_program(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch before 2.6 keeps it under _composable
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    base = TinyLM()
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = _copy(base)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        fn = torch.compile(model, backend="ember", options={"fallback": "raise"}) if compiled else model
+        losses = _train(fn, _batches(rank))
+        params = [(n, p.full_tensor().detach().clone()) for n, p in model.named_parameters()]
+        results.append((losses, params))
+    (eager_losses, eager_params), (ember_losses, ember_params) = results
+    _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
+
+
+def _collectives_program(rank):
+    import torch.distributed._functional_collectives as fc
+
+    group = dist.group.WORLD
+
+    def fn(x, y):
+        total = fc.all_reduce(x * 2, "sum", group)
+        gathered = fc.all_gather_tensor(y.relu(), 0, group)
+        scattered = fc.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
+        exchanged = fc.all_to_all_single(total + 1, None, None, group)
+        return total.sin() + 1, gathered, scattered, exchanged * exchanged
+
+    g = torch.Generator().manual_seed(7 + rank)
+    x, y = torch.randn(4, 6, generator=g), torch.randn(2, 5, generator=g)
+    expected = fn(x, y)
+    got = torch.compile(fn, backend="ember", options={"fallback": "raise"})(x, y)
+    for e, o in zip(expected, got):
+        torch.testing.assert_close(o, e)
+
+
+def _copy(module):
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def test_ddp_training_matches_eager():
+    """DDP with buckets small enough that DDPOptimizer splits the model into several graphs, each compiled by
+    ember: losses and parameters after STEPS SGD steps equal eager DDP's, in each rank."""
+    run_world(_ddp_program)
+
+
+def test_fsdp2_training_matches_eager():
+    """FSDP2 (fully_shard per block and at the root), compiled with ember: losses and the gathered parameters
+    after STEPS SGD steps equal eager FSDP2's, in each rank."""
+    run_world(_fsdp2_program)
+
+
+def test_functional_collectives_inside_a_compiled_graph():
+    """all_reduce, all_gather_tensor, reduce_scatter_tensor and all_to_all_single (with wait_tensor) in one graph
+    ember compiles, with compute between them, give eager's results in each rank."""
+    run_world(_collectives_program)
