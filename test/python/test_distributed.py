@@ -132,6 +132,28 @@ def _ddp_program(rank):
     assert pieces >= 2, f"ember compiled {pieces} piece(s); the bucket size should split the model"
 
 
+def _compiled_autograd_ddp_program(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = TinyLM(dim=128)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        # With compiled autograd, DDP's Python reducer's all-reduces are traced into the backward graph
+        torch._dynamo.config.optimize_ddp = "python_reducer" if compiled else True
+        model = DDP(_copy(base), bucket_cap_mb=1)
+        if compiled:
+            options = {"fallback": "raise"}
+            with torch._dynamo.compiled_autograd._enable(torch.compile(backend="ember", options=options)):
+                losses = _train(torch.compile(model, backend="ember", options=options), _batches(rank))
+        else:
+            losses = _train(model, _batches(rank))
+        results.append((losses, [(n, p.detach().clone()) for n, p in model.module.named_parameters()]))
+    (eager_losses, eager_params), (ember_losses, ember_params) = results
+    _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
+
+
 def _fsdp2_program(rank):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -188,6 +210,12 @@ def test_ddp_training_matches_eager():
     """DDP with buckets small enough that DDPOptimizer splits the model into several graphs, each compiled by
     ember: losses and parameters after STEPS SGD steps equal eager DDP's, in each rank."""
     run_world(_ddp_program)
+
+
+def test_ddp_with_compiled_autograd_matches_eager():
+    """DDP under compiled autograd (optimize_ddp="python_reducer"): the backward, its all-reduces traced in, is one
+    graph ember compiles too; losses and parameters after STEPS steps equal eager DDP's."""
+    run_world(_compiled_autograd_ddp_program)
 
 
 def test_fsdp2_training_matches_eager():
