@@ -33,7 +33,7 @@ import sys
 
 REQUIRED = ("suite", "date", "machine", "torch", "command", "rows")
 COLORS = {"eager": "#9e9e9e", "ember": "#d9480f", "inductor": "#1c7ed6", "ember-ro": "#f08c00",
-          "inductor-ro": "#4dabf7"}
+          "inductor-ro": "#4dabf7", "ember static": "#ffa8a8", "ember-ro static": "#ffd8a8"}
 
 
 def load(path):

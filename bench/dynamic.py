@@ -220,6 +220,25 @@ def print_rows(r):
     print(f"{label} max error    {max(r['error']):.2e}   serving: {r['serve_s']:.2f} s, {r['serve_compiles']} compiles")
 
 
+def to_chart(results, machine, command, date, suite):
+    """A results file of bench/chart.py's schema: one row per workload and size, bars for each run's symbolic
+    graph ("ember", "inductor"; "-ro" in reduce-overhead) and ember's static compile at that size."""
+    rows = {}
+    for r in results:
+        if "failed" in r:
+            continue
+        tag = "" if r["mode"] == "default" else "-ro"
+        for i, n in enumerate(r["sizes"]):
+            row = rows.setdefault((r["workload"], n), {})
+            row[r["backend"] + tag] = r["eager_s"][i] / r["dynamic_s"][i]
+            if r.get("static_s"):
+                row[f"{r['backend']}{tag} static"] = r["static_eager_s"][i] / r["static_s"][i]
+    where = machine.get("gpu") or machine.get("cpu") or machine.get("device", "")
+    return {"suite": suite, "date": date, "machine": f"{where} ({machine.get('cpu_count')} CPU cores)",
+            "torch": machine.get("torch", ""), "command": command, "metric": "speedup",
+            "rows": [{"workload": f"{w} {n}", "speedup": v} for (w, n), v in rows.items()]}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -232,6 +251,7 @@ def main(argv=None):
                     "'none': no static phase)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
     ap.add_argument("--out", default=None, help="JSON path for the results")
+    ap.add_argument("--chart", default=None, help="also a results file for bench/chart.py (its schema) at this path")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--child", nargs=4, metavar=("WORKLOAD", "BACKEND", "MODE", "PHASE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -256,6 +276,12 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump({"machine": harness.machine_info(args.device), "results": results}, f, indent=1)
         print(f"wrote {args.out}")
+    if args.chart:
+        machine = harness.machine_info(args.device)
+        with open(args.chart, "w") as f:
+            json.dump(to_chart(results, machine, "python bench/dynamic.py " + " ".join(argv or sys.argv[1:]),
+                               time.strftime("%Y-%m-%d"), f"sizes that vary, {args.device}"), f, indent=1)
+        print(f"wrote {args.chart}")
     return 0
 
 

@@ -100,3 +100,8 @@ def test_dynamic_bench_records_sizes_compiles_errors_and_the_serving_run():
     assert r["compiles"] == 2, r  # static at the first size, symbolic at the second, none after
     assert 1 <= r["serve_compiles"] <= 3 and r["serve_s"] > 0
     assert max(r["error"]) < 1e-4, r["error"]
+    # --chart: bench/chart.py's schema, a row per size with the symbolic and the static bars
+    chart = dynamic.to_chart([dict(r, workload="mlp", backend="ember", mode="default")], {"cpu_count": 2}, "cmd",
+                             "2026-12-04", "suite")
+    assert [row["workload"] for row in chart["rows"]] == [f"mlp {n}" for n in sizes]
+    assert all(set(row["speedup"]) == {"ember", "ember static"} for row in chart["rows"]), chart["rows"][0]
