@@ -228,3 +228,24 @@ def test_functional_collectives_inside_a_compiled_graph():
     """all_reduce, all_gather_tensor, reduce_scatter_tensor and all_to_all_single (with wait_tensor) in one graph
     ember compiles, with compute between them, give eager's results in each rank."""
     run_world(_collectives_program)
+
+
+def test_distributed_bench_reports_each_strategy_and_backend(tmp_path):
+    """bench/distributed.py on two gloo processes: a record per strategy and backend, with a first step, a
+    throughput and a final loss that agrees across backends (same weights, same data)."""
+    import json
+    import subprocess
+    import sys
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "distributed.py")
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, path, "--device", "cpu", "--model", "tiny", "--backends", "eager,ember", "--steps",
+                    "3", "--warmup", "1", "--batch", "2", "--seq", "16", "--out", str(out)], check=True, timeout=TIME_LIMIT)
+    results = json.loads(out.read_text())["results"]
+    assert [(r["strategy"], r["backend"]) for r in results] == [
+        ("ddp", "eager"), ("ddp", "ember"), ("fsdp2", "eager"), ("fsdp2", "ember")], results
+    for r in results:
+        assert r["first_step_s"] > 0 and r["tokens_per_s"] > 0, r
+    for strategy in ("ddp", "fsdp2"):
+        eager, ember = (r["final_loss"] for r in results if r["strategy"] == strategy)
+        assert abs(eager - ember) < 1e-4, (strategy, eager, ember)
