@@ -6,6 +6,7 @@ parameters after the steps, collective results. A rank's failure or a run past i
 """
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -29,12 +30,18 @@ def _rank_main(rank, program, rendezvous, errors):
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
         try:
             program(rank)
+            dist.barrier()  # no rank tears its connections down while another still uses them
         finally:
             dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(errors, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
+    # A rank that passed ends without Python's finalization, where gloo's worker threads can abort the process
+    # (see bench/distributed.py's _exit_now)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(program):
