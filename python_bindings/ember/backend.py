@@ -813,7 +813,7 @@ def _compile_graph(gm, example_inputs, config):
     if direct is None and direct_ok:
         direct = _joint_traced_call(gm, example_inputs, config, stored)
     if direct is not None:
-        if cache.shape_state(gm, example_inputs) == assumed:  # symbolic sizes: where the compile added no guard
+        if key is not None and cache.shape_state(gm, example_inputs) == assumed:  # symbolic sizes: no guard added
             cache.store(key, stored)
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):

@@ -43,6 +43,7 @@ from .trace import (
     _resolved_call,
     _returns_alias,
     _stateful,
+    _symbolic,
     _tensor_key,
     _tensor_nodes,
 )
@@ -67,7 +68,7 @@ def trace_training(gm, example_inputs, decompositions):
     if fake_mode is None:
         return None, None, "no fake mode", None
     fakes = [fake_mode.from_tensor(x) for x in example_inputs]
-    if any(isinstance(d, torch.SymInt) for f in fakes for d in (*f.shape, *f.stride())):
+    if _symbolic(fakes):
         return None, None, "dynamic shapes", None
     if len({StorageWeakRef(f.untyped_storage()) for f in fakes}) != len(fakes):
         return None, None, "two inputs share memory", None

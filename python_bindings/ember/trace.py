@@ -174,6 +174,14 @@ def _traced_problem(traced):
     return None
 
 
+def _symbolic(fakes):
+    """Whether any of these fakes is a symbolic size or has one among its sizes and strides."""
+    import torch
+
+    return any(isinstance(f, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in (*f.shape, *f.stride()))
+               for f in fakes)
+
+
 def _functionalized(fn, fakes):
     """fn functionalized (its writes to intermediates become out-of-place ops) for a trace over these fakes.
     Over symbolic sizes fn as it is: torch.func.functionalize reads sizes through aten.size, which fake tensors
@@ -181,10 +189,7 @@ def _functionalized(fn, fakes):
     (_traced_problem)."""
     import torch
 
-    if any(isinstance(f, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in (*f.shape, *f.stride()))
-           for f in fakes):
-        return fn
-    return torch.func.functionalize(fn, remove="mutations")
+    return fn if _symbolic(fakes) else torch.func.functionalize(fn, remove="mutations")
 
 
 def _fake_inputs(gm, example_inputs, fake_mode):
