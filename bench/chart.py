@@ -110,10 +110,14 @@ def from_harness(results, machine, command, date, suite, backends=("eager", "emb
         if speedups:
             rows.append({"workload": r["workload"], "speedup": speedups})
     present = [b for b in backends if any(b in row["speedup"] for row in rows)]
+    return {**header(machine, command, date, suite), "backends": present, "rows": rows}
+
+
+def header(machine, command, date, suite):
+    """A results file's fields other than its rows, from harness.machine_info()'s dict."""
     where = machine.get("gpu") or machine.get("cpu") or machine.get("device", "")
     return {"suite": suite, "date": date, "machine": f"{where} ({machine.get('cpu_count')} CPU cores)",
-            "torch": machine.get("torch", ""), "command": command, "metric": "speedup",
-            "backends": present, "rows": rows}
+            "torch": machine.get("torch", ""), "command": command, "metric": "speedup"}
 
 
 def main(argv=None):

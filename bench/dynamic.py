@@ -233,9 +233,9 @@ def to_chart(results, machine, command, date, suite):
             row[r["backend"] + tag] = r["eager_s"][i] / r["dynamic_s"][i]
             if r.get("static_s"):
                 row[f"{r['backend']}{tag} static"] = r["static_eager_s"][i] / r["static_s"][i]
-    where = machine.get("gpu") or machine.get("cpu") or machine.get("device", "")
-    return {"suite": suite, "date": date, "machine": f"{where} ({machine.get('cpu_count')} CPU cores)",
-            "torch": machine.get("torch", ""), "command": command, "metric": "speedup",
+    import chart
+
+    return {**chart.header(machine, command, date, suite),
             "rows": [{"workload": f"{w} {n}", "speedup": v} for (w, n), v in rows.items()]}
 
 

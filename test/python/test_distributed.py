@@ -5,6 +5,7 @@ training or collective program eagerly and compiled with ember in each rank, and
 parameters after the steps, collective results. A rank's failure or a run past its time limit fails the test.
 """
 
+import copy
 import os
 import sys
 import tempfile
@@ -129,7 +130,7 @@ def _ddp_program(rank):
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = DDP(_copy(base), bucket_cap_mb=1)  # DDPOptimizer splits the graph at each bucket
+        model = DDP(copy.deepcopy(base), bucket_cap_mb=1)  # DDPOptimizer splits the graph at each bucket
         fn = torch.compile(model, backend="ember", options={"fallback": "raise"}) if compiled else model
         losses = _train(fn, _batches(rank))
         results.append((losses, [(n, p.detach().clone()) for n, p in model.module.named_parameters()]))
@@ -149,7 +150,7 @@ def _compiled_autograd_ddp_program(rank):
         torch._dynamo.reset()
         # With compiled autograd, DDP's Python reducer's all-reduces are traced into the backward graph
         torch._dynamo.config.optimize_ddp = "python_reducer" if compiled else True
-        model = DDP(_copy(base), bucket_cap_mb=1)
+        model = DDP(copy.deepcopy(base), bucket_cap_mb=1)
         if compiled:
             options = {"fallback": "raise"}
             with torch._dynamo.compiled_autograd._enable(torch.compile(backend="ember", options=options)):
@@ -175,7 +176,7 @@ def _fsdp2_program(rank):
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        model = _copy(base)
+        model = copy.deepcopy(base)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -205,12 +206,6 @@ def _collectives_program(rank):
     got = torch.compile(fn, backend="ember", options={"fallback": "raise"})(x, y)
     for e, o in zip(expected, got):
         torch.testing.assert_close(o, e)
-
-
-def _copy(module):
-    import copy
-
-    return copy.deepcopy(module)
 
 
 def test_ddp_training_matches_eager():
