@@ -23,6 +23,7 @@
 #include "ember/op_table.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -38,22 +39,6 @@ int activation_kind(const Node& n) {
   if (n.op != "aten::gelu") return 0;
   const Arg* a = n.arg(1, "approximate");
   return a && a->kind == Arg::Kind::String && a->s == "tanh" ? 2 : 0;
-}
-
-bool contiguous(const TensorType& t) {
-  int64_t expected = 1;
-  for (size_t d = t.sizes.size(); d-- > 0;) {
-    if (!t.sizes[d].is_constant() || !t.strides[d].is_constant()) return false;
-    if (t.sizes[d].value != 1 && t.strides[d].value != expected) return false;
-    expected *= t.sizes[d].value;
-  }
-  return true;
-}
-
-int64_t numel(const TensorType& t) {
-  int64_t n = 1;
-  for (const Dim& d : t.sizes) n *= d.value;
-  return n;
 }
 
 class Rewriter {
@@ -74,24 +59,49 @@ class Rewriter {
   const Node* matmul_behind(const Value* v, const Value** src, const Value** weights, const Value** bias) {
     while (v->producer && uses_[v] == 1 && (v->producer->op == "aten::view" || v->producer->op == "aten::_unsafe_view") &&
            !v->producer->args.empty() && v->producer->args[0].is_value() && v->producer->group < 0 &&
-           contiguous(v->type.tensor))
+           row_major(v->type.tensor))
       v = v->producer->args[0].value;
     const Node* mm = v->producer;
     if (!mm || mm->group >= 0 || uses_[v] != 1 || !as_matmul(*mm, src, weights, bias)) return nullptr;
     const TensorType& out = v->type.tensor;
     if (!v->type.is_tensor() || !out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2 ||
-        !contiguous(out))
+        !row_major(out))
       return nullptr;
     return mm;
   }
 
-  // Makes `node` (whose result is `old`) op(args): in place where it has the matmul's shape, else as
-  // op(args) with the matmul's result type viewed as `old` (same element count, contiguous), put before
-  // `node`, which then loses its uses.
-  void replace(Node& node, const Value* old, const Node* mm, std::string op, std::vector<Arg> args,
+  // The shape argument of a view from `mm`'s result to `old`'s sizes, where `x` is what `node` read in its
+  // place: constant sizes as a list of ints; symbolic ones as the list the view producing `x` was given
+  // (its values are defined before `node`), where that view gave `old`'s sizes. Nothing where no view is
+  // needed (the same sizes) or none can be written.
+  static std::optional<Arg> view_shape(const Value* old, const Value* x, const Node* mm) {
+    const std::vector<Dim>& sizes = old->type.tensor.sizes;
+    if (sizes == mm->outputs[0]->type.tensor.sizes) return std::nullopt;
+    if (std::all_of(sizes.begin(), sizes.end(), [](const Dim& d) { return d.is_constant(); })) {
+      std::vector<Arg> shape;
+      for (const Dim& d : sizes) shape.push_back(Arg::of_int(d.value));
+      return Arg::of_list(std::move(shape));
+    }
+    const Node* view = x->producer;
+    if (view && (view->op == "aten::view" || view->op == "aten::_unsafe_view") && view->args.size() == 2 &&
+        x->type.tensor.sizes == sizes)
+      return view->args[1];
+    return std::nullopt;
+  }
+
+  // Whether `replace` can make `node` read the matmul's result in place of `x` (view_shape).
+  static bool viewable(const Value* old, const Value* x, const Node* mm) {
+    return old->type.tensor.sizes == mm->outputs[0]->type.tensor.sizes || view_shape(old, x, mm).has_value();
+  }
+
+  // Makes `node` (whose result is `old`, and which read `x`) op(args): in place where it has the matmul's
+  // shape, else as op(args) with the matmul's result type viewed as `old` (same element count, contiguous;
+  // view_shape), put before `node`, which then loses its uses.
+  void replace(Node& node, const Value* old, const Value* x, const Node* mm, std::string op, std::vector<Arg> args,
                std::vector<std::pair<std::string, Arg>> kwargs) {
     const Value* product = mm->outputs[0];
-    if (old->type.tensor.sizes == product->type.tensor.sizes) {
+    std::optional<Arg> shape = view_shape(old, x, mm);
+    if (!shape) {
       node.op = std::move(op);
       node.args = std::move(args);
       node.kwargs = std::move(kwargs);
@@ -99,9 +109,7 @@ class Rewriter {
     }
     Value* fused = graph_.add_node(std::move(op), std::move(args), std::move(kwargs),
                                    {{old->name + "_gemm", product->type}})->outputs[0];
-    std::vector<Arg> shape;
-    for (const Dim& d : old->type.tensor.sizes) shape.push_back(Arg::of_int(d.value));
-    Value* result = graph_.add_node("aten::view", {Arg::of(fused), Arg::of_list(std::move(shape))}, {},
+    Value* result = graph_.add_node("aten::view", {Arg::of(fused), std::move(*shape)}, {},
                                     {{old->name + "_view", old->type}})->outputs[0];
     graph_.move_last_before(2, &node);
     graph_.replace_uses({{old, result}});
@@ -116,7 +124,7 @@ class Rewriter {
     if (alpha && !((alpha->kind == Arg::Kind::Int && alpha->i == 1) || (alpha->kind == Arg::Kind::Float && alpha->f == 1.0)))
       return false;
     const Value* out = n.outputs[0];
-    if (!uses_[out] || !out->type.is_tensor() || !contiguous(out->type.tensor)) return false;  // dead: rewritten before
+    if (!uses_[out] || !out->type.is_tensor() || !row_major(out->type.tensor)) return false;  // dead: rewritten before
     for (int side = 0; side < 2; ++side) {
       const Value* x = n.args[side].value;
       const Value* row = n.args[1 - side].value;
@@ -126,9 +134,10 @@ class Rewriter {
       const TensorType& product = mm->outputs[0]->type.tensor;
       const TensorType& r = row->type.tensor;
       if (r.sizes.size() != 1 || !(r.sizes[0] == product.sizes[1]) || r.dtype != product.dtype ||
-          out->type.tensor.dtype != product.dtype || numel(out->type.tensor) != numel(product) || x == row)
+          out->type.tensor.dtype != product.dtype || !(element_count(out->type.tensor) == element_count(product)) || x == row ||
+          !viewable(out, x, mm))
         continue;
-      replace(n, out, mm, "aten::addmm",
+      replace(n, out, x, mm, "aten::addmm",
               {Arg::of(const_cast<Value*>(row)), Arg::of(const_cast<Value*>(src)), Arg::of(const_cast<Value*>(weights))}, {});
       return true;
     }
@@ -148,7 +157,7 @@ class Rewriter {
     const Value* product = n.outputs[0];
     const TensorType& out = product->type.tensor;
     const TensorType& b = bias->type.tensor;
-    if (!out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2 || !contiguous(out) ||
+    if (!out.device.is_cuda() || !gemm_dtype(out.dtype) || out.sizes.size() != 2 || !row_major(out) ||
         b.sizes.size() != 1 || !(b.sizes[0] == out.sizes[1]) || b.dtype != out.dtype || b.device != out.device)
       return false;
     // Through single-use views that keep the rows' width.
@@ -158,7 +167,7 @@ class Rewriter {
       if ((view->op != "aten::view" && view->op != "aten::_unsafe_view") || view->group >= 0 || view->outputs.size() != 1)
         break;
       const TensorType& t = view->outputs[0]->type.tensor;
-      if (!contiguous(t) || t.sizes.empty() || !(t.sizes.back() == out.sizes[1])) break;
+      if (!row_major(t) || t.sizes.empty() || !(t.sizes.back() == out.sizes[1])) break;
       v = view->outputs[0];
     }
     const std::vector<Node*>& readers = readers_[v];
@@ -191,7 +200,7 @@ class Rewriter {
     } catch (const std::exception&) {
       return false;
     }
-    if (!info->has(kFusible) || !contiguous(reader.outputs[0]->type.tensor)) return false;
+    if (!info->has(kFusible) || !row_major(reader.outputs[0]->type.tensor)) return false;
     if (info->has(kReduction)) return reader.op == "aten::native_layer_norm" && reader.args[0].is_value() && reader.args[0].value == v;
     return reader.outputs[0]->type.tensor.sizes == v->type.tensor.sizes;
   }
@@ -203,13 +212,13 @@ class Rewriter {
     const Value* out = n.outputs[0];
     const Value *src, *weights, *bias;
     const Node* addmm = matmul_behind(n.args[0].value, &src, &weights, &bias);
-    if (!uses_[out] || !addmm || !bias || !out->type.is_tensor() || !contiguous(out->type.tensor)) return false;
+    if (!uses_[out] || !addmm || !bias || !out->type.is_tensor() || !row_major(out->type.tensor)) return false;
     const TensorType& product = addmm->outputs[0]->type.tensor;
     const TensorType& b = bias->type.tensor;
     if (b.sizes.size() != 1 || !(b.sizes[0] == product.sizes[1]) || b.dtype != product.dtype ||
-        out->type.tensor.dtype != product.dtype)
+        out->type.tensor.dtype != product.dtype || !viewable(out, n.args[0].value, addmm))
       return false;
-    replace(n, out, addmm, "aten::_addmm_activation",
+    replace(n, out, n.args[0].value, addmm, "aten::_addmm_activation",
             {Arg::of(const_cast<Value*>(bias)), Arg::of(const_cast<Value*>(src)), Arg::of(const_cast<Value*>(weights))},
             {{"use_gelu", Arg::of_bool(kind == 2)}});
     return true;

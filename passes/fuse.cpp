@@ -51,20 +51,6 @@ bool fusible_dtype(c10::ScalarType t) {
 // float64 and the float8/unsigned types do not, so their tensors keep groups away.
 bool fusible_input_dtype(c10::ScalarType t) { return fusible_dtype(t); }
 
-// Row-major contiguity, proven from the type: constant strides compare exactly, symbolic ones as
-// products (sympy prints [s0, s1, s1]'s outer stride "s1**2"). Unprovable means no (the node simply
-// stays unfused).
-bool contiguous(const TensorType& t) {
-  DimProduct expected;
-  for (size_t i = t.sizes.size(); i-- > 0;) {
-    const Dim& size = t.sizes[i];
-    if (size.is_constant() && size.value == 1) continue;  // any stride is fine for a size-1 dim
-    if (!(DimProduct::of(t.strides[i]) == expected)) return false;
-    expected *= DimProduct::of(size);
-  }
-  return true;
-}
-
 bool same_dims(const std::vector<Dim>& a, const std::vector<Dim>& b) { return a == b; }
 
 std::vector<Dim> drop_last(const std::vector<Dim>& d) { return {d.begin(), d.end() - 1}; }
@@ -98,7 +84,7 @@ bool reduces_last_dim(const Node& n) {
   return is_last(n.arg(1, "dim"));
 }
 
-bool row_major(const std::vector<int>& order) { return std::is_sorted(order.begin(), order.end()); }
+bool in_dim_order(const std::vector<int>& order) { return std::is_sorted(order.begin(), order.end()); }
 
 // Where kernels run column groups (kernels/program.h, Program::outer): the CPU interpreter and the
 // CUDA generator's column kernel, at any size. The CPU's splits rows and columns over its threads; the
@@ -172,7 +158,7 @@ class Fuser {
     }
     for (const Value* v : n.outputs) {
       if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || v->type.tensor.device != device) return false;
-      if (!contiguous(v->type.tensor) && !(device.is_cuda() && !info->has(kReduction) && permuted_layout(v->type.tensor)))
+      if (!row_major(v->type.tensor) && !(device.is_cuda() && !info->has(kReduction) && permuted_layout(v->type.tensor)))
         return false;
     }
     bool ok = true;
@@ -215,7 +201,7 @@ class Fuser {
       Value* x = view->args[0].value;
       const TensorType &xt = x->type.tensor, &vt = v->type.tensor, &ot = n->outputs[0]->type.tensor;
       const size_t k = reduced_leading_dims(*n), kept = vt.sizes.size() - k;
-      if (xt.dtype != vt.dtype || xt.device != vt.device || xt.sizes.size() <= kept || !contiguous(xt) || !contiguous(vt) ||
+      if (xt.dtype != vt.dtype || xt.device != vt.device || xt.sizes.size() <= kept || !row_major(xt) || !row_major(vt) ||
           !std::equal(vt.sizes.end() - static_cast<std::ptrdiff_t>(kept), vt.sizes.end(), xt.sizes.end() - static_cast<std::ptrdiff_t>(kept)))
         continue;
       const size_t m = xt.sizes.size() - kept;
@@ -332,7 +318,7 @@ class Fuser {
   // and write their outputs so (kernels/cuda/call_plan.cpp), as eager lays them out.
   static bool permuted_layout(const TensorType& t) {
     std::vector<int> order = memory_order(t);
-    return !order.empty() && !row_major(order);
+    return !order.empty() && !in_dim_order(order);
   }
 
   bool is_reduction(const Node& n) const { return op_info(n.op).has(kReduction); }

@@ -141,6 +141,23 @@ DimProduct& DimProduct::operator*=(const DimProduct& o) {
   return *this;
 }
 
+bool row_major(const TensorType& t) {
+  DimProduct expected;
+  for (size_t i = t.sizes.size(); i-- > 0;) {
+    const Dim& size = t.sizes[i];
+    if (size.is_constant() && size.value == 1) continue;
+    if (i >= t.strides.size() || !(DimProduct::of(t.strides[i]) == expected)) return false;
+    expected *= DimProduct::of(size);
+  }
+  return true;
+}
+
+DimProduct element_count(const TensorType& t) {
+  DimProduct n;
+  for (const Dim& d : t.sizes) n *= DimProduct::of(d);
+  return n;
+}
+
 std::vector<int> memory_order(const TensorType& t) {
   // Innermost first: the dimension whose stride is the product of the sizes inside it, from stride 1 out.
   std::vector<int> dims;

@@ -548,6 +548,32 @@ TEST(AddmmActivation, EveryLayerOfADeepStackInOnePass) {
   EXPECT_NE(out.find(first_layer), std::string::npos) << one << "\n" << out;
 }
 
+// A layer over a length Dynamo made symbolic ([2, s0, 16]): the same rewrites as with constant sizes. The
+// view back to the activation's shape reuses the shape list the graph's own view was given.
+TEST(AddmmActivation, SymbolicSizesTakeTheSameRewrites) {
+  const std::string in =
+      "graph(%n: int, %x: f32[2, s0, 16]{16*s0, 16, 1}@cuda:0, %w1: f32[16, 64]{64, 1}@cuda:0, %b1: f32[64]{1}@cuda:0, "
+      "%w2: f32[64, 16]{16, 1}@cuda:0, %b2: f32[16]{1}@cuda:0):\n"
+      "  %rows: int = prim::mul(2, %n)\n"
+      "  %u: f32[2*s0, 16]{16, 1}@cuda:0 = aten::view(%x, [%rows, 16])\n"
+      "  %ma: f32[2*s0, 64]{64, 1}@cuda:0 = aten::mm(%u, %w1)\n"
+      "  %va: f32[2, s0, 64]{64*s0, 64, 1}@cuda:0 = aten::view(%ma, [2, %n, 64])\n"
+      "  %a: f32[2, s0, 64]{64*s0, 64, 1}@cuda:0 = aten::add.Tensor(%va, %b1)\n"
+      "  %g: f32[2, s0, 64]{64*s0, 64, 1}@cuda:0 = aten::gelu(%a, approximate=\"tanh\")\n"
+      "  %ug: f32[2*s0, 64]{64, 1}@cuda:0 = aten::view(%g, [%rows, 64])\n"
+      "  %mb: f32[2*s0, 16]{16, 1}@cuda:0 = aten::addmm(%b2, %ug, %w2)\n"
+      "  %vb: f32[2, s0, 16]{16*s0, 16, 1}@cuda:0 = aten::view(%mb, [2, %n, 16])\n"
+      "  %r: f32[2, s0, 16]{16*s0, 16, 1}@cuda:0 = aten::add.Tensor(%vb, %x)\n"
+      "  return (%r)\n";
+  const std::string out = run_passes({fuse_addmm_activation, eliminate_dead_code}, in);
+  EXPECT_NE(out.find("%g_gemm: f32[2*s0, 64]{64, 1}@cuda:0 = aten::_addmm_activation(%b1, %u, %w1, use_gelu=true)\n"
+                     "  %g_view: f32[2, s0, 64]{64*s0, 64, 1}@cuda:0 = aten::view(%g_gemm, [2, %n, 64])\n"),
+            std::string::npos) << out;
+  EXPECT_NE(out.find("%mb: f32[2*s0, 16]{16, 1}@cuda:0 = aten::mm("), std::string::npos) << out;
+  EXPECT_NE(out.find("%vb_biased: f32[2, s0, 16]{16*s0, 16, 1}@cuda:0 = aten::add.Tensor(%vb, %b2)"), std::string::npos) << out;
+  EXPECT_EQ(count(out, "= aten::addmm("), 0u) << out;
+}
+
 TEST(AddmmActivation, CudaBiasMovesIntoTheKernelOfItsReaders) {
   // A linear on a 3-D input followed by a residual add and a layer norm: the bias add goes after the view,
   // where the fuse pass puts it in one group with the residual add and the layer norm.

@@ -198,6 +198,14 @@ struct DimProduct {
   bool operator==(const DimProduct& o) const { return constant == o.constant && factors == o.factors; }
 };
 
+// Whether a tensor type is row-major contiguous, proven from the type: constant strides compare exactly,
+// symbolic ones as products (sympy prints [s0, s1, s1]'s outer stride "s1**2"). Size-1 dimensions take any
+// stride. Unprovable means no.
+bool row_major(const TensorType& t);
+
+// The element count as a product (DimProduct): equal counts of symbolic types compare equal.
+DimProduct element_count(const TensorType& t);
+
 // The dimensions of a dense tensor type, from the outermost in memory to the innermost (size-1 dimensions
 // left out); empty where the strides are no permutation of a contiguous layout. Symbolic sizes and strides
 // compare as products (DimProduct), so dynamic shapes keep their layout. Row-major types give their
