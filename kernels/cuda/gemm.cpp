@@ -11,9 +11,10 @@
 //     out [M, N] contiguous is the column-major N x M result with leading dimension N, and each operand is
 //     handed over as the memory it is, transposed (op T) or not (op N) to give B^T and A^T. Operands whose
 //     rows and columns are both strided stay with ATen.
-//  3. Only for what the IR knows statically: constant sizes and strides of f32/f16/bf16 operands on one CUDA
-//     device, a contiguous result, beta = alpha = 1, a contiguous 1-D bias of the result's width. Per call the
-//     operands must have exactly those sizes and strides and 16-byte aligned data (what the algorithm was
+//  3. For f32/f16/bf16 operands on one CUDA device, a contiguous result, beta = alpha = 1, a contiguous 1-D bias
+//     of the result's width. Sizes and strides the IR knows as constants make one plan; symbolic ones (a graph
+//     Dynamo made dynamic) one plan per concrete problem, made at its second call (PerSizeGemm). Per call the
+//     operands must have exactly the plan's sizes and strides and 16-byte aligned data (what the algorithm was
 //     chosen for); anything else, and the settings eager would honour differently (TF32 per
 //     torch.backends.cuda.matmul.allow_tf32, which picks the compute type; disallowed reduced-precision
 //     reductions or fp16 accumulation; deterministic algorithms), runs ATen's op instead.
@@ -364,6 +365,9 @@ class LtGemm final : public FastPath {
     return true;
   }
 
+  uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
+  std::string problem() const { return std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k); }
+
   std::string describe() const override {
     const Route route = prepared_[0].tried ? prepared_[0].choice.route : prepared_[1].choice.route;
     if (route == Route::Kernel) {
@@ -659,6 +663,95 @@ class LtGemm final : public FastPath {
   mutable Prepared prepared_[2];  // [0]: full f32 (or 16-bit) compute, [1]: TF32
 };
 
+// The GEMM of one concrete problem; null where cuBLASLt cannot take its operands as they lie in memory.
+std::shared_ptr<LtGemm> concrete_gemm(const LtGemm::Shape& s, uint32_t a, uint32_t b, int32_t bias, int32_t out) {
+  if (s.m == 0 || s.n == 0 || s.k == 0) return nullptr;
+  std::optional<Operand> first = transposed_view(s.k, s.n, s.b_strides[0], s.b_strides[1]);   // B^T
+  std::optional<Operand> second = transposed_view(s.m, s.k, s.a_strides[0], s.a_strides[1]);  // A^T
+  if (!first || !second) return nullptr;
+  return std::make_shared<LtGemm>(s, a, b, bias, out, *first, *second);
+}
+
+// A GEMM whose sizes or strides the IR holds as symbols (a graph Dynamo made dynamic): one LtGemm per concrete
+// problem, with its plan and timed algorithm as a static step's, looked up per call by the operands' sizes and
+// strides (the problem used last compared first, then a scan of at most kMaxProblems; no hashing). A problem
+// gets its LtGemm at its second call, so that a size seen once (a serving run whose sizes never repeat) pays
+// no timing, or at its first where that call is the warm-up before a CUDA graph capture. Until then, past
+// kMaxProblems, and where cuBLASLt cannot take the operands, ATen's op runs.
+class PerSizeGemm final : public FastPath {
+ public:
+  static constexpr size_t kMaxProblems = 64;
+
+  PerSizeGemm(LtGemm::Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out)
+      : s_(shape), a_(a), b_(b), bias_(bias), out_(out) {}
+
+  bool run(std::vector<c10::IValue>& buffers) const override {
+    const at::Tensor* a = buffer_tensor(buffers, a_);
+    const at::Tensor* b = buffer_tensor(buffers, b_);
+    if (!a || !b || a->dim() != 2 || b->dim() != 2) return false;
+    const Key key = {a->size(0), a->size(1), b->size(1), a->stride(0), a->stride(1), b->stride(0), b->stride(1)};
+    std::lock_guard<std::mutex> lock(mutex_);
+    Problem* p = last_ < problems_.size() && problems_[last_].key == key ? &problems_[last_] : nullptr;
+    for (size_t i = 0; !p && i < problems_.size(); ++i)
+      if (problems_[i].key == key) p = &problems_[last_ = i];
+    if (!p) {
+      if (problems_.size() >= kMaxProblems) return false;
+      problems_.push_back({key});
+      p = &problems_[last_ = problems_.size() - 1];
+    }
+    if (!p->gemm) {
+      if (p->unsupported || (++p->calls < 2 && !warming_for_graphs())) return false;
+      LtGemm::Shape s = s_;
+      s.m = key[0], s.k = key[1], s.n = key[2];
+      s.a_strides[0] = key[3], s.a_strides[1] = key[4], s.b_strides[0] = key[5], s.b_strides[1] = key[6];
+      p->gemm = concrete_gemm(s, a_, b_, bias_, out_);
+      p->unsupported = !p->gemm;
+      if (!p->gemm) return false;
+    }
+    return p->gemm->run(buffers);
+  }
+
+  // "cublasLt per size (3 problems: 8x1024x512, ...), 12 calls": the problems made, the calls they ran.
+  std::string describe() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string sizes;
+    size_t made = 0;
+    uint64_t calls = 0;
+    for (const Problem& p : problems_) {
+      if (!p.gemm) continue;
+      calls += p.gemm->calls();
+      if (made++ < 4) sizes += ", " + p.gemm->problem();
+    }
+    return "cublasLt per size (" + std::to_string(made) + " problems" + (sizes.empty() ? "" : ":" + sizes.substr(1)) +
+           (made > 4 ? ", ..." : "") + "), " + std::to_string(calls) + " calls";
+  }
+
+ private:
+  using Key = std::array<int64_t, 7>;  // m, k, n, A's strides, B's strides
+  struct Problem {
+    Key key{};
+    int calls = 0;
+    bool unsupported = false;
+    std::shared_ptr<LtGemm> gemm;
+  };
+  LtGemm::Shape s_;  // dtype, device and epilogue; the sizes and strides come per problem
+  uint32_t a_, b_;
+  int32_t bias_, out_;
+  mutable std::mutex mutex_;
+  mutable std::vector<Problem> problems_;
+  mutable size_t last_ = 0;
+};
+
+// Whether `t` is a matrix whose rows are contiguous, row after row (sizes [R, C], strides [C, 1]), whatever
+// symbols R and C are.
+bool contiguous_matrix(const TensorType& t) {
+  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
+  const bool one_column = t.sizes[1].is_constant() && t.sizes[1].value == 1;
+  const bool one_row = t.sizes[0].is_constant() && t.sizes[0].value == 1;
+  return (one_column || (t.strides[1].is_constant() && t.strides[1].value == 1)) &&
+         (one_row || t.strides[0] == t.sizes[1]);
+}
+
 std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
     return !config_is("EMBER_CUBLASLT", "0");
@@ -681,7 +774,7 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   }
   const size_t tensors = first_matrix + 2;
   if (!step.scalar_from_buffer.empty() || !step.lists.empty() || step.outputs.size() != 1 || step.outputs[0] < 0 ||
-      n.args.size() < tensors || n.outputs.size() != 1)
+      n.args.size() < tensors || n.outputs.size() != 1 || !n.outputs[0]->type.is_tensor())
     return nullptr;
   for (size_t i = 0; i < tensors; ++i)
     if (!n.args[i].is_value() || !n.args[i].value->type.is_tensor() || !slot_buffer(step, static_cast<uint32_t>(i)))
@@ -689,36 +782,30 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   const TensorType& a = n.args[first_matrix].value->type.tensor;
   const TensorType& b = n.args[first_matrix + 1].value->type.tensor;
   const TensorType& out = n.outputs[0]->type.tensor;
-  if (!static_matrix(a) || !static_matrix(b) || !n.outputs[0]->type.is_tensor() || !static_matrix(out)) return nullptr;
+  if (a.sizes.size() != 2 || b.sizes.size() != 2 || !contiguous_matrix(out)) return nullptr;
   const c10::ScalarType dtype = a.dtype;
   if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) return nullptr;
   if (b.dtype != dtype || out.dtype != dtype || !a.device.is_cuda() || b.device != a.device || out.device != a.device)
     return nullptr;
   LtGemm::Shape s;
-  s.m = a.sizes[0].value, s.k = a.sizes[1].value, s.n = b.sizes[1].value;
-  if (b.sizes[0].value != s.k || out.sizes[0].value != s.m || out.sizes[1].value != s.n || s.m == 0 || s.n == 0 ||
-      s.k == 0)
-    return nullptr;
-  if (!(out.strides[1].value == 1 || s.n == 1) || !(out.strides[0].value == s.n || s.m == 1)) return nullptr;
-  s.a_strides[0] = a.strides[0].value, s.a_strides[1] = a.strides[1].value;
-  s.b_strides[0] = b.strides[0].value, s.b_strides[1] = b.strides[1].value;
   s.dtype = dtype;
   s.device = a.device.has_index() ? a.device.index() : 0;
   s.epilogue = epilogue;
   int32_t bias = -1;
   if (epilogue != Epilogue::None) {
     const TensorType& t = n.args[0].value->type.tensor;
-    if (t.sizes.size() != 1 || !t.sizes[0].is_constant() || t.sizes[0].value != s.n || t.dtype != dtype ||
-        t.device != a.device)
-      return nullptr;
+    if (t.sizes.size() != 1 || !(t.sizes[0] == b.sizes[1]) || t.dtype != dtype || t.device != a.device) return nullptr;
     bias = static_cast<int32_t>(*slot_buffer(step, 0));
   }
-  std::optional<Operand> first = transposed_view(s.k, s.n, s.b_strides[0], s.b_strides[1]);   // B^T
-  std::optional<Operand> second = transposed_view(s.m, s.k, s.a_strides[0], s.a_strides[1]);  // A^T
-  if (!first || !second) return nullptr;
-  return std::make_shared<LtGemm>(s, *slot_buffer(step, static_cast<uint32_t>(first_matrix)),
-                                  *slot_buffer(step, static_cast<uint32_t>(first_matrix + 1)), bias, step.outputs[0],
-                                  *first, *second);
+  const uint32_t a_buffer = *slot_buffer(step, static_cast<uint32_t>(first_matrix));
+  const uint32_t b_buffer = *slot_buffer(step, static_cast<uint32_t>(first_matrix + 1));
+  if (!static_matrix(a) || !static_matrix(b) || !static_matrix(out))  // sizes Dynamo made dynamic: per problem
+    return std::make_shared<PerSizeGemm>(s, a_buffer, b_buffer, bias, step.outputs[0]);
+  s.m = a.sizes[0].value, s.k = a.sizes[1].value, s.n = b.sizes[1].value;
+  if (b.sizes[0].value != s.k || out.sizes[0].value != s.m || out.sizes[1].value != s.n) return nullptr;
+  s.a_strides[0] = a.strides[0].value, s.a_strides[1] = a.strides[1].value;
+  s.b_strides[0] = b.strides[0].value, s.b_strides[1] = b.strides[1].value;
+  return concrete_gemm(s, a_buffer, b_buffer, bias, step.outputs[0]);
 }
 
 const bool registered = (register_fast_path(&make_gemm), true);

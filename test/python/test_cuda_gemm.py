@@ -175,6 +175,33 @@ def test_reduce_overhead_replays_cublaslt_gemms():
             assert_same(compiled(x).clone(), model(x), **MATMUL_TOL)
 
 
+@pytest.mark.parametrize("cudagraphs", [False, True], ids=["default", "reduce-overhead"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_symbolic_sizes_get_a_plan_per_size(cudagraphs, dtype):
+    """A graph with a batch Dynamo made dynamic: each batch size's GEMMs get a cuBLASLt plan of their own at
+    that size's second call (the warm-up before a capture), sizes seen once run ATen's op, and every call
+    matches eager; the relu joins the first GEMM's epilogue as with constant sizes."""
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).cuda().to(dtype).eval()
+    compiled = compile_ember(model, dynamic=True, options={"cudagraphs": cudagraphs})
+    with torch.no_grad():
+        for rows in (8, 24, 8, 33, 8, 24, 5):
+            x = torch.randn(rows, 64, device="cuda", dtype=dtype)
+            torch.compiler.cudagraph_mark_step_begin()
+            assert_same(compiled(x).clone(), model(x), **TOL[dtype])
+    (graph,) = [g for _, g in EMBER_GRAPHS]
+    listing = graph.describe()
+    assert "aten::_addmm_activation" in listing, listing
+    per_size = [line for line in listing.splitlines() if "fast path: cublasLt per size" in line]
+    assert len(per_size) == 2, listing
+    # Default mode: 8 (three calls) and 24 (two) have plans, used at their later calls; 33 and 5 were seen
+    # once. Under CUDA graphs each size's first call is the warm-up for its capture and makes the plan; the
+    # capture runs it again, and replays launch nothing from the host.
+    for line in per_size:
+        assert f"({4 if cudagraphs else 2} problems: 8x" in line, line
+    calls = lt_calls(("fast path: cublasLt per size",))
+    assert calls >= 8 if cudagraphs else calls == 6, listing
+
+
 def test_training_forward_and_backward():
     model = nn.Sequential(nn.Linear(33, 64), nn.ReLU(), nn.Linear(64, 7)).cuda()
     check(model, torch.randn(17, 33, device="cuda"), **MATMUL_TOL)
