@@ -352,6 +352,7 @@ struct Entry {
   std::vector<InputKey> key;
   State state = State::Warming;
   int calls = 0, recaptures = 0;
+  uint64_t used = 0;                  // the runner's call count at this signature's last call (eviction)
   std::vector<bool> pin;              // per input: used in place at `pointer`
   std::vector<const void*> pointer;
   std::vector<int> moved;             // per input: times a pinned input came at a new address
@@ -410,15 +411,7 @@ class Runner final : public PlanRunner {
         break;
       }
     if (!e) {
-      if (static_cast<int>(entries_.size()) >= options_.max_graphs) {
-        if (!warned_limit_) {
-          warned_limit_ = true;
-          warn("ember: a compiled graph met more than " + std::to_string(options_.max_graphs) +
-               " input signatures (shapes, strides, dtypes, scalar values) in reduce-overhead mode; new ones "
-               "run without CUDA graphs (option cudagraph_max_graphs or EMBER_CUDAGRAPH_MAX_GRAPHS raises the limit)");
-        }
-        return eager(std::move(inputs));
-      }
+      if (static_cast<int>(entries_.size()) >= options_.max_graphs) evict();
       entries_.push_back(std::make_unique<Entry>());
       e = entries_.back().get();
       for (const c10::IValue& v : inputs) e->key.emplace_back(v);
@@ -427,6 +420,7 @@ class Runner final : public PlanRunner {
       e->pointer.assign(n, nullptr);
       e->moved.assign(n, 0);
     }
+    e->used = ++calls_;
     switch (e->state) {
       case Entry::State::Eager: return eager(std::move(inputs));
       case Entry::State::Warming:
@@ -460,6 +454,7 @@ class Runner final : public PlanRunner {
       Entry& e = *candidate;
       if (e.state != Entry::State::Captured || !e.whole || !addresses_match(e, inputs)) return std::nullopt;
       if (!graph_.cache_current(inputs)) return std::nullopt;
+      e.used = ++calls_;
       std::optional<c10::cuda::CUDAGuard> device_guard;
       if (!cuda::is_current(device_)) device_guard.emplace(device_);
       return replay_whole(e, inputs);
@@ -478,8 +473,52 @@ class Runner final : public PlanRunner {
     out += "  signatures: " + std::to_string(captured) + " captured, " + std::to_string(warming) + " warming up, " +
            std::to_string(eager_entries) + " eager; calls: " + std::to_string(stats_.replays) + " replayed, " +
            std::to_string(stats_.captures) + " captured, " + std::to_string(stats_.eager) + " eager; inputs copied: " +
-           std::to_string(stats_.input_copies) + " (" + std::to_string(stats_.node_copies) + " by the graphs' own copy nodes)\n";
+           std::to_string(stats_.input_copies) + " (" + std::to_string(stats_.node_copies) + " by the graphs' own copy nodes)" +
+           (stats_.evictions ? "; " + std::to_string(stats_.evictions) + " signatures evicted" : "") + "\n";
+    // Which sizes hold graphs: the shapes of the inputs each captured signature copies (not parameters).
+    std::string sizes;
+    size_t shown = 0;
+    for (const auto& e : entries_) {
+      if (e->state != Entry::State::Captured) continue;
+      if (shown++ == 8) {
+        sizes += " ...";
+        break;
+      }
+      std::string shapes;
+      for (uint32_t i : e->loose) {
+        const InputKey& k = e->key[i];
+        if (!k.tensor) continue;
+        std::string dims;
+        for (int64_t d : k.sizes) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+        shapes += (shapes.empty() ? "[" : " [") + dims + "]";
+      }
+      sizes += (sizes.empty() ? "" : "; ") + (shapes.empty() ? std::string("no copied inputs") : shapes);
+    }
+    if (!sizes.empty()) out += "  sizes captured: " + sizes + "\n";
     return out;
+  }
+
+  // Makes room for a new signature at the cap (options_.max_graphs): the least recently used signature still
+  // warming up goes first (a size seen once, as in a serving run whose sizes never repeat, then never displaces
+  // a captured one), else the least recently used captured one, else one given up to eager calls. Its graphs
+  // are dropped as a recapture drops them: a caller still holding one of their outputs keeps its value.
+  void evict() {
+    auto victim = entries_.end();
+    auto rank = [](const Entry& e) { return e.state == Entry::State::Warming ? 0 : e.state == Entry::State::Captured ? 1 : 2; };
+    for (auto it = entries_.begin(); it != entries_.end(); ++it)
+      if (victim == entries_.end() || rank(**it) < rank(**victim) ||
+          (rank(**it) == rank(**victim) && (*it)->used < (*victim)->used))
+        victim = it;
+    if (victim == entries_.end()) return;
+    if (!warned_limit_) {
+      warned_limit_ = true;
+      warn("ember: a compiled graph met more than " + std::to_string(options_.max_graphs) +
+           " input signatures (shapes, strides, dtypes, scalar values) in reduce-overhead mode; the least recently "
+           "used give up their CUDA graphs (option cudagraph_max_graphs or EMBER_CUDAGRAPH_MAX_GRAPHS raises the limit)");
+    }
+    drop_segments(**victim);
+    entries_.erase(victim);
+    ++stats_.evictions;
   }
 
  private:
@@ -909,9 +948,10 @@ class Runner final : public PlanRunner {
   std::vector<std::unique_ptr<Entry>> entries_;
   c10::cuda::CUDAStream caller_stream_ = c10::cuda::getDefaultCUDAStream(device_);  // during a capture
   bool warned_limit_ = false;
+  uint64_t calls_ = 0;  // calls so far, the clock of Entry::used
   bool graph_copies_ = true;  // input copies as memcpy nodes (off after a failed lookup)
   struct {
-    uint64_t replays = 0, captures = 0, eager = 0, input_copies = 0, node_copies = 0;
+    uint64_t replays = 0, captures = 0, eager = 0, input_copies = 0, node_copies = 0, evictions = 0;
   } stats_;
 };
 

@@ -676,11 +676,14 @@ std::shared_ptr<LtGemm> concrete_gemm(const LtGemm::Shape& s, uint32_t a, uint32
 // problem, with its plan and timed algorithm as a static step's, looked up per call by the operands' sizes and
 // strides (the problem used last compared first, then a scan of at most kMaxProblems; no hashing). A problem
 // gets its LtGemm at its second call, so that a size seen once (a serving run whose sizes never repeat) pays
-// no timing, or at its first where that call is the warm-up before a CUDA graph capture. Until then, past
-// kMaxProblems, and where cuBLASLt cannot take the operands, ATen's op runs.
+// no timing. Under CUDA graphs a signature's second call is its capture, where nothing can be timed, so there
+// the plan is made at the first call, the warm-up, for the step's first kPlansAtWarmUp problems (sizes that
+// never repeat then cost a bounded amount of timing, not some on every call). Until a problem has its plan,
+// past kMaxProblems, and where cuBLASLt cannot take the operands, ATen's op runs.
 class PerSizeGemm final : public FastPath {
  public:
   static constexpr size_t kMaxProblems = 64;
+  static constexpr size_t kPlansAtWarmUp = 8;
 
   PerSizeGemm(LtGemm::Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out)
       : s_(shape), a_(a), b_(b), bias_(bias), out_(out) {}
@@ -700,13 +703,14 @@ class PerSizeGemm final : public FastPath {
       p = &problems_[last_ = problems_.size() - 1];
     }
     if (!p->gemm) {
-      if (p->unsupported || (++p->calls < 2 && !warming_for_graphs())) return false;
+      if (p->unsupported || (++p->calls < 2 && !(warming_for_graphs() && made_ < kPlansAtWarmUp))) return false;
       LtGemm::Shape s = s_;
       s.m = key[0], s.k = key[1], s.n = key[2];
       s.a_strides[0] = key[3], s.a_strides[1] = key[4], s.b_strides[0] = key[5], s.b_strides[1] = key[6];
       p->gemm = concrete_gemm(s, a_, b_, bias_, out_);
       p->unsupported = !p->gemm;
       if (!p->gemm) return false;
+      ++made_;
     }
     return p->gemm->run(buffers);
   }
@@ -740,6 +744,7 @@ class PerSizeGemm final : public FastPath {
   mutable std::mutex mutex_;
   mutable std::vector<Problem> problems_;
   mutable size_t last_ = 0;
+  mutable size_t made_ = 0;  // problems with an LtGemm
 };
 
 // Whether `t` is a matrix whose rows are contiguous, row after row (sizes [R, C], strides [C, 1]), whatever

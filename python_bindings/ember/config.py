@@ -127,8 +127,8 @@ SETTINGS = {s.name: s for s in (
     Setting("cudagraph_warmup", int, 1,
             "eager calls of a new input signature before its CUDA graph capture", USER, option=True, minimum=0),
     Setting("cudagraph_max_graphs", int, 8,
-            "input signatures captured per graph; later ones run without CUDA graphs, with one warning", USER,
-            option=True, minimum=1),
+            "input signatures captured per graph; past it the least recently used one gives its graphs up, with one "
+            "warning", USER, option=True, minimum=1),
     Setting("parameter_cache", bool, True,
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms) again only "
             "when a parameter changes; off where parameters change through `.data`, which ember cannot see",

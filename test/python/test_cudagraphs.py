@@ -122,6 +122,40 @@ def test_signature_limit_warns_once_and_stays_correct():
     assert len(limit) == 1, [str(w.message) for w in caught]
 
 
+@torch.no_grad()
+def test_signature_cap_evicts_the_least_recently_used():
+    """At cudagraph_max_graphs signatures a new one evicts: a signature still warming up first (a size seen
+    once never displaces a captured one), else the captured one used least recently. An output the caller
+    still holds from an evicted graph keeps its value; ember.explain lists the sizes that hold graphs."""
+    model = mlp().eval()
+    compiled = compile_graphs(model, dynamic=True, cudagraph_max_graphs=2)
+
+    def call(batch):
+        x = torch.randn(batch, 32, device="cuda")
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), atol=1e-5, rtol=1e-4)
+        return out, model(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for batch in (3, 3, 3, 5, 5):  # both captured; 3 replayed once
+            call(batch)
+        held, expected = call(5)  # a replay of 5's graph, held across its eviction
+        call(3)  # 3 is now the more recently used
+        call(7)  # evicts 5 (captured, least recently used); 7 warms up
+        call(11)  # evicts 7 (still warming up), not 3
+        before = replayed_calls()
+        call(3)
+        assert replayed_calls() == before + 1, reports()  # 3 kept its graph
+        for batch in (11, 11):  # captured, then replayed
+            call(batch)
+    torch.testing.assert_close(held, expected, atol=1e-5, rtol=1e-4)
+    (report,) = reports()
+    assert "signatures evicted" in report, report
+    sizes = re.search(r"sizes captured: (.*)", report).group(1)
+    assert sizes == "[3, 32]; [11, 32]", report
+
+
 def test_item_in_the_middle_is_captured_piecewise(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
 
