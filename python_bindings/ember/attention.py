@@ -19,7 +19,11 @@ Before that, on every device, masks computed from constants alone are read at co
 is_causal=True. transformers 5.17 under torch.compile builds BertModel's "no padding" mask in the graph
 (arange, `>= 0`, expand: all True) and GPT-2's causal one (arange, `<=`, a packed-sequence check), where
 eager passes none and is_causal; a mask costs the kernel its mask-free path (H100, bf16 b32 s512: cuDNN's
-attention 131 us per layer with BERT's mask as a bias, 71 without).
+attention 131 us per layer with BERT's mask as a bias, 71 without). Under dynamic shapes the same masks are built
+from the length's symbol, and no single run says what they are at every length: mask_algebra.py proves it over
+index expressions instead (without it, BERT-base's symbolic graph on the H100 ran the math path: two bmm, the
+softmax and the masked-row fix-up, 17 ms of its 90 ms GPU time at length 384 against 8 ms in the static graph's
+memory-efficient kernel).
 """
 
 import math
@@ -53,6 +57,8 @@ _CONSTANT_METHODS = {
     "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__add__", "__radd__", "__sub__", "__rsub__",
     "__mul__", "__rmul__", "__neg__", "__rand__", "__ror__", "__xor__", "__rxor__", "__getitem__",
 }
+# Calls a mask built from sizes may make beyond the constant ones (mask_algebra): removed with it when unused.
+_SIZE_FUNCTIONS = {torch.diff, operator.invert, operator.neg, torch.bitwise_not, torch.logical_not}
 _MAX_CONSTANT_ELEMENTS = 1 << 24  # a mask larger than this is left to the kernel
 
 
@@ -84,7 +90,9 @@ def _constant_subgraph(mask):
         elif n.op != "call_method" or n.target not in _CONSTANT_METHODS:
             return None  # a placeholder, a parameter, a submodule: not known before the call
         value = n.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and value.numel() > _MAX_CONSTANT_ELEMENTS:
+        # A symbolic size is no constant (mask_algebra reads such masks); comparing it would add a guard.
+        if isinstance(value, torch.Tensor) and (any(isinstance(d, torch.SymInt) for d in value.shape)
+                                                or value.numel() > _MAX_CONSTANT_ELEMENTS):
             return None
         stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
@@ -150,16 +158,22 @@ def simplify_masks(gm):
         if not isinstance(mask, torch.fx.Node) or _argument(node, 5, "is_causal", False) is not False:
             continue  # is_causal with a mask is an error eager must still raise
         q_shape, k_shape = _shape_of(_argument(node, 0, "query")), _shape_of(_argument(node, 1, "key"))
+        if q_shape is None or k_shape is None or len(q_shape) < 2 or len(k_shape) < 2:
+            continue
+        scores = q_shape[:-1] + k_shape[-2:-1]
         nodes = _constant_subgraph(mask)
-        if nodes is None or q_shape is None or k_shape is None or len(q_shape) < 2 or len(k_shape) < 2:
-            continue
-        try:
-            value = _evaluate(nodes)
-        except Exception:  # noqa: BLE001 - the mask then stays, and eager's semantics with it
-            continue
-        if not isinstance(value, torch.Tensor):
-            continue
-        what = _what_mask_is(value, q_shape[:-1] + k_shape[-2:-1])
+        if nodes is None:  # built from a size Dynamo made symbolic: proven for every size, or left
+            from .mask_algebra import what_mask_is
+
+            what = what_mask_is(mask, scores)
+        else:
+            try:
+                value = _evaluate(nodes)
+            except Exception:  # noqa: BLE001 - the mask then stays, and eager's semantics with it
+                continue
+            if not isinstance(value, torch.Tensor):
+                continue
+            what = _what_mask_is(value, scores)
         if what is None:
             continue
         _set_argument(node, 3, "attn_mask", None)
@@ -171,7 +185,7 @@ def simplify_masks(gm):
     if dropped or causal:
         for n in reversed(list(gm.graph.nodes)):  # what only computed the masks
             if n.op in ("call_function", "call_method") and not n.users and (
-                    n.target in _CONSTANT_FUNCTIONS or n.target in _CONSTANT_METHODS):
+                    n.target in _CONSTANT_FUNCTIONS or n.target in _CONSTANT_METHODS or n.target in _SIZE_FUNCTIONS):
                 gm.graph.erase_node(n)
         gm.recompile()
     return dropped, causal

@@ -192,6 +192,42 @@ def test_constant_attention_masks(device, mask):
     assert report.masks == {"dropped": [1, 0], "causal": [0, 1], "kept": [0, 0]}[expected], str(report)
 
 
+# Masks built from the length under dynamic shapes (mask_algebra.py): the table above, plus masks that equal the
+# causal one or mask nothing at some lengths only, which must stay.
+SIZED_MASKS = {
+    **CONSTANT_MASKS,
+    "sliding_window_of_4": (lambda n, d: (_positions(n, d)[None, :] <= _positions(n, d)[:, None])
+                            & (_positions(n, d)[None, :] > _positions(n, d)[:, None] - 4), "kept"),
+    "first_8_keys": (lambda n, d: (_positions(n, d) < 8)[None, :].expand(n, n), "kept"),
+    "first_key_shifted": (lambda n, d: (_positions(n, d) - 1 >= 0)[None, :].expand(n, n), "kept"),
+    "causal_tril": (lambda n, d: torch.ones(n, n, dtype=torch.bool, device=d).tril(), "causal"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", list(SIZED_MASKS))
+def test_attention_masks_built_from_a_symbolic_length(device, mask):
+    """Under dynamic shapes a mask built from the length is read for every length at once (mask_algebra.py): one
+    that masks nothing is dropped, one that is causal at every length becomes is_causal, any other stays (a window
+    of 4 is causal up to length 4, `position < 8` masks nothing up to 8: both stay). Every length, from below those
+    to above them, matches eager."""
+    import ember
+
+    build, expected = SIZED_MASKS[mask]
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=build(q.shape[2], q.device))
+
+    compiled = torch.compile(fn, backend="ember", dynamic=True, options={"fallback": "raise"})
+    for n in (3, 6, 11, 20):
+        q, k, v = (torch.randn(2, 3, n, 8, device=device) for _ in range(3))
+        torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **MATMUL_TOL)
+    q, k, v = (torch.randn(2, 3, 9, 8, device=device) for _ in range(3))
+    with ember.config.patch(compile_cache=False):
+        report = ember.explain(fn, dynamic=True)(q, k, v)
+    assert report.masks == {"dropped": [1, 0], "causal": [0, 1], "kept": [0, 0]}[expected], str(report)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_attention_masks_from_inputs_or_non_square_stay(device):
     """A mask read from an input, or a causal-looking one over a non-square attention, is not touched."""
