@@ -26,11 +26,12 @@ state that changes a trace or its kernels: grad mode, autocast, the default dtyp
 TF32 and reduced-precision matmul flags, the float32 matmul precision, the enabled attention kernels and
 whether compiled autograd is on.
 
-An entry that is unreadable, truncated, of another format or of another key is a miss (logged at debug level
-on the "ember" logger), never an error. Entries are written to a temporary file and renamed into place, so
-that processes writing one key at once leave one whole entry. The folder is `<cache_dir>/graphs`
-(`ember.config.cache_dir`: empty, ~/.cache/ember; "off": no cache); `ember.config.compile_cache = False` turns
-this cache off; past `ember.config.compile_cache_mb` the least recently used entries go.
+An entry that is unreadable, truncated, of another format or of another key, or whose contents no longer match
+the checksum stored with them, is a miss (logged at debug level on the "ember" logger), never an error. Entries
+are written to a temporary file and renamed into place, so that processes writing one key at once leave one
+whole entry. The folder is `<cache_dir>/graphs` (`ember.config.cache_dir`: empty, ~/.cache/ember; "off": no
+cache); `ember.config.compile_cache = False` turns this cache off; past `ember.config.compile_cache_mb` the least
+recently used entries go.
 
 Artifacts (`save_artifacts`, `load_artifacts`; `ember.save_cache_artifacts` / `ember.load_cache_artifacts`)
 carry the entries and the compiled CUDA kernels to another machine, so that a CI job can prewarm a fleet. An
@@ -244,8 +245,10 @@ def load(k):
     try:
         with _outside_tracing():
             entry = torch.load(path, weights_only=True)
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
-            raise ValueError("another format or key")
+            if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
+                raise ValueError("another format or key")
+            if entry.get("digest") != _digest({name: v for name, v in entry.items() if name != "digest"}):
+                raise ValueError("its checksum does not match its contents")
         if entry.get("kind") not in ("inference", "training") or not isinstance(entry.get("graphs"), list):
             raise ValueError("no graphs")
         for graph in entry["graphs"]:
@@ -261,6 +264,39 @@ def load(k):
     return entry
 
 
+def _digest(contents):
+    """A checksum of an entry's contents: their structure, every value, and each tensor's dtype, sizes, strides,
+    device and bytes. torch.load checks none of its own: a flipped byte in an IR string or in a constant's data
+    loads as another entry, which compiled and gave other results (an index out of bounds, a wrong gradient).
+    Raises ValueError on a value no entry holds."""
+    import ctypes
+
+    import torch
+
+    tensors = []
+
+    def outline(v):
+        t = type(v)
+        if t is dict:
+            return ("dict", [(outline(name), outline(x)) for name, x in v.items()])
+        if t in (list, tuple):
+            return (t.__name__, [outline(x) for x in v])
+        if v is None or t in (str, int, float, bool):
+            return v
+        if t is torch.Tensor and v.layout == torch.strided and not v.is_meta:
+            tensors.append(v)
+            return ("tensor", str(v.dtype), tuple(v.shape), v.stride(), v.storage_offset(), str(v.device),
+                    v.requires_grad)
+        raise ValueError(f"a {t.__name__} in the entry")
+
+    digest = hashlib.sha256(repr(outline(contents)).encode())
+    for t in tensors:
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        if data.numel():
+            digest.update(ctypes.string_at(data.data_ptr(), data.numel()))
+    return digest.hexdigest()
+
+
 def store(k, entry):
     """Writes entry under key k (a temporary file renamed into place), then evicts past the size cap."""
     where = folder()
@@ -270,7 +306,8 @@ def store(k, entry):
 
     def write(f):
         with _outside_tracing():
-            torch.save(dict(entry, format=FORMAT, key=k), f)
+            contents = dict(entry, format=FORMAT, key=k)
+            torch.save(dict(contents, digest=_digest(contents)), f)
 
     try:
         _write_atomically(os.path.join(where, k + ".entry"), write)

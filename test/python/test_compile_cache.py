@@ -117,6 +117,42 @@ def test_a_bad_entry_is_a_miss(cache_dir, damage):
     assert _explain(model, x).cache_hits == 1
 
 
+def _indexed(x):
+    """A graph with tensor constants (index lists), stored with its entry."""
+    return torch.tanh(x[torch.tensor([5, 7, 7, 1], device=x.device)]) * x[torch.tensor([0, 2], device=x.device)].sum()
+
+
+@pytest.mark.parametrize("damage", ["a constant's value", "a constant's byte on disk", "an op in the IR"])
+@pytest.mark.parametrize("train", [False, True], ids=["inference", "training"])
+def test_an_entry_changed_inside_is_a_miss(cache_dir, damage, train):
+    """torch.load checks no checksum: an entry whose IR or constants changed (a flipped byte) loads as another,
+    well-formed entry. Those compiled and gave other results (another index, or one out of bounds); the checksum
+    stored with each entry makes them misses."""
+    x = torch.randn(13, requires_grad=train)
+    _explain(_indexed, x, train=train)
+    ((path, _),) = ember.cache.entries()
+    if damage == "a constant's byte on disk":
+        data = bytearray(open(path, "rb").read())
+        at = bytes(data).find(torch.tensor([5, 7, 7, 1]).numpy().tobytes())
+        assert at > 0
+        data[at] = 2  # index 5 -> 2: still in bounds
+        open(path, "wb").write(bytes(data))
+    else:
+        entry = torch.load(path, weights_only=True)
+        forward = entry["graphs"][0]
+        if damage == "a constant's value":
+            name = next(iter(forward["constants"]))
+            forward["constants"][name] = forward["constants"][name].flip(0).contiguous()
+        else:  # as well-formed as before
+            forward["ir"] = forward["ir"].replace("aten::tanh(", "aten::sigmoid(")
+        torch.save(entry, path)
+    report = _explain(_indexed, x, train=train)
+    assert report.cache_hits == 0 and len(report.graphs) == (2 if train else 1)
+    torch._dynamo.reset()
+    check(_indexed, torch.randn(13), grad=train)
+    assert _explain(_indexed, x, train=train).cache_hits == 1  # the fresh compile wrote a good entry over it
+
+
 def test_clear_and_the_size_cap(cache_dir, monkeypatch):
     for n in (4, 5, 6):
         _explain(_model(), torch.randn(n, 24))
