@@ -153,6 +153,41 @@ def test_an_entry_changed_inside_is_a_miss(cache_dir, damage, train):
     assert _explain(_indexed, x, train=train).cache_hits == 1  # the fresh compile wrote a good entry over it
 
 
+def _reseal(entry):
+    """entry with its checksum made to match (as a writer with a bug would store it)."""
+    entry = {name: v for name, v in entry.items() if name != "digest"}
+    return dict(entry, digest=ember.cache._digest(entry))
+
+
+_WRITTEN_WRONG = {  # what to compile, in training or not, and what the writer got wrong
+    # The C++ training call read one tangent per output that requires grad, past the end of this list: a crash.
+    "no tangents": (_model, True, lambda e: e["spec"].update(tangents=[])),
+    "a forward result counted as saved": (_model, True, lambda e: e["spec"].update(
+        saved_checked=e["spec"]["saved_checked"] + 1)),
+    "a constant of another length": (lambda: _indexed, False, lambda e: e["graphs"][0]["constants"].update(
+        {name: t[:1].clone() for name, t in e["graphs"][0]["constants"].items()})),
+    "a dynamic dim of no output": (_model, False, lambda e: e.update(dynamic_dims=[(3, [0])])),
+}
+
+
+@pytest.mark.parametrize("wrong", sorted(_WRITTEN_WRONG))
+def test_an_entry_written_wrong_is_a_miss(cache_dir, wrong):
+    """An entry whose checksum matches but whose fields disagree with each other or with its IR (as a writer's bug
+    would leave it) is a miss: it crashed, raised at its first call or gave other results."""
+    make, train, change = _WRITTEN_WRONG[wrong]
+    fn = make()
+    x = torch.randn(13 if fn is _indexed else (16, 24), requires_grad=train)
+    _explain(fn, x, train=train)
+    ((path, _),) = ember.cache.entries()
+    entry = torch.load(path, weights_only=True)
+    change(entry)
+    torch.save(_reseal(entry), path)
+    report = _explain(fn, x, train=train)
+    assert report.cache_hits == 0, str(report)
+    torch._dynamo.reset()
+    check(fn, x.detach(), grad=train, **MATMUL_TOL)
+
+
 def test_clear_and_the_size_cap(cache_dir, monkeypatch):
     for n in (4, 5, 6):
         _explain(_model(), torch.randn(n, 24))
