@@ -323,6 +323,11 @@ def _check(entry):
     _need(type(spec["deterministic"]) is int and spec["deterministic"] in (-1, 0, 1), "spec: deterministic")
     ((grad_inputs, grads),) = backward
     _need(len(outputs) == len(requires) + sum(saved), "spec: not the forward's outputs")
+    # As joint.py and _plain_metadata have them: no output an input (the C++ call would give a parameter autograd
+    # history, for the rest of the process) and none twice.
+    returned = [text for text, _ in outputs[:len(requires)] if text.startswith("%")]
+    _need(len(set(returned)) == len(returned) and not set(returned) & {text for text, _ in inputs},
+          "spec: an output that is an input, or twice")
     _need(len(grad_inputs) == sum(saved) + sum(requires), "spec: not the backward's inputs")
     _need(len(grads) == len(inputs) == len(no_edge), "spec: not one gradient per input")
     _need(all(text == "None" for (text, _), none in zip(grads, no_edge) if none), "spec: no_edge")
