@@ -26,9 +26,10 @@ state that changes a trace or its kernels: grad mode, autocast, the default dtyp
 TF32 and reduced-precision matmul flags, the float32 matmul precision, the enabled attention kernels and
 whether compiled autograd is on.
 
-An entry that is unreadable, truncated, of another format or of another key is a miss (logged at debug level
-on the "ember" logger), never an error. Entries are written to a temporary file and renamed into place, so
-that processes writing one key at once leave one whole entry. The folder is `<cache_dir>/graphs`
+An entry that is unreadable, truncated, of another format or of another key, whose contents no longer match the
+checksum stored with them, or whose fields disagree with each other or with its IR (`_check`) is a miss (logged at
+debug level on the "ember" logger), never an error. Entries are written to a temporary file and renamed into
+place, so that processes writing one key at once leave one whole entry. The folder is `<cache_dir>/graphs`
 (`ember.config.cache_dir`: empty, ~/.cache/ember; "off": no cache); `ember.config.compile_cache = False` turns
 this cache off; past `ember.config.compile_cache_mb` the least recently used entries go.
 
@@ -244,13 +245,11 @@ def load(k):
     try:
         with _outside_tracing():
             entry = torch.load(path, weights_only=True)
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
-            raise ValueError("another format or key")
-        if entry.get("kind") not in ("inference", "training") or not isinstance(entry.get("graphs"), list):
-            raise ValueError("no graphs")
-        for graph in entry["graphs"]:
-            if any(type(t) is not torch.Tensor or t.is_meta for t in graph["constants"].values()):
-                raise ValueError("a constant without its values")
+            if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != k:
+                raise ValueError("another format or key")
+            if entry.get("digest") != _digest({name: v for name, v in entry.items() if name != "digest"}):
+                raise ValueError("its checksum does not match its contents")
+        _check(entry)
     except Exception as e:  # unreadable, truncated, another version's: a miss
         _log.debug("ember: compile cache entry %s is unusable (%s: %s); compiling afresh", path, type(e).__name__, e)
         return None
@@ -259,6 +258,177 @@ def load(k):
     except OSError:
         pass
     return entry
+
+
+def _digest(contents):
+    """A checksum of an entry's contents: their structure, every value, and each tensor's dtype, sizes, strides,
+    device and bytes. torch.load checks none of its own: a flipped byte in an IR string or in a constant's data
+    loads as another entry, which compiled and gave other results (an index out of bounds, a wrong gradient).
+    Raises ValueError on a value no entry holds."""
+    import ctypes
+
+    import torch
+
+    tensors = []
+
+    def outline(v):
+        t = type(v)
+        if t is dict:
+            return ("dict", [(outline(name), outline(x)) for name, x in v.items()])
+        if t in (list, tuple):
+            return (t.__name__, [outline(x) for x in v])
+        if v is None or t in (str, int, float, bool):
+            return v
+        if t is torch.Tensor and v.layout == torch.strided and not v.is_meta:
+            tensors.append(v)
+            return ("tensor", str(v.dtype), tuple(v.shape), v.stride(), v.storage_offset(), str(v.device),
+                    v.requires_grad)
+        raise ValueError(f"a {t.__name__} in the entry")
+
+    digest = hashlib.sha256(repr(outline(contents)).encode())
+    for t in tensors:
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        if data.numel():
+            digest.update(ctypes.string_at(data.data_ptr(), data.numel()))
+    return digest.hexdigest()
+
+
+def _check(entry):
+    """Raises ValueError where an entry's fields are not what store() writes, or disagree with each other or with
+    the IR of its graphs. The checksum keeps out damage; this keeps out an entry written wrong, as the C++ calls
+    take these fields on trust (python_bindings/training_graph.cpp reads one tangent per output that requires
+    grad)."""
+    kind, graphs = entry.get("kind"), entry.get("graphs")
+    _need(kind in ("inference", "training"), f"kind {kind!r:.40}")
+    _need(type(graphs) is list and len(graphs) == (1 if kind == "inference" else 2) and
+          all(type(g) is dict for g in graphs), "not the graphs of its kind")
+    (inputs, outputs), *backward = [_check_graph(g) for g in graphs]
+    _need(_bools(entry.get("pinned")) and len(entry["pinned"]) in (0, len(inputs)), "pinned")
+    _need(_ints(entry.get("bump", []), len(inputs)), "bump")
+    dims = entry.get("dynamic_dims", [])
+    _need(type(dims) is list and (kind == "inference" or not dims), "dynamic_dims")  # none for training graphs
+    for item in dims:
+        _need(type(item) in (list, tuple) and len(item) == 2 and type(item[0]) is int and
+              0 <= item[0] < len(outputs), "dynamic_dims: no such output")
+        layout = outputs[item[0]][1]
+        _need(layout is not None and _ints(item[1], len(layout[0])), "dynamic_dims: no such dim")
+    if kind == "inference":
+        return
+    spec = entry.get("spec")
+    _need(type(spec) is dict and set(spec) == {"output_requires_grad", "saved_checked", "saved_unchecked",
+                                               "tangents", "no_edge", "deterministic"}, "spec: fields")
+    requires, tangents, no_edge = spec["output_requires_grad"], spec["tangents"], spec["no_edge"]
+    saved = spec["saved_checked"], spec["saved_unchecked"]
+    _need(_bools(requires) and _ints(saved) and _bools(no_edge), "spec: types")
+    _need(type(spec["deterministic"]) is int and spec["deterministic"] in (-1, 0, 1), "spec: deterministic")
+    ((grad_inputs, grads),) = backward
+    _need(len(outputs) == len(requires) + sum(saved), "spec: not the forward's outputs")
+    # As joint.py and _plain_metadata have them: no output an input (the C++ call would give a parameter autograd
+    # history, for the rest of the process) and none twice.
+    returned = [text for text, _ in outputs[:len(requires)] if text.startswith("%")]
+    _need(len(set(returned)) == len(returned) and not set(returned) & {text for text, _ in inputs},
+          "spec: an output that is an input, or twice")
+    _need(len(grad_inputs) == sum(saved) + sum(requires), "spec: not the backward's inputs")
+    _need(len(grads) == len(inputs) == len(no_edge), "spec: not one gradient per input")
+    _need(all(text == "None" for (text, _), none in zip(grads, no_edge) if none), "spec: no_edge")
+    _need(type(tangents) is list and len(tangents) == sum(requires), "spec: not one tangent per output with grad")
+    for tangent, (_, declared) in zip(tangents, grad_inputs[sum(saved):]):
+        _need(type(tangent) in (list, tuple) and len(tangent) == 3 and type(tangent[0]) is int, "spec: tangent")
+        memory_format, sizes, strides = tangent
+        _need(_ints(sizes) and _ints(strides) and declared is not None, "spec: tangent")
+        if memory_format == -1:
+            _need(declared == (list(sizes), list(strides)), "spec: not the backward's tangent")
+        else:  # c10::MemoryFormat: contiguous (any rank), channels_last (4-d), channels_last_3d (5-d)
+            rank = {0: None, 2: 4, 3: 5}
+            _need(memory_format in rank and rank[memory_format] in (None, len(declared[0])), "spec: tangent format")
+
+
+def _need(ok, what):
+    if not ok:
+        raise ValueError(what)
+
+
+def _bools(v):
+    return type(v) is list and all(type(b) is bool for b in v)
+
+
+def _ints(v, below=None):
+    """Whether v is a list or tuple of ints in [0, below)."""
+    return type(v) in (list, tuple) and all(type(i) is int and 0 <= i and (below is None or i < below) for i in v)
+
+
+_TENSOR_TYPE = re.compile(r"\w+\[(.*)\]\{(.*)\}@\S+")  # f32[16, s0]{s0, 1}@cpu
+
+
+def _check_graph(graph):
+    """One graph of an entry: its fields' types, its IR's outline, and the constants the IR reads against those
+    stored (the same names; each of the dtype, sizes, strides and device declared). Returns its inputs and
+    outputs, each (text, layout): layout is the ([sizes], [strides]) declared (ints, or expressions as text),
+    or None where the value is no tensor (an output that is a literal: text "None")."""
+    import torch
+
+    from .lower import string_text, type_text
+
+    ir, constants, pinned = graph.get("ir"), graph.get("constants"), graph.get("pinned")
+    _need(type(ir) is str and type(constants) is dict and _bools(pinned), "graph: fields")
+    _need(type(graph.get("fx_nodes")) is int and graph["fx_nodes"] >= 0 and type(graph.get("cuda")) is bool,
+          "graph: fields")
+    for name, t in constants.items():
+        _need(type(name) is str and type(t) is torch.Tensor and t.layout == torch.strided, "graph: constants")
+        _need(not t.is_meta, "a constant without its values")
+    lines = ir.rstrip("\n").split("\n")
+    _need(len(lines) >= 2 and lines[0].startswith("graph(") and lines[0].endswith("):"), "IR: no signature")
+    _need(lines[-1].startswith("  return (") and lines[-1].endswith(")"), "IR: no return")
+    types = {}  # value name -> the type text of its first declaration
+
+    def declare(text):
+        declared = []
+        for decl in text.split(", %"):  # no type text holds ", %"
+            name, colon, kind = decl.removeprefix("%").partition(": ")
+            _need(bool(colon), "IR: a declaration")
+            types.setdefault(name, kind)
+            declared.append((name, kind))
+        return declared
+
+    inputs = [name for name, _ in declare(lines[0][len("graph("):-len("):")])] if lines[0] != "graph():" else []
+    _need(len(pinned) == len(inputs), "graph: pinned")
+    read = {}  # string_text(constant name) -> the type text declared for it
+    for line in lines[1:-1]:
+        _need(line.startswith("  "), "IR: a line")
+        if not line.startswith("  %"):  # a call without results
+            continue
+        left, _, call = line[2:].partition(" = ")  # no type text holds " = "
+        declared = declare(left)
+        if call.startswith("prim::constant(") and call.endswith(")"):
+            _need(len(declared) == 1, "IR: a constant")
+            kind = declared[0][1]
+            _need(read.setdefault(call[len("prim::constant("):-1], kind) == kind, "IR: one constant of two types")
+    _need(set(read) == {string_text(name) for name in constants}, "IR and constants: not the same names")
+    for name, t in constants.items():
+        _need(read[string_text(name)] == type_text(t), f"IR and constants: {name!r:.40} is not as declared")
+
+    def value(text):
+        match = _TENSOR_TYPE.fullmatch(types.get(text[1:], "")) if text.startswith("%") else None
+        if match is None:
+            return text, None
+        return text, tuple([int(d) if d.isdigit() else d for d in part.split(", ")] if part else []
+                           for part in match.groups())
+
+    results = _split_top_level(lines[-1][len("  return ("):-1])
+    return [value("%" + name) for name in inputs], [value(text) for text in results]
+
+
+def _split_top_level(text):
+    """'%a, [1, 2], None' -> ['%a', '[1, 2]', 'None'] (the IR's return list)."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(text):
+        depth += (c in "([{") - (c in ")]}")
+        if c == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    if text.strip():
+        parts.append(text[start:].strip())
+    return parts
 
 
 def store(k, entry):
@@ -270,7 +440,8 @@ def store(k, entry):
 
     def write(f):
         with _outside_tracing():
-            torch.save(dict(entry, format=FORMAT, key=k), f)
+            contents = dict(entry, format=FORMAT, key=k)
+            torch.save(dict(contents, digest=_digest(contents)), f)
 
     try:
         _write_atomically(os.path.join(where, k + ".entry"), write)
