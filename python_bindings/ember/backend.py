@@ -632,8 +632,26 @@ def _nothing_to_compile(gm):
 def ember_backend(gm, example_inputs, mode=None, options=None):
     """The backend torch.compile calls (registered as "ember" through the package's entry point)."""
     _hold_full_collections_in_dynamo()  # again: torch._dynamo.reset() drops Dynamo's callbacks
+    config = CompileConfig(mode, options)
     with _collector_paused():
-        return _compile_graph(gm, example_inputs, CompileConfig(mode, options))
+        if _compiling_ahead_of_time():
+            from .aot import compile_for_aot
+
+            return compile_for_aot(gm, example_inputs, config)
+        return _compile_graph(gm, example_inputs, config)
+
+
+def _compiling_ahead_of_time():
+    """Whether this compile runs inside torch.compile(...).aot_compile(...), which needs a SerializableCallable
+    back (aot.py). torch's aot_compile_fullgraph (torch/_dynamo/aot_compile.py) sets
+    torch._functorch.config.force_autograd_cache around its backend call, and torch's own "eager" backend reads
+    that flag to return its serializable graph (torch/_dynamo/backends/debugging.py): a config flag torch's
+    backends already answer to, where a look up the stack for aot_compile_fullgraph's frame would depend on
+    function names. Off unless set; a process that sets it for good gets the Python wrapper around every graph
+    (one Python call more per call), not an error."""
+    import torch._functorch.config
+
+    return bool(getattr(torch._functorch.config, "force_autograd_cache", False))
 
 
 @contextlib.contextmanager
