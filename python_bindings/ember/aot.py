@@ -125,7 +125,8 @@ def deserialize(data):
                          f"({artifact['versions']}; this process: {cache._versions()}); run aot_compile again "
                          "with this one")
     here = dict(_settings())
-    differ = [f"{name}={value} (here {here.get(name)})" for name, value in artifact["settings"] if here.get(name) != value]
+    differ = [f"{name}={value} (here {here.get(name)})" for name, value in artifact["settings"]
+              if here.get(name) != value]
     if differ:
         warnings.warn("ember: this aot_compile artifact was compiled under other ember settings: "
                       f"{', '.join(differ)}; its traced IR keeps them, the C++ pipeline runs with this process's",

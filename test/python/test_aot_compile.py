@@ -5,6 +5,7 @@ artifact raise EmberError."""
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -106,7 +107,8 @@ def _forbid_tracing(monkeypatch):
     for owner, name in ((torch._dynamo.symbolic_convert.InstructionTranslatorBase, "run"),
                         (torch._dynamo.convert_frame, "fullgraph_capture"),
                         (torch._functorch.aot_autograd, "aot_module_simplified"),
-                        (ember.trace, "trace_inference"), (ember.joint, "trace_training"), (ember.lower, "lower_graph")):
+                        (ember.trace, "trace_inference"), (ember.joint, "trace_training"),
+                        (ember.lower, "lower_graph")):
         monkeypatch.setattr(owner, name, forbidden(f"{getattr(owner, '__name__', owner)}.{name}"))
     return called
 
@@ -251,6 +253,22 @@ def test_bytes_that_are_not_an_artifact_raise_ember_error(tmp_path, monkeypatch,
         _aot_compile(models.MLP().eval(), torch.randn(16, 24)).save_compiled_function(str(tmp_path / "damaged.aot"))
     with pytest.raises(ember.EmberError, match="checksum"):
         _load(tmp_path / "damaged.aot")
+
+
+def test_other_cpp_settings_at_load_warn(tmp_path, models):
+    """The saved IR keeps what settings did to the trace; the C++ pipeline runs again at load, under the loading
+    process's settings: where those differ from the compile's, a warning names them."""
+    model = models.MLP().eval()
+    here = ember.config.cpu_matmul
+    other = "aten" if here != "aten" else "onednn"
+    with torch.no_grad(), ember.config.patch(cpu_matmul=other):
+        _aot_compile(model, torch.randn(16, 24)).save_compiled_function(str(tmp_path / "model.aot"))
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=re.escape(f"cpu_matmul='{other}' (here '{here}')")):
+        loaded = _load(tmp_path / "model.aot")
+    with torch.no_grad():
+        y = torch.randn(16, 24)
+        assert_tensor_close(loaded(model, y), model(y), **MATMUL_TOL)
 
 
 def test_what_ember_cannot_save_says_so(tmp_path):
