@@ -502,14 +502,22 @@ def _traced_dynamic_dims(traced):
 
 def _cached_call(gm, example_inputs, config, entry):
     """The C++ DirectCall of a compile cache entry (cache.py), or None where it does not fit these inputs."""
+    return entry_call(entry, config, lambda first: _called_directly(gm, example_inputs, first),
+                      _shapes_guarded(gm, example_inputs))
+
+
+def entry_call(entry, config, fits, shapes_guarded):
+    """The C++ DirectCall built from a compile cache entry's graphs (the C++ pipeline over the stored IR, no
+    tracing), or None where `fits(first compiled graph)` says it does not fit. Also how an aot_compile artifact
+    is loaded (aot.py), which has no Dynamo graph to check against."""
     from . import _C
 
     graphs = [compile_cached_graph(g, config, kind)
               for g, kind in zip(entry["graphs"], ("inference",) if entry["kind"] == "inference" else ("forward", "backward"))]
-    if not _called_directly(gm, example_inputs, graphs[0]):
+    if not fits(graphs[0]):
         return None
     training = _C.training_graph(graphs[0], graphs[1], **entry["spec"]) if entry["kind"] == "training" else None
-    direct = _C.direct_call(graphs[0], [], entry["pinned"], _shapes_guarded(gm, example_inputs),
+    direct = _C.direct_call(graphs[0], [], entry["pinned"], shapes_guarded,
                             bump=entry.get("bump", []), **({"training": training} if training is not None else {}))
     return _marking_dims(direct, entry.get("dynamic_dims", []))
 
@@ -624,8 +632,26 @@ def _nothing_to_compile(gm):
 def ember_backend(gm, example_inputs, mode=None, options=None):
     """The backend torch.compile calls (registered as "ember" through the package's entry point)."""
     _hold_full_collections_in_dynamo()  # again: torch._dynamo.reset() drops Dynamo's callbacks
+    config = CompileConfig(mode, options)
     with _collector_paused():
-        return _compile_graph(gm, example_inputs, CompileConfig(mode, options))
+        if _compiling_ahead_of_time():
+            from .aot import compile_for_aot
+
+            return compile_for_aot(gm, example_inputs, config)
+        return _compile_graph(gm, example_inputs, config)
+
+
+def _compiling_ahead_of_time():
+    """Whether this compile runs inside torch.compile(...).aot_compile(...), which needs a SerializableCallable
+    back (aot.py). torch's aot_compile_fullgraph (torch/_dynamo/aot_compile.py) sets
+    torch._functorch.config.force_autograd_cache around its backend call, and torch's own "eager" backend reads
+    that flag to return its serializable graph (torch/_dynamo/backends/debugging.py): a config flag torch's
+    backends already answer to, where a look up the stack for aot_compile_fullgraph's frame would depend on
+    function names. Off unless set; a process that sets it for good gets the Python wrapper around every graph
+    (one Python call more per call), not an error."""
+    import torch._functorch.config
+
+    return bool(getattr(torch._functorch.config, "force_autograd_cache", False))
 
 
 @contextlib.contextmanager
@@ -729,8 +755,9 @@ def _from_cache(gm, example_inputs, config, entry):
     return direct
 
 
-def _compile_graph(gm, example_inputs, config):
-    """ember_backend's work, with the collector paused."""
+def _compile_graph(gm, example_inputs, config, built=None):
+    """ember_backend's work, with the collector paused. `built`, where given, gets the compile cache entry the
+    returned DirectCall is built from (whether or not the cache is on and stores it): what aot_compile saves."""
     if config.disabled_passes:  # a configuration error raises whatever the fallback setting
         from . import _C
 
@@ -761,6 +788,8 @@ def _compile_graph(gm, example_inputs, config):
     if entry is not None:
         direct = _from_cache(gm, example_inputs, config, entry)
         if direct is not None:
+            if built is not None:
+                built.update(entry)
             return direct
 
     inference = []
@@ -815,6 +844,8 @@ def _compile_graph(gm, example_inputs, config):
     if direct is not None:
         if key is not None and cache.shape_state(gm, example_inputs) == assumed:  # symbolic sizes: no guard added
             cache.store(key, stored)
+        if built is not None:
+            built.update(stored)
         return direct
     if ember_config.direct_call and hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
         # The backward compiles with the forward (AOTAutograd would wait for the first backward), so that a
@@ -832,8 +863,11 @@ def _compile_graph(gm, example_inputs, config):
     if direct is None:
         return compiled_fn
     # Symbolic sizes: stored where the compile added no guard on them (a hit would not add it again).
-    if len(lowered) == (1 if stored["kind"] == "inference" else 2) and cache.shape_state(gm, example_inputs) == assumed:
+    whole = len(lowered) == (1 if stored["kind"] == "inference" else 2)
+    if whole and cache.shape_state(gm, example_inputs) == assumed:
         cache.store(key, dict(stored, graphs=lowered))
+    if whole and built is not None:
+        built.update(stored, graphs=lowered)
     return direct
 
 
