@@ -41,6 +41,15 @@ except ImportError:  # a torch without aot_compile
 
 FORMAT = 1
 _KIND = "ember-aot"
+# Tried on torch 2.13 (CPU). On torch 2.11 (CUDA 13.0, the H100 host) every test of test_aot_compile.py failed,
+# with AttributeError among the errors: refused there with a clear error rather than kept broken.
+MIN_TORCH = (2, 13)
+
+
+def _torch_version():
+    import torch
+
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def compile_for_aot(gm, example_inputs, config):
@@ -49,7 +58,12 @@ def compile_for_aot(gm, example_inputs, config):
 
     if _SerializableCallable is object:  # a torch without aot_compile: nothing will ask to save it
         return backend._compile_graph(gm, example_inputs, config)
+    import torch
     import torch._functorch.config
+
+    if _torch_version() < MIN_TORCH:
+        raise EmberError(f"aot_compile with ember needs torch {MIN_TORCH[0]}.{MIN_TORCH[1]} or later (this is torch "
+                         f"{torch.__version__}); torch.compile(..., backend=\"ember\") without aot_compile works here")
 
     built = {}
     # aot_compile also asks AOTAutograd for its own bundled cache entry, which it builds from Inductor's output

@@ -23,6 +23,9 @@ pytest.importorskip("torch._dynamo.aot_compile_types", reason="this torch has no
 
 import ember.aot  # noqa: E402
 
+if ember.aot._torch_version() < ember.aot.MIN_TORCH:
+    pytest.skip(f"ember's aot_compile needs torch {ember.aot.MIN_TORCH} or later", allow_module_level=True)
+
 # The models, as a module of their own: Dynamo's saved guards name a module's class by its import path, and
 # the fresh process imports the same classes. A module's forward is compiled as `forward(self, x)`, and the
 # loaded function takes the module as its first argument.
