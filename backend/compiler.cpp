@@ -1,6 +1,6 @@
 // The pipeline, in one list:
 //
-//   verify -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
+//   verify (and each node against its op's schema) -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse                                     (passes)
 //          -> generate_kernels (one kernel per fusion group; a control flow node is a group of its own, its
 //             kernel running the subgraphs compiled before this graph)        (codegen)
@@ -84,6 +84,7 @@ std::vector<std::pair<std::string, double>> run_passes(Graph& graph, const std::
 std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std::string, at::Tensor>& constants,
                                        const CompileOptions& options) {
   graph.verify();
+  for (const auto& n : graph.nodes()) check_arguments(*n);
   dump(options, "0_input.ir", print(graph));
   PassContext ctx{options};
   auto timings = run_passes(graph, default_passes(), ctx);

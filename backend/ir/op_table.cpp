@@ -2,9 +2,11 @@
 #include "ember/op_table.h"
 
 #include "ember/error.h"
+#include "ember/ir.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -101,6 +103,8 @@ std::unique_ptr<OpInfo> resolve(const std::string& name) {
     t |= kDynamicShape;
   for (size_t i = 0; i < schema.arguments().size(); ++i) {
     const auto& arg = schema.arguments()[i];
+    info->arg_names.push_back(arg.name());
+    info->arg_has_default.push_back(arg.default_value().has_value());
     if (arg.alias_info() && arg.alias_info()->isWrite()) {
       t |= kMutates;
       info->written_args.emplace_back(static_cast<int>(i), arg.name());
@@ -125,6 +129,26 @@ std::pair<std::string, std::string> split_op_name(const std::string& name) {
   size_t dot = name.find('.', ns == std::string::npos ? 0 : ns + 2);
   if (dot == std::string::npos) return {name, ""};
   return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+void check_arguments(const Node& n) {
+  const OpInfo& info = op_info(n.op);
+  if (!info.handle) return;  // ember's own ops and prims: their kernels check what they read
+  const size_t count = info.arg_names.size();
+  auto where = [&] { return (n.outputs.empty() ? std::string() : "%" + n.outputs[0]->name + " = ") + n.op; };
+  if (n.args.size() > count)
+    throw Error(where() + ": " + std::to_string(n.args.size()) + " arguments, its schema has " + std::to_string(count));
+  std::vector<bool> given(count, false);
+  for (size_t i = 0; i < n.args.size(); ++i) given[i] = true;
+  for (const auto& [name, arg] : n.kwargs) {
+    auto it = std::find(info.arg_names.begin(), info.arg_names.end(), name);
+    if (it == info.arg_names.end()) throw Error(where() + ": no argument '" + name + "'");
+    const size_t i = static_cast<size_t>(it - info.arg_names.begin());
+    if (given[i]) throw Error(where() + ": argument '" + name + "' given twice");
+    given[i] = true;
+  }
+  for (size_t i = 0; i < count; ++i)
+    if (!given[i] && !info.arg_has_default[i]) throw Error(where() + ": missing argument '" + info.arg_names[i] + "'");
 }
 
 bool is_control_flow(const std::string& name) {

@@ -238,6 +238,10 @@ class Parser {
     t.dtype = parse_dtype(word);
     t.sizes = parse_dims('[', ']');
     t.strides = parse_dims('{', '}');
+    // Every pass and kernel indexes strides by the sizes' dimensions: a type with fewer would read past them.
+    if (t.strides.size() != t.sizes.size())
+      fail("a tensor type with " + std::to_string(t.sizes.size()) + " sizes and " + std::to_string(t.strides.size()) +
+           " strides");
     expect('@');
     t.device = parse_device(parse_ident());
     return Type::of_tensor(std::move(t));

@@ -73,6 +73,8 @@ TEST(IrText, ParseErrorsNameTheLine) {
   expect_error("graph(%x: f32[2]{1}@cpu):\n  %y: f32[2]{1}@cpu = aten::sin(%x)\n", "return");
   expect_error("graph(%x: f32[2]{1}@cpu):\n  return (%x) junk\n", "after 'return'");
   expect_error("graph(%x: f32[2]{1}@nowhere):\n  return (%x)\n", "unknown literal");
+  expect_error("graph(%x: f32[4]{}@cpu):\n  return (%x)\n", "1 sizes and 0 strides");
+  expect_error("graph(%x: f32[2]{1}@cpu):\n  %y: f32[2, 3]{3}@cpu = aten::sin(%x)\n  return (%y)\n", "2 sizes and 1 strides");
   expect_error("graph(", "line 1");
   expect_error("", "expected 'graph'");
 }

@@ -45,6 +45,28 @@ TEST(Runtime, GraphBuiltInCppMatchesAten) {
   EXPECT_TRUE(at::allclose(t(out[0]), at::relu(mm), 1e-5, 1e-5));
 }
 
+// Every node is checked against its op's schema before any pass reads it: the fuse pass read a missing second
+// operand of an add and crashed (a damaged or hand-written graph; lowering never writes one).
+TEST(Runtime, ArgumentsAreCheckedAgainstTheSchemaBeforeThePasses) {
+  auto expect_error = [](const std::string& body, const std::string& fragment) {
+    const std::string text = "graph(%x: f32[4]{1}@cpu):\n" + body + "  return (%z)\n";
+    try {
+      compile(parse(text), {}, CompileOptions{});  // every pass on, fuse included
+      FAIL() << "expected an error for: " << text;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  expect_error("  %y: f32[4]{1}@cpu = aten::add.Tensor(%x)\n  %z: f32[4]{1}@cpu = aten::mul.Tensor(%y, %y)\n",
+               "%y = aten::add.Tensor: missing argument 'other'");
+  expect_error("  %z: f32[4]{1}@cpu = aten::neg(%x, %x)\n", "2 arguments, its schema has 1");
+  expect_error("  %z: f32[4]{1}@cpu = aten::add.Tensor(%x, %x, other=%x)\n", "argument 'other' given twice");
+  expect_error("  %z: f32[4]{1}@cpu = aten::add.Tensor(%x, %x, beta=2)\n", "no argument 'beta'");
+  // Keywords and defaults that the schema has still compile.
+  compile(parse("graph(%x: f32[4]{1}@cpu):\n  %z: f32[4]{1}@cpu = aten::add.Tensor(%x, other=%x)\n  return (%z)\n"), {},
+          CompileOptions{});
+}
+
 TEST(Runtime, KeywordsDefaultsAndLiteralCoercion) {
   // keepdim comes from the schema default; an int literal feeds a float argument (leaky_relu slope).
   auto g = compile_text(

@@ -33,12 +33,17 @@ enum OpTrait : uint32_t {
                            // merged or folded (its branches may draw random numbers: kRandom too)
 };
 
+class Node;
+
 struct OpInfo {
   std::string name;
   uint32_t traits = 0;
   const c10::OperatorHandle* handle = nullptr;  // null for prim ops
   // The arguments the op writes (schema `Tensor(a!)`), by position and by name.
   std::vector<std::pair<int, std::string>> written_args;
+  // The schema's arguments, in order, and which of them have a default (empty for ember's own ops).
+  std::vector<std::string> arg_names;
+  std::vector<bool> arg_has_default;
   bool has(OpTrait t) const { return (traits & t) != 0; }
   bool writes(int position, const std::string& name) const {
     for (const auto& [p, n] : written_args)
@@ -49,6 +54,11 @@ struct OpInfo {
 
 // Throws ember::Error naming the op when neither the dispatcher nor ember knows it.
 const OpInfo& op_info(const std::string& name);
+
+// Throws ember::Error where a node gives its dispatcher op more positional arguments than the schema has, a
+// keyword it does not have or one twice, or leaves out an argument without a default. Passes read arguments by
+// position; IR that fails this (a damaged package, a hand-written graph) never reaches them.
+void check_arguments(const Node& n);
 
 // Whether `name` is control flow over subgraphs (kSubgraphs: ember::cond, ember::while_loop, ember::scan).
 bool is_control_flow(const std::string& name);
