@@ -24,6 +24,7 @@
 #include "python_bindings/training_graph.h"
 
 #include <c10/core/GradMode.h>
+#include <algorithm>
 #include <optional>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -337,6 +338,14 @@ PYBIND11_MODULE(_native, m) {
           for (const auto& [format, sizes, strides] : tangents) g->tangents.push_back({format, sizes, strides});
           g->no_edge = std::move(no_edge);
           g->deterministic = deterministic;
+          // EmberBackward::apply reads one tangent per output that requires grad: a spec short of one would
+          // read past the list (a damaged cache entry reached this; cache.py checks entries too).
+          const auto needed = static_cast<size_t>(
+              std::count(g->output_requires_grad.begin(), g->output_requires_grad.end(), true));
+          if (g->tangents.size() != needed)
+            throw Error("training graph: " + std::to_string(g->tangents.size()) + " tangent layouts for " +
+                        std::to_string(needed) + " outputs that require grad");
+          if (deterministic < -1 || deterministic > 1) throw Error("training graph: deterministic must be -1, 0 or 1");
           return g;
         },
         py::arg("forward"), py::arg("backward"), py::arg("output_requires_grad"), py::arg("saved_checked"),

@@ -302,3 +302,16 @@ def test_step_with_backward_inside_the_compiled_function():
         assert not got[0].requires_grad
         for a, b in zip(got, expected):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_training_graph_short_of_tangent_layouts_is_refused():
+    """The backward reads one tangent layout per output that requires grad: a spec short of one (a damaged
+    compile cache entry reached this) is an error when the training graph is made, not a read past the list."""
+    import ember
+    from ember import _C
+
+    graph = _C.compile("graph(%x: f32[4]{1}@cpu):\n  %y: f32[4]{1}@cpu = aten::sin(%x)\n  return (%y)\n", {}, [], "",
+                       "t")
+    with pytest.raises(ember.EmberError, match="0 tangent layouts for 1 outputs"):
+        _C.training_graph(graph, graph, [True], 0, 0, [], [False], -1)
+    _C.training_graph(graph, graph, [True], 0, 0, [(-1, [4], [1])], [False], -1)
