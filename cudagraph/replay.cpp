@@ -498,6 +498,9 @@ class Runner final : public PlanRunner {
     return out;
   }
 
+ private:
+  enum class Source : uint8_t { Input, Constant, Captured, Eager };
+
   // Makes room for a new signature at the cap (options_.max_graphs): the least recently used signature still
   // warming up goes first (a size seen once, as in a serving run whose sizes never repeat, then never displaces
   // a captured one), else the least recently used captured one, else one given up to eager calls. Its graphs
@@ -520,9 +523,6 @@ class Runner final : public PlanRunner {
     entries_.erase(victim);
     ++stats_.evictions;
   }
-
- private:
-  enum class Source : uint8_t { Input, Constant, Captured, Eager };
 
   bool key_matches(const Entry& e, const std::vector<c10::IValue>& inputs) const {
     for (size_t i = 0; i < inputs.size(); ++i)
