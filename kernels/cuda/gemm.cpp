@@ -747,16 +747,6 @@ class PerSizeGemm final : public FastPath {
   mutable size_t made_ = 0;  // problems with an LtGemm
 };
 
-// Whether `t` is a matrix whose rows are contiguous, row after row (sizes [R, C], strides [C, 1]), whatever
-// symbols R and C are.
-bool contiguous_matrix(const TensorType& t) {
-  if (t.sizes.size() != 2 || t.strides.size() != 2) return false;
-  const bool one_column = t.sizes[1].is_constant() && t.sizes[1].value == 1;
-  const bool one_row = t.sizes[0].is_constant() && t.sizes[0].value == 1;
-  return (one_column || (t.strides[1].is_constant() && t.strides[1].value == 1)) &&
-         (one_row || t.strides[0] == t.sizes[1]);
-}
-
 std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
     return !config_is("EMBER_CUBLASLT", "0");
@@ -787,7 +777,7 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   const TensorType& a = n.args[first_matrix].value->type.tensor;
   const TensorType& b = n.args[first_matrix + 1].value->type.tensor;
   const TensorType& out = n.outputs[0]->type.tensor;
-  if (a.sizes.size() != 2 || b.sizes.size() != 2 || !contiguous_matrix(out)) return nullptr;
+  if (a.sizes.size() != 2 || b.sizes.size() != 2 || out.sizes.size() != 2 || !row_major(out)) return nullptr;
   const c10::ScalarType dtype = a.dtype;
   if (dtype != c10::kFloat && dtype != c10::kHalf && dtype != c10::kBFloat16) return nullptr;
   if (b.dtype != dtype || out.dtype != dtype || !a.device.is_cuda() || b.device != a.device || out.device != a.device)
