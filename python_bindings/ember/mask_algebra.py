@@ -334,17 +334,25 @@ def _tril(x, diagonal=0, upper=False):
     return Sym(x.shape, sympy.Piecewise((x.expr, keep), (0, True)), x.kind)
 
 
+# The binary calls and methods of a mask's subgraph, by the name _binary knows them by.
+_FUNCTIONS = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", torch.add: "add", torch.sub: "sub",
+              torch.mul: "mul", operator.ge: "ge", operator.gt: "gt", operator.le: "le", operator.lt: "lt",
+              operator.eq: "eq", operator.ne: "ne", torch.ge: "ge", torch.gt: "gt", torch.le: "le", torch.lt: "lt",
+              torch.eq: "eq", torch.ne: "ne", operator.and_: "and", operator.or_: "or", torch.logical_and: "and",
+              torch.logical_or: "or", torch.bitwise_and: "and", torch.bitwise_or: "or"}
+_METHODS = {"__and__": "and", "__rand__": "and", "__or__": "or", "__ror__": "or", "logical_and": "and",
+            "logical_or": "or", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
+            "__ge__": "ge", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "add": "add",
+            "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "mul": "mul", "__mul__": "mul",
+            "__rmul__": "mul"}
+
+
 def _call(target, args, kwargs):
     """One call_function of the mask's subgraph on Sym / scalar operands."""
-    names = {operator.add: "add", operator.sub: "sub", operator.mul: "mul", torch.add: "add", torch.sub: "sub",
-             torch.mul: "mul", operator.ge: "ge", operator.gt: "gt", operator.le: "le", operator.lt: "lt",
-             operator.eq: "eq", operator.ne: "ne", torch.ge: "ge", torch.gt: "gt", torch.le: "le", torch.lt: "lt",
-             torch.eq: "eq", torch.ne: "ne", operator.and_: "and", operator.or_: "or", torch.logical_and: "and",
-             torch.logical_or: "or", torch.bitwise_and: "and", torch.bitwise_or: "or"}
-    if target in names and len(args) == 2 and (not kwargs or set(kwargs) == {"alpha"} and kwargs["alpha"] == 1):
+    if target in _FUNCTIONS and len(args) == 2 and (not kwargs or set(kwargs) == {"alpha"} and kwargs["alpha"] == 1):
         if not isinstance(args[0], Sym) and not isinstance(args[1], Sym):
             return _plain(target, args)
-        return _binary(names[target], *args)
+        return _binary(_FUNCTIONS[target], *args)
     if target in (operator.invert, torch.logical_not, torch.bitwise_not) and len(args) == 1:
         x = _scalar(args[0])
         if x.kind != "bool":
@@ -387,13 +395,8 @@ def _method(name, args, kwargs):
     if not isinstance(x, Sym):
         raise Unknown(f"a method {name} of a non-tensor")
     rest = args[1:]
-    alias = {"__and__": "and", "__rand__": "and", "__or__": "or", "__ror__": "or", "logical_and": "and",
-             "logical_or": "or", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt", "__le__": "le", "__gt__": "gt",
-             "__ge__": "ge", "eq": "eq", "ne": "ne", "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "add": "add",
-             "__add__": "add", "__radd__": "add", "sub": "sub", "__sub__": "sub", "mul": "mul", "__mul__": "mul",
-             "__rmul__": "mul"}
-    if name in alias and len(rest) == 1:
-        return _binary(alias[name], x, rest[0])
+    if name in _METHODS and len(rest) == 1:
+        return _binary(_METHODS[name], x, rest[0])
     if name == "__rsub__" and len(rest) == 1:
         return _binary("sub", rest[0], x)
     if name in ("__invert__", "logical_not"):
@@ -436,16 +439,14 @@ def evaluate(mask):
             raise Unknown("an operand outside the subgraph")
         return values[n]
 
-    order, seen, stack = [], set(), [mask]
+    seen, stack = set(), [mask]
     while stack:
         n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        order.append(n)
-        stack.extend(n.all_input_nodes)
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
     position = {n: i for i, n in enumerate(mask.graph.nodes)}
-    for n in sorted(order, key=position.__getitem__):
+    for n in sorted(seen, key=position.__getitem__):
         if n.op == "placeholder":
             v = n.meta.get("example_value", n.meta.get("val"))
             if not isinstance(v, torch.SymInt):
