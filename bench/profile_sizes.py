@@ -13,7 +13,6 @@ Run one process per kind: the numbers are meant to be read side by side. Nothing
 """
 
 import os
-import statistics
 import sys
 import time
 
@@ -29,18 +28,9 @@ def sync():
         torch.cuda.synchronize()
 
 
-def steady_ms(fn, args, calls=30):
-    """Median milliseconds of `calls` synchronized calls, after 5 untimed ones."""
-    for _ in range(5):
-        fn(*args)
-    sync()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn(*args)
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def steady_ms(fn, args, device):
+    """Median milliseconds of 30 synchronized calls, as bench/dynamic.py times each size."""
+    return dynamic._steady(fn, args, device, "default", 30) * 1e3
 
 
 def profile(fn, args, path, title):
@@ -79,7 +69,7 @@ def main():
     measured = [sizes[2], sizes[-1]]
     log = os.path.join(out, f"{workload}_{kind}.txt")
     with torch.no_grad():
-        eager = {n: steady_ms(model, make(n)) for n in measured}
+        eager = {n: steady_ms(model, make(n), device) for n in measured}
         fn = model
         if kind in ("dynamic", "inductor"):
             import ember
@@ -102,7 +92,7 @@ def main():
                 fn(*make(n))
                 ember.wait_for_compiles()
             x = make(n)
-            ms = steady_ms(fn, x)
+            ms = steady_ms(fn, x, device)
             err = (first_tensor(fn(*x)) - first_tensor(model(*x))).abs().max().item()
             line = (f"{workload} {kind} size {n}: {ms:.3f} ms, eager {eager[n]:.3f} ms, speedup {eager[n] / ms:.3f}, "
                     f"max abs error {err:.2e}")
