@@ -18,6 +18,7 @@
 #include "ember/op_table.h"
 #include "ember/runtime.h"
 
+#include <ATen/TensorUtils.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/div.h>
@@ -28,6 +29,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <algorithm>
+#include <limits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -83,6 +85,197 @@ class StaticView final : public FastPath {
     return true;
   }
   std::string describe() const override { return "view"; }
+};
+
+// A view whose geometry the IR knows only as symbols (a graph Dynamo made dynamic): per call, the result's
+// sizes, strides and offset follow from the input's and the op's integer arguments (constants, or buffers
+// holding a symbol's value) by the rules ATen's view kernels apply, and the view is built as StaticView
+// builds it. Where an argument is not what the rule expects (an index out of range, a size that does not
+// view) run() returns false and the op runs, raising its own error.
+class SymbolicView final : public FastPath {
+ public:
+  enum class Kind : uint8_t { View, Permute, Unsqueeze, Expand, Slice, Transpose, Squeeze, Select, Alias };
+  // An integer argument: a constant, or the buffer holding it per call. `none`: an optional one left out.
+  struct Int {
+    int64_t value = 0;
+    int32_t buffer = -1;
+    bool none = false;
+  };
+  Kind kind = Kind::Alias;
+  uint32_t input = 0;
+  int32_t output = -1;
+  std::vector<Int> ints;  // the op's integer arguments after the tensor, a list's items flattened
+
+  bool run(std::vector<c10::IValue>& buffers) const override {
+    const at::Tensor* in = buffer_tensor(buffers, input);
+    if (!in) return false;
+    const at::Tensor& t = *in;
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (t.layout() != at::kStrided || !impl->has_storage() || impl->is_nested() || impl->has_symbolic_sizes_strides() ||
+        impl->is_python_dispatch())
+      return false;
+    at::DimVector v;  // the integer arguments' values
+    for (const Int& i : ints) {
+      if (i.buffer < 0) {
+        v.push_back(i.none ? kNone : i.value);
+        continue;
+      }
+      const c10::IValue& b = buffers[static_cast<size_t>(i.buffer)];
+      if (!b.isInt()) return false;
+      v.push_back(b.toInt());
+    }
+    at::DimVector sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end());
+    int64_t offset = t.storage_offset();
+    if (!geometry(v, sizes, strides, offset)) return false;
+    at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::TensorImpl::VIEW, c10::Storage(t.storage()),
+                                                               t.key_set(), t.dtype());
+    out.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+    buffers[output] = std::move(out);
+    return true;
+  }
+  std::string describe() const override { return "symbolic view"; }
+
+  static constexpr int64_t kNone = std::numeric_limits<int64_t>::min();
+
+ private:
+  // A dimension index as ATen wraps it (negative counts from the end); false when out of range.
+  static bool wrap(int64_t& d, int64_t rank) {
+    if (d < 0) d += rank;
+    return d >= 0 && d < rank;
+  }
+
+  bool geometry(const at::DimVector& v, at::DimVector& sizes,
+                at::DimVector& strides, int64_t& offset) const {
+    const int64_t rank = static_cast<int64_t>(sizes.size());
+    switch (kind) {
+      case Kind::Alias: return true;
+      case Kind::Permute: {
+        if (static_cast<int64_t>(v.size()) != rank) return false;
+        at::DimVector s(rank), st(rank);
+        uint64_t seen = 0;
+        for (int64_t i = 0; i < rank; ++i) {
+          int64_t d = v[i];
+          if (rank > 64 || !wrap(d, rank) || (seen >> d & 1)) return false;
+          seen |= uint64_t{1} << d;
+          s[i] = sizes[d];
+          st[i] = strides[d];
+        }
+        sizes = s;
+        strides = st;
+        return true;
+      }
+      case Kind::Transpose: {
+        if (v.size() != 2) return false;
+        int64_t a = v[0], b = v[1];
+        if (rank == 0) return (a == 0 || a == -1) && (b == 0 || b == -1);
+        if (!wrap(a, rank) || !wrap(b, rank)) return false;
+        std::swap(sizes[a], sizes[b]);
+        std::swap(strides[a], strides[b]);
+        return true;
+      }
+      case Kind::Unsqueeze: {  // the new dim's stride: 1 at the end, else what stepping over the next one takes
+        if (v.size() != 1) return false;
+        int64_t d = v[0];
+        if (!wrap(d, rank + 1)) return false;
+        const int64_t stride = d >= rank ? 1 : sizes[d] * strides[d];
+        sizes.insert(sizes.begin() + d, 1);
+        strides.insert(strides.begin() + d, stride);
+        return true;
+      }
+      case Kind::Squeeze: {
+        if (v.size() != 1) return false;
+        int64_t d = v[0];
+        if (rank == 0) return d == 0 || d == -1;
+        if (!wrap(d, rank)) return false;
+        if (sizes[d] == 1) {
+          sizes.erase(sizes.begin() + d);
+          strides.erase(strides.begin() + d);
+        }
+        return true;
+      }
+      case Kind::Select: {
+        if (v.size() != 2 || rank == 0) return false;
+        int64_t d = v[0], index = v[1];
+        if (!wrap(d, rank)) return false;
+        if (index < 0) index += sizes[d];
+        if (index < 0 || index >= sizes[d]) return false;
+        offset += index * strides[d];
+        sizes.erase(sizes.begin() + d);
+        strides.erase(strides.begin() + d);
+        return true;
+      }
+      case Kind::Slice: {  // (dim, start, end, step), start and end clamped into the dimension
+        if (v.size() != 4 || rank == 0) return false;
+        int64_t d = v[0], step = v[3];
+        if (!wrap(d, rank) || step <= 0) return false;
+        const int64_t size = sizes[d];
+        int64_t start = v[1] == kNone ? 0 : v[1], end = v[2] == kNone ? size : v[2];
+        if (start < 0) start += size;
+        if (end < 0) end += size;
+        start = std::clamp<int64_t>(start, 0, size);
+        end = std::clamp<int64_t>(end, start, size);
+        offset += start * strides[d];
+        sizes[d] = (end - start + step - 1) / step;
+        strides[d] *= step;
+        return true;
+      }
+      case Kind::Expand: {  // new leading dims and size-1 dims broadcast with stride 0; -1 keeps a size
+        const int64_t out_rank = static_cast<int64_t>(v.size());
+        if (out_rank < rank) return false;
+        at::DimVector s(out_rank), st(out_rank);
+        for (int64_t i = out_rank - 1; i >= 0; --i) {
+          const int64_t j = i - (out_rank - rank);
+          int64_t size = v[i];
+          if (j < 0) {
+            if (size < 0) return false;
+            s[i] = size;
+            st[i] = 0;
+            continue;
+          }
+          if (size == -1) size = sizes[j];
+          if (sizes[j] == size) {
+            s[i] = size;
+            st[i] = strides[j];
+          } else if (sizes[j] == 1 && size >= 0) {
+            s[i] = size;
+            st[i] = 0;
+          } else {
+            return false;
+          }
+        }
+        sizes = s;
+        strides = st;
+        return true;
+      }
+      case Kind::View: {  // one -1 takes what the others leave; strides where the memory allows such a view
+        int64_t numel = 1, known = 1, infer = -1;
+        for (int64_t s : sizes) numel *= s;
+        at::DimVector shape(v.begin(), v.end());
+        for (size_t i = 0; i < shape.size(); ++i) {
+          if (shape[i] == -1) {
+            if (infer >= 0) return false;
+            infer = static_cast<int64_t>(i);
+          } else if (shape[i] < 0) {
+            return false;
+          } else {
+            known *= shape[i];
+          }
+        }
+        if (infer >= 0) {
+          if (known == 0 || numel % known != 0) return false;
+          shape[infer] = numel / known;
+        } else if (known != numel) {
+          return false;
+        }
+        std::optional<at::DimVector> st = at::detail::computeStride(sizes, strides, shape);
+        if (!st) return false;
+        sizes = shape;
+        strides = *st;
+        return true;
+      }
+    }
+    return false;
+  }
 };
 
 // An elementwise ATen op of two tensors run into an operand that dies at this step (point 5 above). Per call
@@ -352,6 +545,7 @@ class PlanBuilder {
     }
     bind_outputs(n, step);
     if (step.op) step.fast = static_view(n, step);
+    if (step.op && !step.fast) step.fast = symbolic_view(n, step);
     return step;
   }
 
@@ -480,6 +674,70 @@ class PlanBuilder {
     } catch (const std::exception&) {
       return nullptr;  // the op's own path will say what is wrong, per call
     }
+    return view;
+  }
+
+  // A SymbolicView for a view op that static_view cannot precompute; null for other ops, or where an argument
+  // is not an integer (or integer list) known as a constant or a buffer.
+  static std::shared_ptr<const FastPath> symbolic_view(const Node& n, const Step& step) {
+    using Kind = SymbolicView::Kind;
+    // Per op: its kind and the stack slots of its integer arguments (-1: slot 1 is a list of them).
+    static const std::unordered_map<std::string, std::pair<Kind, std::vector<int>>> ops = {
+        {"aten::view", {Kind::View, {-1}}},           {"aten::_unsafe_view", {Kind::View, {-1}}},
+        {"aten::permute", {Kind::Permute, {-1}}},     {"aten::expand", {Kind::Expand, {-1}}},
+        {"aten::unsqueeze", {Kind::Unsqueeze, {1}}},  {"aten::squeeze.dim", {Kind::Squeeze, {1}}},
+        {"aten::select.int", {Kind::Select, {1, 2}}}, {"aten::slice.Tensor", {Kind::Slice, {1, 2, 3, 4}}},
+        {"aten::transpose.int", {Kind::Transpose, {1, 2}}}, {"aten::alias", {Kind::Alias, {}}}};
+    auto it = ops.find(n.op);
+    if (it == ops.end() || !step.op || !step.scalar_from_buffer.empty() || step.expand_list || step.outputs.size() != 1 ||
+        step.outputs[0] < 0 || n.outputs.size() != 1 || n.args.empty() || !n.args[0].is_value() || step.from_buffer.empty() ||
+        step.from_buffer[0].first != 0)
+      return nullptr;
+    if (n.op == "aten::expand" && step.stack.size() > 2 && !(step.stack[2].isBool() && !step.stack[2].toBool()))
+      return nullptr;  // implicit=True: only autograd reads it, but keep to the plain form
+    auto view = std::make_shared<SymbolicView>();
+    view->kind = it->second.first;
+    view->input = step.from_buffer[0].second;
+    view->output = step.outputs[0];
+    auto from_buffer = [&](uint32_t slot) -> int32_t {
+      for (size_t i = 1; i < step.from_buffer.size(); ++i)
+        if (step.from_buffer[i].first == slot) return static_cast<int32_t>(step.from_buffer[i].second);
+      return -1;
+    };
+    size_t used = 1;  // from_buffer entries accounted for
+    for (int slot : it->second.second) {
+      if (slot < 0) {  // the list at slot 1
+        const ListSlot* list = nullptr;
+        for (const ListSlot& l : step.lists)
+          if (l.slot == 1) list = &l;
+        if (list) {
+          if (list->elem != ListSlot::Elem::Int || list->item_buffer.size() != list->items.size()) return nullptr;
+          for (size_t i = 0; i < list->items.size(); ++i) {
+            if (list->item_buffer[i] >= 0) view->ints.push_back({0, list->item_buffer[i], false});
+            else if (list->items[i].isInt()) view->ints.push_back({list->items[i].toInt(), -1, false});
+            else return nullptr;
+          }
+        } else if (step.stack.size() > 1 && step.stack[1].isIntList()) {
+          for (int64_t x : step.stack[1].toIntVector()) view->ints.push_back({x, -1, false});
+        } else {
+          return nullptr;
+        }
+        continue;
+      }
+      const auto s = static_cast<uint32_t>(slot);
+      if (const int32_t b = from_buffer(s); b >= 0) {
+        view->ints.push_back({0, b, false});
+        ++used;
+      } else if (s < step.stack.size() && step.stack[s].isInt()) {
+        view->ints.push_back({step.stack[s].toInt(), -1, false});
+      } else if (s < step.stack.size() && step.stack[s].isNone()) {
+        view->ints.push_back({0, -1, true});
+      } else {
+        return nullptr;
+      }
+    }
+    if (used != step.from_buffer.size()) return nullptr;  // a buffer argument this rule does not read
+    if (step.lists.size() > (it->second.second == std::vector<int>{-1} ? 1u : 0u)) return nullptr;
     return view;
   }
 

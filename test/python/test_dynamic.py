@@ -260,6 +260,45 @@ def test_dynamic_view_and_cat_with_symbolic_sizes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_symbolic_views_are_built_without_the_dispatcher_and_match_eager(device):
+    """Views whose sizes are symbols (view with -1, permute and unsqueeze with negative dims, expand with -1
+    and new dims, slices with negative, clamped and stepped bounds, select, transpose, squeeze) take the plan's
+    symbolic-view fast path; their geometry, read by the ops after them and returned, is eager's at every size."""
+
+    def fn(x):
+        n = x.shape[0]
+        y = x * 2
+        views = (
+            y.view(n, -1),
+            y.permute(2, 0, -2),
+            y.unsqueeze(-1),
+            y.unsqueeze(0),
+            y[:, :, None].expand(-1, -1, 3, -1),
+            y.expand(2, -1, -1, -1),
+            y[1:-1:2],
+            y[-(n // 2):],
+            y[: n + 5],
+            y[:, 1:],
+            y.select(2, -1),
+            y.select(0, n - 1),
+            y.transpose(0, 2),
+            y[:, :1].squeeze(1),
+            y.squeeze(0),
+        )
+        return views + tuple((v + 1).sum() for v in views)
+
+    compiled = compile_ember(fn, dynamic=True)
+    for i, b in enumerate([3, 4, 7]):
+        x = torch.randn(b, 6, 5, device=device)
+        expected, got = fn(x), compiled(x)
+        for e, g in zip(expected, got):
+            assert e.shape == g.shape and e.stride() == g.stride(), (e.shape, g.shape, e.stride(), g.stride())
+            torch.testing.assert_close(g, e)
+    described = "".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert "symbolic view" in described, described
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_symbolic_floats_and_sizes_in_tensor_arguments(device):
     """SymInt / SymFloat values (not literals) feeding Tensor and Scalar arguments."""
 
