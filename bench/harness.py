@@ -69,7 +69,9 @@ import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
 
-BACKENDS = ("eager", "inductor", "ember", "inductor-ro", "ember-ro")  # -ro: mode="reduce-overhead" (CUDA graphs)
+BACKENDS = ("eager", "inductor", "ember", "inductor-ro", "ember-ro", "inductor-ma", "ember-ma")
+# -ro: mode="reduce-overhead" (CUDA graphs); -ma: mode="max-autotune" (tuning, and CUDA graphs)
+BACKEND_MODES = {"-ro": "reduce-overhead", "-ma": "max-autotune"}
 # --floor adds "dynamo": torch.compile with a backend that runs Dynamo's FX graph as it is. Its latency minus
 # eager's is what Dynamo's guards and frame handling add per call, which no backend can win back on a
 # workload whose whole eager call is that short (matmul + softmax 100x100 on the CPU).
@@ -428,6 +430,8 @@ def compile_with(model, backend):
         return torch.compile(model, backend="inductor", mode="reduce-overhead")
     if backend == "ember-ro":  # what mode="reduce-overhead" selects, with fallback="raise" (mode and options exclude each other)
         return torch.compile(model, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True})
+    if backend in ("inductor-ma", "ember-ma"):
+        return torch.compile(model, backend=backend[:-3], mode="max-autotune")
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -442,8 +446,13 @@ def settle():
 
 def before_call(backend):
     """A new iteration for the CUDA graph backends: what training loops under reduce-overhead do."""
-    if backend.endswith("-ro"):
+    if backend[-3:] in BACKEND_MODES:
         torch.compiler.cudagraph_mark_step_begin()
+
+
+def mode_of(backend):
+    """The torch.compile mode a backend row runs in."""
+    return BACKEND_MODES.get(backend[-3:], "default")
 
 
 def error_text(e):
@@ -841,7 +850,7 @@ def main(argv=None):
                         help="also write the speedups as a results file for bench/chart.py (its docstring has the schema)")
     parser.add_argument("--no-inductor", action="store_true", help="skip torch.compile(backend='inductor')")
     parser.add_argument("--modes", default=None,
-                        help="comma-separated: default, reduce-overhead (default: both on CUDA, default on the CPU)")
+                        help="comma-separated: default, reduce-overhead, max-autotune (default: the first two on CUDA, default on the CPU)")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--floor", action="store_true",
@@ -878,7 +887,7 @@ def main(argv=None):
     modes = (args.modes or ("default,reduce-overhead" if args.device == "cuda" else "default")).split(",")
     backends = [b for b in BACKENDS
                 if not (b.startswith("inductor") and args.no_inductor)
-                and (b == "eager" or ("reduce-overhead" if b.endswith("-ro") else "default") in modes)]
+                and (b == "eager" or mode_of(b) in modes)]
     if args.floor:
         backends.insert(1, FLOOR)
 
