@@ -420,9 +420,12 @@ class LtGemm final : public FastPath {
     return true;
   }
 
-  // "512x768x3072 f32 +bias: lt#3 split-K 56.1 us (max-autotune); lt#0 61.0 us, lt#1 59.2 us, ...": each compute
-  // type's problem whose choice was timed (here or by an earlier process, "from disk").
+  // "512x768x3072 f32 +bias: lt#3 split-K 56.1 us (max-autotune); 70 timed: lt#3 split-K 56.1 us, lt#0 58.0 us, ...,
+  // 60 more up to 410.2 us, 2 could not run": each compute type's problem whose choice was timed (here or by an
+  // earlier process, "from disk"), its fastest kTuningListed candidates by GPU time (the winner's score also
+  // counts host time, so it need not be the first).
   std::vector<std::string> tuning() const override {
+    static constexpr size_t kTuningListed = 10;
     std::lock_guard<std::mutex> lock(mutex_);
     std::vector<std::string> out;
     for (size_t i = 0; i < 2; ++i) {
@@ -431,15 +434,23 @@ class LtGemm final : public FastPath {
       const Tuned& t = *p.tuned;
       static const char* const kDtypes[] = {"f32", "f16", "bf16"};
       static const char* const kEpilogues[] = {"", " +bias", " +bias relu", " +bias gelu"};
+      std::vector<std::pair<std::string, float>> ran;
+      size_t failed = 0;
       std::string line = problem() + " " + kDtypes[dtype_index()] + kEpilogues[static_cast<size_t>(s_.epilogue)] +
                          (i == 1 ? " tf32" : "") + ": " + t.choice.name;
-      std::string all;
       for (const auto& [name, ms] : t.timings) {
-        all += (all.empty() ? "" : ", ") + name + " " + microseconds(ms);
         if (name == t.choice.name) line += " " + microseconds(ms);
+        if (ms < 0.f) ++failed;
+        else ran.emplace_back(name, ms);
       }
+      std::stable_sort(ran.begin(), ran.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
       line += std::string(" (") + (t.level == Level::Exhaustive ? "max-autotune" : "default") +
-              (t.from_disk ? ", from disk" : "") + "); " + all;
+              (t.from_disk ? ", from disk" : "") + "); " + std::to_string(t.timings.size()) + " timed: ";
+      for (size_t j = 0; j < ran.size() && j < kTuningListed; ++j)
+        line += (j ? ", " : "") + ran[j].first + " " + microseconds(ran[j].second);
+      if (ran.size() > kTuningListed)
+        line += ", " + std::to_string(ran.size() - kTuningListed) + " more up to " + microseconds(ran.back().second);
+      if (failed) line += (ran.empty() ? "" : ", ") + std::to_string(failed) + " could not run";
       out.push_back(std::move(line));
     }
     return out;
