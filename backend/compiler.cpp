@@ -116,7 +116,12 @@ std::shared_ptr<CompiledGraph> compile(Graph graph, const std::unordered_map<std
   }
   dump(options, "kernels.txt", listing + (declined.empty() ? "" : "declined:\n" + declined));
   t0 = Clock::now();
-  Plan plan = build_plan(graph, constants, kernels);
+  Tuning tuning;
+  if (options.autotune) {
+    tuning.exhaustive = true;
+    tuning.budget = std::make_shared<TuningBudget>(options.autotune_budget_s);
+  }
+  Plan plan = build_plan(graph, constants, kernels, tuning);
   timings.emplace_back("plan", ms_since(t0));
   t0 = Clock::now();
   fold_constant_steps(plan);

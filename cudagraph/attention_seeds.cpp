@@ -58,7 +58,7 @@ class HostSeeds final : public FastPath {
   std::vector<uint32_t> seeds_;
 };
 
-std::shared_ptr<const FastPath> make_host_seeds(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_host_seeds(const Node& n, const Step& step, const Tuning&) {
   if (!step.op || !reads_seeds_on_host(n.op)) return nullptr;
   std::vector<uint32_t> seeds;
   const auto& args = step.op->schema().arguments();

@@ -21,10 +21,12 @@
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
+#include "kernels/cuda/gemm_record.h"
 #include "python_bindings/training_graph.h"
 
 #include <c10/core/GradMode.h>
 #include <algorithm>
+#include <map>
 #include <optional>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -243,8 +245,11 @@ py::object make_direct_call(std::shared_ptr<CompiledGraph> graph, const std::vec
 std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::unordered_map<std::string, at::Tensor>& constants,
                                             std::vector<std::string> disabled_passes, std::string debug_dir,
                                             std::string graph_name, std::vector<bool> cached_inputs,
-                                            const std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& subgraphs) {
+                                            const std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& subgraphs,
+                                            bool autotune, double autotune_budget_s) {
   CompileOptions options;
+  options.autotune = autotune;
+  options.autotune_budget_s = autotune_budget_s;
   for (const auto& [name, g] : subgraphs) options.subgraphs.emplace(name, g);
   options.cached_inputs = std::move(cached_inputs);
   options.disabled_passes = std::move(disabled_passes);
@@ -295,6 +300,15 @@ PYBIND11_MODULE(_native, m) {
            "Runs the steps over parameters alone once, and again only when a parameter changes; returns their count.")
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
+      .def("tuning", [](const CompiledGraph& g) {
+        // What the steps' fast paths timed to choose (FastPath::tuning), one line per problem, in step order.
+        std::vector<std::string> out;
+        for (const auto* steps : {&g.plan().cached_steps, &g.plan().steps})
+          for (const Step& s : *steps)
+            if (s.fast)
+              for (std::string& line : s.fast->tuning()) out.push_back(std::move(line));
+        return out;
+      })
       .def("steps", [](const CompiledGraph& g) {
         // (kind, what) per step, ("kernel", description) / ("aten" or "prim", op name), an ember op run by its
         // fast path (ember::linear_chain) as a kernel, control flow over subgraphs as ("control", description):
@@ -316,7 +330,8 @@ PYBIND11_MODULE(_native, m) {
 
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{},
-        py::arg("subgraphs") = std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>{});
+        py::arg("subgraphs") = std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>{},
+        py::arg("autotune") = false, py::arg("autotune_budget_s") = 30.0);
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
         py::arg("guarded") = false, py::arg("bump") = std::vector<uint32_t>{}, py::arg("training") = nullptr,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "
@@ -358,6 +373,13 @@ PYBIND11_MODULE(_native, m) {
   m.def("get_config", &config_value, py::arg("name"), "The value C++ reads for a setting (backend/config.cpp).");
   m.def("cpu_matmul_timings", &cpu::cpu_matmul_timings,
         "One line per problem the CPU matmul kernels timed, in order (kernels/cpu/cpu_kernel.h).");
+  m.def("gemm_tuning_stats", [] {
+    const cuda::GemmTuningCounters& c = cuda::gemm_tuning_counters();
+    return std::map<std::string, uint64_t>{{"timed", c.timed.load()},         {"autotuned", c.autotuned.load()},
+                                           {"from_disk", c.from_disk.load()}, {"refused", c.refused.load()},
+                                           {"over_budget", c.over_budget.load()}};
+  }, "What the CUDA GEMMs' tuning did in this process (kernels/cuda/gemm_record.h): problems timed, autotuned, "
+     "read from disk, records refused, problems past the autotuning budget.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

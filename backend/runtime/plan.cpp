@@ -370,8 +370,8 @@ c10::IValue literal(const Arg& a) {
 class PlanBuilder {
  public:
   PlanBuilder(const Graph& g, const std::unordered_map<std::string, at::Tensor>& constants,
-              const std::unordered_map<int, GroupKernel>& kernels)
-      : graph_(g), constants_(constants), kernels_(kernels) {}
+              const std::unordered_map<int, GroupKernel>& kernels, const Tuning& tuning)
+      : graph_(g), constants_(constants), kernels_(kernels), tuning_(tuning) {}
 
   Plan build() {
     plan_.num_inputs = graph_.inputs().size();
@@ -410,7 +410,7 @@ class PlanBuilder {
       if (step.op && !step.fast && step.node) step.fast = in_place_binary(*step.node, step);
       if (step.op && !step.fast && step.node)
         for (FastPathMaker make : fast_path_makers())
-          if (!step.fast) step.fast = make(*step.node, step);
+          if (!step.fast) step.fast = make(*step.node, step, tuning_);
       if (step.kernel) step.label = "ember::" + step.kernel->describe();
       else if (step.fast && step.node) step.label = "ember::fast path " + step.node->op;
     }
@@ -888,6 +888,7 @@ class PlanBuilder {
   const Graph& graph_;
   const std::unordered_map<std::string, at::Tensor>& constants_;
   const std::unordered_map<int, GroupKernel>& kernels_;
+  const Tuning& tuning_;
   std::unordered_set<int> emitted_groups_;
   Plan plan_;
   std::unordered_map<const Value*, uint32_t> buffers_;
@@ -911,13 +912,23 @@ bool warming_for_graphs() { return warming; }
 WarmingForGraphs::WarmingForGraphs() : before_(warming) { warming = true; }
 WarmingForGraphs::~WarmingForGraphs() { warming = before_; }
 
+bool TuningBudget::left() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return spent_ < seconds_;
+}
+
+void TuningBudget::spend(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spent_ += seconds;
+}
+
 Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
-                const std::unordered_map<int, GroupKernel>& kernels) {
+                const std::unordered_map<int, GroupKernel>& kernels, const Tuning& tuning) {
   // Tensors made here (wrapped scalars) must be real even when the caller traces under a fake or other
   // Python dispatch mode, as AOTAutograd does while it calls its compilers.
   c10::impl::ExcludeDispatchKeyGuard no_python(
       c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot}));
-  return PlanBuilder(graph, constants, kernels).build();
+  return PlanBuilder(graph, constants, kernels, tuning).build();
 }
 
 namespace {

@@ -189,7 +189,7 @@ class MaxPool final : public FastPath {
   mutable std::atomic<uint64_t> calls_{0};
 };
 
-std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step, const Tuning&) {
   std::optional<MaxPoolArgs> a = max_pool_args(n, step, /*cuda=*/false);
   if (!a) return nullptr;
   return std::make_shared<MaxPool>(*a);

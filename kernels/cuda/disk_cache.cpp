@@ -29,12 +29,11 @@ uint64_t hash_of(const std::string& s, uint64_t seed) {
   return xxh64(reinterpret_cast<const uint8_t*>(s.data()), s.size(), seed);
 }
 
-std::string entry_path(const std::string& dir, const std::string& arch, const std::string& nvrtc_version,
-                       const std::string& source) {
+std::string entry_name(const std::string& arch, const std::string& nvrtc_version, const std::string& source) {
   uint64_t h = hash_of(source, hash_of(arch + "\n" + nvrtc_version + "\n" + kEmberVersion, 0));
   char name[32];
   std::snprintf(name, sizeof(name), "%016llx.cubin", static_cast<unsigned long long>(h));
-  return dir + "/" + name;
+  return name;
 }
 
 // mkdir -p with POSIX calls. std::filesystem is avoided in libember: torch 2.11's libtorch.so exports its
@@ -80,9 +79,9 @@ std::string disk_cache_dir() {
 std::optional<KernelImage> disk_cache_find(const std::string& dir, const std::string& arch,
                                            const std::string& nvrtc_version, const std::string& source) {
   if (dir.empty()) return std::nullopt;
-  std::ifstream f(entry_path(dir, arch, nvrtc_version, source), std::ios::binary);
-  if (!f) return std::nullopt;
-  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::optional<std::string> read = read_cache_file(dir + "/" + entry_name(arch, nvrtc_version, source));
+  if (!read) return std::nullopt;
+  const std::string& bytes = *read;
   if (bytes.size() < 8 + 4 + 8) return std::nullopt;
   size_t body = bytes.size() - 8;
   uint64_t stored = 0;
@@ -116,9 +115,20 @@ bool disk_cache_store(const std::string& dir, const KernelImage& image) {
   put_string(bytes, image.image);
   uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), 0);
   bytes.append(reinterpret_cast<const char*>(&sum), 8);
+  return write_cache_file(dir, entry_name(image.arch, image.nvrtc_version, image.source), bytes);
+}
 
+std::optional<std::string> read_cache_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return std::nullopt;
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (f.bad()) return std::nullopt;
+  return bytes;
+}
+
+bool write_cache_file(const std::string& dir, const std::string& name, const std::string& bytes) {
   make_directories(dir);
-  std::string path = entry_path(dir, image.arch, image.nvrtc_version, image.source);
+  std::string path = dir + "/" + name;
   // Unique per process and thread, so concurrent writers of one entry never share a temporary file.
   std::string tmp = path + ".tmp" + std::to_string(::getpid()) + "_" +
                     std::to_string(std::hash<std::thread::id>()(std::this_thread::get_id()));

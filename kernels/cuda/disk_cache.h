@@ -23,4 +23,10 @@ std::optional<KernelImage> disk_cache_find(const std::string& dir, const std::st
 // Writes `image` under `dir` (created if missing). Best effort: returns false when it could not.
 bool disk_cache_store(const std::string& dir, const KernelImage& image);
 
+// For the caches under `dir` (this one, gemm_record.cpp): the bytes of the file at `path`, nullopt where it cannot
+// be read; and `bytes` written to `dir`/`name` (`dir` created if missing) through a temporary file and a rename, so
+// that concurrent processes never see half a file. Best effort: false where it could not.
+std::optional<std::string> read_cache_file(const std::string& path);
+bool write_cache_file(const std::string& dir, const std::string& name, const std::string& bytes);
+
 }  // namespace ember::cuda

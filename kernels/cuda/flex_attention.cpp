@@ -822,7 +822,7 @@ const std::string* string_arg(const Node& n, size_t i, const char* name) {
   return a && a->kind == Arg::Kind::String ? &a->s : nullptr;
 }
 
-std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_flex_attention(const Node& n, const Step& step, const Tuning&) {
   if (n.op != "ember::flex_attention" || step.outputs.size() != 3) return nullptr;
   const std::string* score_mod = string_arg(n, 12, "score_mod");
   const std::string* mask_mod = string_arg(n, 13, "mask_mod");

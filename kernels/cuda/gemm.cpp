@@ -49,10 +49,23 @@
 //     capture, on GPU time alone. Beyond latency-bound sizes cuBLAS wins on arithmetic (64x1024x1024 f32
 //     without epilogue: k16 20 us, ATen's mm 14 us), so larger problems are never timed with them. EMBER_GEMM_ROUTE=kernel forces the
 //     route, EMBER_GEMM_KERNEL=t64|t32|t16|s4|s16|k16|k32 one configuration (tests run each).
+//  8. Choices persist, and mode="max-autotune" tunes harder. A timed problem's winner, with every candidate's
+//     time, is written to <cache dir>/gemm (gemm_record.h), keyed by the problem, the device's name,
+//     architecture and SM count, cuBLASLt's and ember's versions and the tuning level; a later process reads
+//     it where it would time (once per problem) and trusts it only once it checks out here (usable: a route the
+//     step offers, cublasLtMatmulAlgoCheck for a cuBLASLt algorithm). EMBER_CACHE_DIR=off keeps nothing.
+//     max-autotune (Tuning::exhaustive) times every candidate: kExhaustiveCandidates algorithms per descriptor
+//     without split-K and as many with it, every ember kernel that can run the problem, padding at any size,
+//     none cut by kTuningBudgetMs or kTuningWallMs; a candidate whose first run takes over 4x the fastest so far
+//     runs no more. The graph's autotune_budget_s bounds it all: once spent, the problem being timed keeps its
+//     best so far (for its step only, neither kept in the process nor written) and later problems get the
+//     default's choice. ember.explain lists each timed problem's candidates and winner (tuning()).
 #include "ember/config.h"
 #include "ember/error.h"
 #include "ember/runtime.h"
+#include "kernels/cuda/disk_cache.h"
 #include "kernels/cuda/driver.h"
+#include "kernels/cuda/gemm_record.h"
 
 #include <ATen/Context.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -69,8 +82,11 @@
 #include <array>
 #include <chrono>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -134,6 +150,9 @@ constexpr float kTuningBudgetMs = 150.f;   // GPU time spent timing one problem,
 // all made BERT-base bf16's first run 1.0 s on the H100 host, 0.24 s with ATen's mm and no timing.
 constexpr float kTuningWallMs = 30.f;
 constexpr float kSplitKPenaltyMs = 0.003f;  // host time of a split-K algorithm's extra launches
+// Exhaustive tuning (point 8): the heuristic's first kExhaustiveCandidates algorithms without split-K and as many
+// with it, per descriptor.
+constexpr int kExhaustiveCandidates = 32;
 
 // Whether `algo` splits K (and so launches a reduction, often a memset too).
 bool splits_k(const cublasLtMatmulAlgo_t& algo) {
@@ -145,8 +164,11 @@ bool splits_k(const cublasLtMatmulAlgo_t& algo) {
   return splits > 1;
 }
 
-// Process-wide choices: a problem (sizes, strides, dtype, epilogue, compute type, device) is timed once.
-using ProblemKey = std::array<int64_t, 13>;
+// Process-wide choices: a problem (sizes, strides, dtype, epilogue, compute type, device, forced route and
+// kernel, for CUDA graphs or not, tuning level) is timed once.
+using ProblemKey = std::array<int64_t, 14>;
+constexpr size_t kDeviceField = 10;  // the device's index: not part of the key on disk, which names the device
+enum class Level : uint8_t { Default, Exhaustive };
 // How a problem runs: one cuBLASLt call with the bias (and activation) in its epilogue; cuBLASLt without
 // the epilogue, then the bias added by ATen; or ATen's mm (cuBLAS's own choice, whose kernels cuBLASLt's
 // heuristic does not offer: inductor's plain mm calls ran BERT-base f32's projections in 55 us where the
@@ -173,6 +195,17 @@ struct Choice {
   size_t workspace = 0;
   int config = 0;            // Route::Kernel: index into kKernelConfigs
   void* function = nullptr;  // Route::Kernel: its entry point for the problem's dtype and device
+  std::string name;          // for ember.explain: "lt#2 split-K", "aten", "kernel t16"
+};
+static_assert(sizeof(cublasLtMatmulAlgo_t) == sizeof(GemmRecord::algo), "a record holds the algorithm's bytes");
+
+// A problem's choice and what it was made from, shared by the steps with that problem (tuned()); ember.explain
+// lists it (FastPath::tuning).
+struct Tuned {
+  Choice choice;
+  Level level = Level::Default;
+  bool from_disk = false;
+  std::vector<std::pair<std::string, float>> timings;  // each candidate timed and its ms (negative: could not run)
 };
 
 // ember's GEMM kernels (point 7; the entry points of kernels/cuda/gemm_kernels.cu): a tile of rows x cols
@@ -242,9 +275,29 @@ constexpr float kSeparateBiasPenaltyMs = 0.002f;  // the extra bias launch
 constexpr float kAtenPenaltyMs = 0.004f;          // ATen's mm over a prepared cuBLASLt call
 constexpr float kPaddedPenaltyMs = 0.008f;        // and the padding and copy-out launches
 std::mutex tuned_mutex;
-std::map<ProblemKey, Choice>& tuned() {
-  static auto* choices = new std::map<ProblemKey, Choice>();  // never freed: outlives every plan
+std::map<ProblemKey, std::shared_ptr<const Tuned>>& tuned() {
+  static auto* choices = new std::map<ProblemKey, std::shared_ptr<const Tuned>>();  // never freed: outlives every plan
   return *choices;
+}
+
+// The device as a disk record's key names it: its name, architecture and SM count; "" where CUDA cannot say
+// (no record is read or written then). Asked once per device.
+std::string device_identity(int device) {
+  static std::mutex mu;
+  static std::map<int, std::string> names;
+  std::lock_guard<std::mutex> lock(mu);
+  auto [it, fresh] = names.try_emplace(device);
+  if (fresh) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+      prop.name[sizeof(prop.name) - 1] = '\0';
+      it->second = std::string(prop.name) + " sm_" + std::to_string(prop.major) + std::to_string(prop.minor) + " " +
+                   std::to_string(prop.multiProcessorCount) + " SMs";
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  return it->second;
 }
 
 // Milliseconds per run of `launch` (which returns false, or throws, when the algorithm cannot run); negative
@@ -257,8 +310,10 @@ std::map<ProblemKey, Choice>& tuned() {
 // Each run is timed alone after a memset of `flush_bytes` (twice the L2) has
 // evicted the operands: in a model a layer's weights come from memory, not from the L2 where a loop over
 // the same operands keeps them (GPT-2 f32's 64x64-tile GEMMs ran 10% slower in the model than timed so).
+// `give_up_ms` (exhaustive tuning, point 8): a candidate whose first run takes longer is not run again, its one
+// run's time returned (it cannot win).
 template <class Launch>
-float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t flush_bytes) {
+float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t flush_bytes, float give_up_ms = -1.f) {
   auto launch = [&] {
     try {
       return launch_or_throw();
@@ -291,7 +346,7 @@ float time_runs(Launch launch_or_throw, cudaStream_t stream, void* flush, size_t
     // ~500 us of runs, at least 5 where each is timed alone: with the mean of two 100 us runs BERT-base's
     // training step picked other cuBLASLt algorithms from process to process, its GPU time per step
     // varying by 210 us (1.3%, H100).
-    if (ms >= 0.f)
+    if (ms >= 0.f && !(give_up_ms >= 0.f && ms > give_up_ms))
       ms = measure(std::clamp(static_cast<int>(0.5f / std::max(ms, 1e-3f)), 5, kMaxReps));
   }
   for (int e = 0; e < made; ++e) cudaEventDestroy(events[e]);
@@ -315,8 +370,8 @@ class LtGemm final : public FastPath {
     Epilogue epilogue = Epilogue::None;
   };
 
-  LtGemm(Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out, Operand first, Operand second)
-      : s_(shape), a_(a), b_(b), bias_(bias), out_(out), first_(first), second_(second) {}
+  LtGemm(Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out, Operand first, Operand second, Tuning tuning)
+      : s_(shape), a_(a), b_(b), bias_(bias), out_(out), first_(first), second_(second), tuning_(std::move(tuning)) {}
 
   ~LtGemm() override {
     for (Prepared& p : prepared_) p.release();
@@ -365,6 +420,42 @@ class LtGemm final : public FastPath {
     return true;
   }
 
+  // "512x768x3072 f32 +bias: lt#3 split-K 56.1 us (max-autotune); 70 timed: lt#3 split-K 56.1 us, lt#0 58.0 us, ...,
+  // 60 more up to 410.2 us, 2 could not run": each compute type's problem whose choice was timed (here or by an
+  // earlier process, "from disk"), its fastest kTuningListed candidates by GPU time (the winner's score also
+  // counts host time, so it need not be the first).
+  std::vector<std::string> tuning() const override {
+    static constexpr size_t kTuningListed = 10;
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> out;
+    for (size_t i = 0; i < 2; ++i) {
+      const Prepared& p = prepared_[i];
+      if (!p.ok || !p.tuned || p.tuned->timings.empty()) continue;
+      const Tuned& t = *p.tuned;
+      static const char* const kDtypes[] = {"f32", "f16", "bf16"};
+      static const char* const kEpilogues[] = {"", " +bias", " +bias relu", " +bias gelu"};
+      std::vector<std::pair<std::string, float>> ran;
+      size_t failed = 0;
+      std::string line = problem() + " " + kDtypes[dtype_index()] + kEpilogues[static_cast<size_t>(s_.epilogue)] +
+                         (i == 1 ? " tf32" : "") + ": " + t.choice.name;
+      for (const auto& [name, ms] : t.timings) {
+        if (name == t.choice.name) line += " " + microseconds(ms);
+        if (ms < 0.f) ++failed;
+        else ran.emplace_back(name, ms);
+      }
+      std::stable_sort(ran.begin(), ran.end(), [](const auto& x, const auto& y) { return x.second < y.second; });
+      line += std::string(" (") + (t.level == Level::Exhaustive ? "max-autotune" : "default") +
+              (t.from_disk ? ", from disk" : "") + "); " + std::to_string(t.timings.size()) + " timed: ";
+      for (size_t j = 0; j < ran.size() && j < kTuningListed; ++j)
+        line += (j ? ", " : "") + ran[j].first + " " + microseconds(ran[j].second);
+      if (ran.size() > kTuningListed)
+        line += ", " + std::to_string(ran.size() - kTuningListed) + " more up to " + microseconds(ran.back().second);
+      if (failed) line += (ran.empty() ? "" : ", ") + std::to_string(failed) + " could not run";
+      out.push_back(std::move(line));
+    }
+    return out;
+  }
+
   uint64_t calls() const { return calls_.load(std::memory_order_relaxed); }
   std::string problem() const { return std::to_string(s_.m) + "x" + std::to_string(s_.n) + "x" + std::to_string(s_.k); }
 
@@ -387,10 +478,12 @@ class LtGemm final : public FastPath {
  private:
   struct Prepared {
     bool tried = false, ok = false;
+    bool described = false;  // desc (and plain) and the layouts made
     cublasLtMatmulDesc_t desc = nullptr;   // with the step's epilogue
     cublasLtMatmulDesc_t plain = nullptr;  // without it (steps with a bias only)
     cublasLtMatrixLayout_t first = nullptr, second = nullptr, out = nullptr;
     Choice choice;
+    std::shared_ptr<const Tuned> tuned;  // how choice was made (tuning())
     void release() {
       if (first) cublasLtMatrixLayoutDestroy(first);
       if (second) cublasLtMatrixLayoutDestroy(second);
@@ -465,7 +558,8 @@ class LtGemm final : public FastPath {
            t.stride(1) == strides[1] && aligned(t);
   }
 
-  // Descriptors, layouts and the route and algorithm (choose); p.ok stays false when cuBLASLt offers none.
+  // Descriptors, layouts and the route and algorithm (choose); p.ok stays false when no candidate runs. Under
+  // exhaustive tuning the choice is max-autotune's where that level makes one (point 8), else the default's.
   void prepare(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a, const at::Tensor& b,
                const at::Tensor* bias) const {
     p.tried = true;
@@ -479,60 +573,94 @@ class LtGemm final : public FastPath {
     good = good && ok(cublasLtMatrixLayoutCreate(&p.first, type, first_.rows, first_.cols, first_.ld));
     good = good && ok(cublasLtMatrixLayoutCreate(&p.second, type, second_.rows, second_.cols, second_.ld));
     good = good && ok(cublasLtMatrixLayoutCreate(&p.out, type, static_cast<uint64_t>(s_.n), static_cast<uint64_t>(s_.m), s_.n));
-    std::vector<Choice> candidates;
-    if (good) candidates = heuristic(handle, p, p.desc, Route::Lt, p.out);
-    if (p.plain) {
-      std::vector<Choice> plain = heuristic(handle, p, p.plain, Route::LtThenBias, p.out);
-      candidates.insert(candidates.end(), plain.begin(), plain.end());
-    }
+    p.described = good;
     const int forced = forced_route();
+    std::shared_ptr<const Tuned> t;
+    if (tuning_.exhaustive) t = choose(p, handle, tf32, a, b, bias, Level::Exhaustive, forced);
+    if (!t) t = choose(p, handle, tf32, a, b, bias, Level::Default, forced);
+    if (!t) {
+      p.release();
+      return;
+    }
+    p.tuned = t;
+    p.choice = t->choice;
+    p.ok = true;
+  }
+
+  // The candidates choose() times at `level`, each route's first before the rest (a budget may run out before
+  // the last), only the forced route's where one is forced (and has any). Default (point 6): the heuristic's
+  // first kCandidates algorithms per descriptor, split-K ones where split_k_allowed; ember's kernels for small
+  // problems (point 7); ATen's mm, and padding for large problems. Exhaustive (point 8): kExhaustiveCandidates
+  // algorithms per descriptor without split-K and as many with it, every ember kernel that can run the
+  // problem, padding at any size.
+  std::vector<Choice> candidates(const Prepared& p, cublasLtHandle_t handle, Level level, int forced) const {
+    const bool all = level == Level::Exhaustive;
+    std::vector<Choice> found;
+    for (auto [desc, route] : {std::pair{p.desc, Route::Lt}, std::pair{p.plain, Route::LtThenBias}}) {
+      if (!p.described || !desc) continue;
+      std::vector<Choice> algos;
+      if (all) {
+        algos = heuristic(handle, p, desc, route, kExhaustiveCandidates, false);
+        for (Choice& c : heuristic(handle, p, desc, route, kExhaustiveCandidates, true))
+          if (std::none_of(algos.begin(), algos.end(), [&](const Choice& x) { return same_algo(x.algo, c.algo); }))
+            algos.push_back(c);
+      } else {
+        algos = heuristic(handle, p, desc, route, kCandidates, split_k_allowed(s_.m, s_.n, s_.k));
+      }
+      for (size_t i = 0; i < algos.size(); ++i)
+        algos[i].name = std::string(route == Route::Lt ? "lt#" : "lt_bias#") + std::to_string(i) +
+                        (splits_k(algos[i].algo) ? " split-K" : "");
+      found.insert(found.end(), algos.begin(), algos.end());
+    }
     const double macs = double(s_.m) * double(s_.n) * double(s_.k);
     const std::vector<void*>& functions = kernel_functions(s_.device);  // looked up here, not per call
-    if ((macs <= kKernelMaxMacs || forced == static_cast<int>(Route::Kernel)) && !functions.empty()) {
+    if ((all || macs <= kKernelMaxMacs || forced == static_cast<int>(Route::Kernel)) && !functions.empty()) {
       const int only = forced_kernel();
-      const size_t dtype = s_.dtype == c10::kFloat ? 0 : s_.dtype == c10::kHalf ? 1 : 2;
       for (size_t i = 0; i < kKernelConfigCount; ++i) {
         const KernelConfig& k = kKernelConfigs[i];
         // Correct for any strides; worth timing only where its loads are coalesced (skinny) or its tile
         // is not mostly empty (t64).
-        const bool can = (k.skinny ? s_.m <= k.rows : (s_.m + k.rows - 1) / k.rows <= 65535) &&
-                         (s_.n + k.cols - 1) / k.cols <= INT32_MAX;
         const bool worth = s_.m >= k.min_rows && s_.k >= k.min_k && (!k.skinny || s_.b_strides[0] == 1 || s_.k == 1);
-        if (can && (only >= 0 ? static_cast<int>(i) == only : worth))
-          candidates.push_back({Route::Kernel, {}, 0, static_cast<int>(i), functions[i * 3 + dtype]});
+        if (kernel_can_run(k) && (only >= 0 ? static_cast<int>(i) == only : all || worth))
+          found.push_back({Route::Kernel, {}, 0, static_cast<int>(i), functions[i * 3 + dtype_index()],
+                           std::string("kernel ") + k.name});
       }
     }
-    if (good && (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias)) {
-      candidates.push_back({Route::Aten, {}, 0});
-      const bool large = double(s_.m) * double(s_.n) * double(s_.k) >= kPaddedMinMacs;
-      if (padded_width() != s_.n && (large || forced == static_cast<int>(Route::Padded)))
-        candidates.push_back({Route::Padded, {}, 0});
+    if (p.described && (s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias)) {
+      found.push_back({Route::Aten, {}, 0, 0, nullptr, "aten"});
+      const bool large = macs >= kPaddedMinMacs;
+      if (padded_width() != s_.n && (all || large || forced == static_cast<int>(Route::Padded)))
+        found.push_back({Route::Padded, {}, 0, 0, nullptr, "padded"});
     }
-    if (candidates.empty()) {
-      p.release();
-      return;
+    std::vector<Choice> leaders, rest;
+    std::array<bool, kRoutes> seen{};
+    for (Choice& c : found) {
+      bool& route_seen = seen[static_cast<size_t>(c.route)];
+      (route_seen ? rest : leaders).push_back(std::move(c));
+      route_seen = true;
     }
-
-    // The first candidate of each route goes first: the timing budget may run out before the last.
-    {
-      std::vector<Choice> leaders, rest;
-      std::array<bool, kRoutes> seen{};
-      for (const Choice& c : candidates) {
-        bool& route_seen = seen[static_cast<size_t>(c.route)];
-        (route_seen ? rest : leaders).push_back(c);
-        route_seen = true;
-      }
-      leaders.insert(leaders.end(), rest.begin(), rest.end());
-      candidates = std::move(leaders);
-    }
+    leaders.insert(leaders.end(), std::make_move_iterator(rest.begin()), std::make_move_iterator(rest.end()));
     if (forced >= 0) {
       std::vector<Choice> only;
-      for (const Choice& c : candidates)
+      for (const Choice& c : leaders)
         if (static_cast<int>(c.route) == forced) only.push_back(c);
-      if (!only.empty()) candidates = std::move(only);
+      if (!only.empty()) return only;
     }
-    p.choice = choose(p, handle, tf32, a, b, bias, candidates, forced);
-    p.ok = true;
+    return leaders;
+  }
+
+  bool kernel_can_run(const KernelConfig& k) const {
+    return (k.skinny ? s_.m <= k.rows : (s_.m + k.rows - 1) / k.rows <= 65535) && (s_.n + k.cols - 1) / k.cols <= INT32_MAX;
+  }
+  size_t dtype_index() const { return s_.dtype == c10::kFloat ? 0 : s_.dtype == c10::kHalf ? 1 : 2; }
+  static bool same_algo(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+    return std::memcmp(&x, &y, sizeof(x)) == 0;
+  }
+  static std::string microseconds(float ms) {
+    if (ms < 0.f) return "could not run";
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.1f us", double(ms) * 1e3);
+    return text;
   }
 
   bool make_desc(cublasLtMatmulDesc_t* desc, bool tf32, cublasLtEpilogue_t epilogue) const {
@@ -551,16 +679,17 @@ class LtGemm final : public FastPath {
     return good;
   }
 
-  // The heuristic's first kCandidates algorithms for `desc` that run within the workspace limit.
+  // The heuristic's first `count` algorithms for `desc` that run within the workspace limit; split-K ones only
+  // where `split_k`.
   std::vector<Choice> heuristic(cublasLtHandle_t handle, const Prepared& p, cublasLtMatmulDesc_t desc, Route route,
-                                cublasLtMatrixLayout_t out_layout) const {
+                                int count, bool split_k) const {
     cublasLtMatmulPreference_t pref = nullptr;
     bool good = ok(cublasLtMatmulPreferenceCreate(&pref));
     size_t max_workspace = kMaxWorkspace;
     uint32_t alignment = kAlignment;
     good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                            &max_workspace, sizeof(max_workspace)));
-    if (!split_k_allowed(s_.m, s_.n, s_.k)) {
+    if (!split_k) {
       uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE;
       good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
                                                              sizeof(schemes)));
@@ -568,70 +697,114 @@ class LtGemm final : public FastPath {
     for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
                       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
       good = good && ok(cublasLtMatmulPreferenceSetAttribute(pref, attr, &alignment, sizeof(alignment)));
-    cublasLtMatmulHeuristicResult_t results[kCandidates] = {};
+    std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(count));
     int returned = 0;
-    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, desc, p.first, p.second, out_layout, out_layout, pref, kCandidates,
-                                                     results, &returned));
+    good = good && ok(cublasLtMatmulAlgoGetHeuristic(handle, desc, p.first, p.second, p.out, p.out, pref, count,
+                                                     results.data(), &returned));
     if (pref) cublasLtMatmulPreferenceDestroy(pref);
     std::vector<Choice> out;
-    for (int i = 0; good && i < returned; ++i)
+    for (int i = 0; good && i < std::min(returned, count); ++i)
       if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= kMaxWorkspace)
         out.push_back({route, results[i].algo, results[i].workspaceSize});
     return out;
   }
 
-  // The fastest candidate on this problem (point 6 above), timed once per process; candidates[0] (the
-  // heuristic's pick with the epilogue) while a graph is being captured.
-  Choice choose(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a, const at::Tensor& b,
-                const at::Tensor* bias, const std::vector<Choice>& candidates, int forced) const {
+  // The choice for this problem at `level` and what it was made from; null where `level` makes none (exhaustive
+  // tuning while a graph is captured or past its budget: the default's choice follows) or no candidate runs.
+  // Made once per process, by the first step with the problem: read from the disk where an earlier process
+  // timed it, else by timing the candidates (points 6 and 8) and written to the disk. While a CUDA graph is
+  // captured, and where there is one candidate, the first candidate untimed.
+  std::shared_ptr<const Tuned> choose(Prepared& p, cublasLtHandle_t handle, bool tf32, const at::Tensor& a,
+                                      const at::Tensor& b, const at::Tensor* bias, Level level, int forced) const {
+    const bool exhaustive = level == Level::Exhaustive;
+    const auto began = std::chrono::steady_clock::now();
     // Replays of a CUDA graph launch nothing from the host: host-time penalties do not apply to the
     // choice a warm-up for capture makes (warming_for_graphs), which is kept apart.
     const bool for_graphs = warming_for_graphs();
     const ProblemKey key = {s_.m, s_.n, s_.k, s_.a_strides[0], s_.a_strides[1], s_.b_strides[0], s_.b_strides[1],
                             static_cast<int64_t>(s_.dtype), static_cast<int64_t>(s_.epilogue), tf32, s_.device,
-                            forced + 16 * (forced_kernel() + 1), for_graphs};
+                            forced + 16 * (forced_kernel() + 1), for_graphs, static_cast<int64_t>(level)};
     {
       std::lock_guard<std::mutex> lock(tuned_mutex);
       auto it = tuned().find(key);
       if (it != tuned().end()) return it->second;
     }
-    if (candidates.size() == 1) return candidates[0];
+    auto untimed = [&](const std::vector<Choice>& candidates) -> std::shared_ptr<const Tuned> {
+      if (candidates.empty()) return nullptr;
+      auto t = std::make_shared<Tuned>();
+      t->choice = candidates[0];
+      t->level = level;
+      return t;
+    };
     cudaStream_t stream = at::cuda::getCurrentCUDAStream(s_.device).stream();
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess || capturing != cudaStreamCaptureStatusNone) {
       (void)cudaGetLastError();
-      return candidates[0];
+      return exhaustive ? nullptr : untimed(candidates(p, handle, level, forced));
     }
+    const std::string dir = disk_cache_dir();
+    const std::string record = dir.empty() ? std::string() : record_key(key);
+    if (std::shared_ptr<const Tuned> t = from_disk(p, handle, dir, record, level, forced)) {
+      std::lock_guard<std::mutex> lock(tuned_mutex);
+      return tuned().emplace(key, t).first->second;
+    }
+    if (exhaustive && (!tuning_.budget || !tuning_.budget->left())) {
+      gemm_tuning_counters().over_budget.fetch_add(1);
+      return nullptr;
+    }
+    const std::vector<Choice> candidates = this->candidates(p, handle, level, forced);
+    if (candidates.size() <= 1) return untimed(candidates);
+
     size_t workspace_bytes = 0;
     for (const Choice& c : candidates) workspace_bytes = std::max(workspace_bytes, c.workspace);
     at::Tensor out = at::empty({s_.m, s_.n}, a.options());
     at::Tensor workspace = at::empty({static_cast<int64_t>(std::max<size_t>(workspace_bytes, 1))}, a.options().dtype(at::kByte));
     int l2 = 0;  // evicted before each timed run (time_runs)
-    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, s_.device) != cudaSuccess || l2 <= 0) l2 = 64 << 20;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, s_.device) != cudaSuccess || l2 <= 0) {
+      (void)cudaGetLastError();
+      l2 = 64 << 20;
+    }
     const at::Tensor flush = at::empty({2 * static_cast<int64_t>(l2)}, a.options().dtype(at::kByte));
     if (bias) {
       const void* ptr = bias->data_ptr();
       if (cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ptr, sizeof(ptr)) !=
           CUBLAS_STATUS_SUCCESS)
-        return candidates[0];
+        return untimed(candidates);
     }
     // The cuBLASLt/ATen candidates compete on their scores as they always did; the best kernel then
     // replaces the winner where it is faster with host time counted (point 7).
     Choice best = candidates[0], best_kernel;
-    float best_ms = -1.f, kernel_ms = -1.f, spent_ms = 0.f;
-    // Candidates come each route's first, then the rest (prepare): those leaders are always timed.
+    float best_ms = -1.f, kernel_ms = -1.f, fastest_ms = -1.f, spent_ms = 0.f;
+    auto t = std::make_shared<Tuned>();
+    t->level = level;
+    bool cut_short = false;  // exhaustive tuning stopped by the graph's budget: not kept beyond this step
+    // Candidates come each route's first, then the rest (candidates()): those leaders are always timed.
     std::array<bool, kRoutes> route_seen{};
     const auto start = std::chrono::steady_clock::now();
+    auto charged = began;  // exhaustive: wall time up to here is charged to the budget
     for (const Choice& c : candidates) {
-      if (spent_ms > kTuningBudgetMs) break;
       bool& leader_seen = route_seen[static_cast<size_t>(c.route)];
-      if (leader_seen && std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - start).count() >
-                             kTuningWallMs)
-        break;
+      if (exhaustive) {
+        const auto now = std::chrono::steady_clock::now();
+        tuning_.budget->spend(std::chrono::duration<double>(now - charged).count());
+        charged = now;
+        if (!t->timings.empty() && !tuning_.budget->left()) {
+          cut_short = true;
+          break;
+        }
+      } else {
+        if (spent_ms > kTuningBudgetMs) break;
+        if (leader_seen && std::chrono::duration<float, std::milli>(std::chrono::steady_clock::now() - start).count() >
+                               kTuningWallMs)
+          break;
+      }
       leader_seen = true;
+      const float give_up = exhaustive && fastest_ms >= 0.f ? std::max(4.f * fastest_ms, 0.05f) : -1.f;
       float ms = time_runs([&] { return launch(p, c, handle, a, b, bias, out, workspace.data_ptr(), stream); }, stream,
-                           flush.data_ptr(), static_cast<size_t>(flush.numel()));
+                           flush.data_ptr(), static_cast<size_t>(flush.numel()), give_up);
+      t->timings.emplace_back(c.name, ms);
       if (ms < 0.f) continue;
+      if (fastest_ms < 0.f || ms < fastest_ms) fastest_ms = ms;
       spent_ms += 5.f * ms;
       if (c.route == Route::Kernel) {
         if (kernel_ms < 0.f || ms < kernel_ms) best_kernel = c, kernel_ms = ms;
@@ -644,32 +817,127 @@ class LtGemm final : public FastPath {
       if (c.route == Route::Padded) ms += host * kPaddedPenaltyMs;
       if (best_ms < 0.f || ms < best_ms) best = c, best_ms = ms;
     }
+    if (exhaustive) tuning_.budget->spend(std::chrono::duration<double>(std::chrono::steady_clock::now() - charged).count());
     if (kernel_ms >= 0.f) {
       const bool kernel_wins = best_ms < 0.f || (for_graphs ? kernel_ms < best_ms
                                                             : std::max(kernel_ms, kKernelHostMs) < std::max(best_ms, kLtHostMs));
       if (kernel_wins) best = best_kernel;
     }
-    std::lock_guard<std::mutex> lock(tuned_mutex);
-    tuned().emplace(key, best);
-    return best;
+    t->choice = best;
+    (exhaustive ? gemm_tuning_counters().autotuned : gemm_tuning_counters().timed).fetch_add(1);
+    if (cut_short) return t;
+    {
+      std::lock_guard<std::mutex> lock(tuned_mutex);
+      tuned().emplace(key, t);
+    }
+    if (!record.empty() && (best_ms >= 0.f || kernel_ms >= 0.f)) {  // not where nothing ran
+      GemmRecord r;
+      r.key = record;
+      r.route = static_cast<uint8_t>(best.route);
+      r.config = best.config;
+      r.workspace = best.workspace;
+      std::memcpy(r.algo.data(), &best.algo, sizeof(best.algo));
+      r.winner = best.name;
+      r.timings = t->timings;
+      gemm_record_store(dir, r);  // best effort: a failed write costs the next process a timing
+    }
+    return t;
+  }
+
+  // The disk record's key for `key` (gemm_record.h): ember's version and this file's build (a rebuilt gemm.cpp
+  // may choose differently: its candidates, penalties or launches changed), the device by name (not index),
+  // cuBLASLt's version, whether ember's kernels could load, and every other field of the problem; "" where the
+  // device cannot be named.
+  std::string record_key(const ProblemKey& key) const {
+    const std::string device = device_identity(s_.device);
+    if (device.empty()) return "";
+    std::string text = std::string("ember ") + EMBER_VERSION + " gemm 1 built " + __DATE__ + " " + __TIME__ +
+                       "\ndevice " + device + "\ncublasLt " +
+                       std::to_string(cublasLtGetVersion()) + "\nkernels " +
+                       (kernel_functions(s_.device).empty() ? "0" : "1") + "\nproblem";
+    for (size_t i = 0; i < key.size(); ++i)
+      if (i != kDeviceField) text += " " + std::to_string(key[i]);
+    return text;
+  }
+
+  // The choice an earlier process stored under `record`, where this step can run it (usable); counted either way.
+  std::shared_ptr<const Tuned> from_disk(const Prepared& p, cublasLtHandle_t handle, const std::string& dir,
+                                         const std::string& record, Level level, int forced) const {
+    if (dir.empty() || record.empty()) return nullptr;
+    const std::optional<GemmRecord> r = gemm_record_find(dir, record);
+    if (!r) return nullptr;
+    std::optional<Choice> choice = usable(*r, p, handle, forced);
+    if (!choice) {
+      gemm_tuning_counters().refused.fetch_add(1);
+      return nullptr;
+    }
+    gemm_tuning_counters().from_disk.fetch_add(1);
+    auto t = std::make_shared<Tuned>();
+    t->choice = std::move(*choice);
+    t->level = level;
+    t->from_disk = true;
+    t->timings = r->timings;
+    return t;
+  }
+
+  // The choice record `r` holds, where this step can run it: a route it offers (ATen's and the padded one for
+  // plain or biased GEMMs, the separate bias for biased ones), an ember kernel this build loaded for the device
+  // whose configuration fits the problem, a cuBLASLt algorithm that cublasLtMatmulAlgoCheck accepts for the
+  // step's own descriptors within the workspace limit. Anything else: nullopt (the problem is timed again).
+  std::optional<Choice> usable(const GemmRecord& r, const Prepared& p, cublasLtHandle_t handle, int forced) const {
+    if (r.route >= kRoutes || (forced >= 0 && r.route != forced)) return std::nullopt;
+    Choice c;
+    c.route = static_cast<Route>(r.route);
+    c.name = r.winner;
+    const bool plain_or_bias = s_.epilogue == Epilogue::None || s_.epilogue == Epilogue::Bias;
+    switch (c.route) {
+      case Route::Kernel: {
+        const std::vector<void*>& functions = kernel_functions(s_.device);
+        const int only = forced_kernel();
+        if (r.config < 0 || static_cast<size_t>(r.config) >= kKernelConfigCount || functions.empty() ||
+            !kernel_can_run(kKernelConfigs[r.config]) || (only >= 0 && only != r.config))
+          return std::nullopt;
+        c.config = r.config;
+        c.function = functions[static_cast<size_t>(r.config) * 3 + dtype_index()];
+        return c.function ? std::optional<Choice>(c) : std::nullopt;
+      }
+      case Route::Aten:
+      case Route::Padded:
+        return p.described && plain_or_bias ? std::optional<Choice>(c) : std::nullopt;
+      case Route::Lt:
+      case Route::LtThenBias: {
+        const cublasLtMatmulDesc_t desc = c.route == Route::Lt ? p.desc : p.plain;
+        if (!p.described || !desc || !handle || r.workspace > kMaxWorkspace) return std::nullopt;
+        std::memcpy(&c.algo, r.algo.data(), sizeof(c.algo));
+        cublasLtMatmulHeuristicResult_t result{};
+        if (!ok(cublasLtMatmulAlgoCheck(handle, desc, p.first, p.second, p.out, p.out, &c.algo, &result)) ||
+            !ok(result.state) || result.workspaceSize > kMaxWorkspace)
+          return std::nullopt;
+        c.workspace = std::max<size_t>(result.workspaceSize, r.workspace);
+        return c;
+      }
+    }
+    return std::nullopt;
   }
 
   Shape s_;
   uint32_t a_, b_;
   int32_t bias_, out_;
   Operand first_, second_;  // B^T and A^T as cuBLASLt takes them
+  Tuning tuning_;            // the plan's (point 8)
   mutable std::mutex mutex_;
   mutable std::atomic<uint64_t> calls_{0};  // for describe(): tests check the fast path ran
   mutable Prepared prepared_[2];  // [0]: full f32 (or 16-bit) compute, [1]: TF32
 };
 
 // The GEMM of one concrete problem; null where cuBLASLt cannot take its operands as they lie in memory.
-std::shared_ptr<LtGemm> concrete_gemm(const LtGemm::Shape& s, uint32_t a, uint32_t b, int32_t bias, int32_t out) {
+std::shared_ptr<LtGemm> concrete_gemm(const LtGemm::Shape& s, uint32_t a, uint32_t b, int32_t bias, int32_t out,
+                                      const Tuning& tuning) {
   if (s.m == 0 || s.n == 0 || s.k == 0) return nullptr;
   std::optional<Operand> first = transposed_view(s.k, s.n, s.b_strides[0], s.b_strides[1]);   // B^T
   std::optional<Operand> second = transposed_view(s.m, s.k, s.a_strides[0], s.a_strides[1]);  // A^T
   if (!first || !second) return nullptr;
-  return std::make_shared<LtGemm>(s, a, b, bias, out, *first, *second);
+  return std::make_shared<LtGemm>(s, a, b, bias, out, *first, *second, tuning);
 }
 
 // A GEMM whose sizes or strides the IR holds as symbols (a graph Dynamo made dynamic): one LtGemm per concrete
@@ -685,8 +953,8 @@ class PerSizeGemm final : public FastPath {
   static constexpr size_t kMaxProblems = 64;
   static constexpr size_t kPlansAtWarmUp = 8;
 
-  PerSizeGemm(LtGemm::Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out)
-      : s_(shape), a_(a), b_(b), bias_(bias), out_(out) {}
+  PerSizeGemm(LtGemm::Shape shape, uint32_t a, uint32_t b, int32_t bias, int32_t out, Tuning tuning)
+      : s_(shape), a_(a), b_(b), bias_(bias), out_(out), tuning_(std::move(tuning)) {}
 
   bool run(std::vector<c10::IValue>& buffers) const override {
     const at::Tensor* a = buffer_tensor(buffers, a_);
@@ -707,7 +975,7 @@ class PerSizeGemm final : public FastPath {
       LtGemm::Shape s = s_;
       s.m = key[0], s.k = key[1], s.n = key[2];
       s.a_strides[0] = key[3], s.a_strides[1] = key[4], s.b_strides[0] = key[5], s.b_strides[1] = key[6];
-      p->gemm = concrete_gemm(s, a_, b_, bias_, out_);
+      p->gemm = concrete_gemm(s, a_, b_, bias_, out_, tuning_);
       p->unsupported = !p->gemm;
       if (!p->gemm) return false;
       ++made_;
@@ -730,6 +998,15 @@ class PerSizeGemm final : public FastPath {
            (made > 4 ? ", ..." : "") + "), " + std::to_string(calls) + " calls";
   }
 
+  std::vector<std::string> tuning() const override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<std::string> out;
+    for (const Problem& p : problems_)
+      if (p.gemm)
+        for (std::string& line : p.gemm->tuning()) out.push_back(std::move(line));
+    return out;
+  }
+
  private:
   using Key = std::array<int64_t, 7>;  // m, k, n, A's strides, B's strides
   struct Problem {
@@ -741,13 +1018,14 @@ class PerSizeGemm final : public FastPath {
   LtGemm::Shape s_;  // dtype, device and epilogue; the sizes and strides come per problem
   uint32_t a_, b_;
   int32_t bias_, out_;
+  Tuning tuning_;
   mutable std::mutex mutex_;
   mutable std::vector<Problem> problems_;
   mutable size_t last_ = 0;
   mutable size_t made_ = 0;  // problems with an LtGemm
 };
 
-std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step, const Tuning& tuning) {
   static const bool enabled = [] {  // EMBER_CUBLASLT=0: every GEMM stays an ATen call
     return !config_is("EMBER_CUBLASLT", "0");
   }();
@@ -795,12 +1073,12 @@ std::shared_ptr<const FastPath> make_gemm(const Node& n, const Step& step) {
   const uint32_t a_buffer = *slot_buffer(step, static_cast<uint32_t>(first_matrix));
   const uint32_t b_buffer = *slot_buffer(step, static_cast<uint32_t>(first_matrix + 1));
   if (!static_matrix(a) || !static_matrix(b) || !static_matrix(out))  // sizes Dynamo made dynamic: per problem
-    return std::make_shared<PerSizeGemm>(s, a_buffer, b_buffer, bias, step.outputs[0]);
+    return std::make_shared<PerSizeGemm>(s, a_buffer, b_buffer, bias, step.outputs[0], tuning);
   s.m = a.sizes[0].value, s.k = a.sizes[1].value, s.n = b.sizes[1].value;
   if (b.sizes[0].value != s.k || out.sizes[0].value != s.m || out.sizes[1].value != s.n) return nullptr;
   s.a_strides[0] = a.strides[0].value, s.a_strides[1] = a.strides[1].value;
   s.b_strides[0] = b.strides[0].value, s.b_strides[1] = b.strides[1].value;
-  return concrete_gemm(s, a_buffer, b_buffer, bias, step.outputs[0]);
+  return concrete_gemm(s, a_buffer, b_buffer, bias, step.outputs[0], tuning);
 }
 
 const bool registered = (register_fast_path(&make_gemm), true);

@@ -217,7 +217,7 @@ const ListSlot* list_at(const Step& step, uint32_t slot) {
   return nullptr;
 }
 
-std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_linear_chain(const Node& n, const Step& step, const Tuning&) {
   if (n.op != "ember::linear_chain" || n.args.size() < 4 || n.args.size() > 5 || !n.kwargs.empty() ||
       n.outputs.size() != 1 || step.outputs.size() != 1 || step.outputs[0] < 0 || !n.outputs[0]->type.is_tensor())
     return nullptr;

@@ -223,7 +223,7 @@ class MaxPool final : public FastPath {
   mutable std::atomic<uint64_t> calls_{0};
 };
 
-std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step) {
+std::shared_ptr<const FastPath> make_max_pool(const Node& n, const Step& step, const Tuning&) {
   std::optional<MaxPoolArgs> a = max_pool_args(n, step, /*cuda=*/true);
   if (!a || a->indices >= 0) return nullptr;  // read indices (training): ATen's op writes them
   // max_pool_args checked that the input is a 4-D CUDA tensor value.

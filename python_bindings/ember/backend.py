@@ -11,7 +11,8 @@ call's backward instead (joint.py: BERT-base training's ATen tracing 1.3-1.5 s l
 trace_by_node = False keeps AOTAutograd for it.
 
 Options (torch.compile's `options=` dict) are the settings of ember.config marked `option` (config.py:
-fallback, disable_passes, debug_dir, cudagraphs, cudagraph_warmup, cudagraph_max_graphs, parameter_cache);
+fallback, disable_passes, debug_dir, cudagraphs, cudagraph_warmup, cudagraph_max_graphs, autotune,
+autotune_budget_s, parameter_cache);
 one compile's options take precedence over ember.config and the environment. torch.compile hands mode and
 options to the backend only at the first call, so that is where an unknown one raises (CompileConfig), before
 anything is traced.
@@ -38,11 +39,12 @@ from . import config as ember_config
 from .errors import EmberError
 
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-# Inductor's tuning modes, accepted so that code written for inductor runs when its backend string changes:
-# max-autotune captures CUDA graphs as reduce-overhead does (as inductor's does), max-autotune-no-cudagraphs
-# does not. Neither tunes beyond the default mode yet: ember's GEMM routes and kernel variants are chosen as
-# there.
+# Inductor's tuning modes: their CUDA GEMMs time every candidate at their first calls, within autotune_budget_s per
+# graph (CompileOptions::autotune, kernels/cuda/gemm.cpp; options={"autotune": True} asks the same of any mode, as
+# torch.compile takes a mode or options, not both); max-autotune captures CUDA graphs as reduce-overhead does (as
+# inductor's does), max-autotune-no-cudagraphs does not.
 _GRAPH_MODES = ("reduce-overhead", "max-autotune")
+_AUTOTUNE_MODES = ("max-autotune", "max-autotune-no-cudagraphs")
 OPTIONS = ember_config.OPTIONS
 
 _graph_ids = itertools.count()
@@ -66,6 +68,9 @@ class CompileConfig:
         self.cudagraph_warmup = resolved["cudagraph_warmup"]
         self.cudagraph_max_graphs = resolved["cudagraph_max_graphs"]
         self.parameter_cache = resolved["parameter_cache"]
+        tune = resolved["autotune"]
+        self.autotune = self.mode in _AUTOTUNE_MODES if tune is None else tune
+        self.autotune_budget_s = resolved["autotune_budget_s"]
 
     def check_passes(self, known):
         unknown = [p for p in self.disabled_passes if p not in known]
@@ -142,7 +147,8 @@ def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_n
     from torch._dispatch.python import enable_python_dispatcher
 
     with enable_python_dispatcher():
-        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs)
+        compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs,
+                              config.autotune, config.autotune_budget_s)
     compiled._boxed_call = True
     if cached:
         compiled.cache_parameter_steps(cached)
@@ -190,7 +196,8 @@ def _compile_subgraphs(subgraphs, config, prefix):
         ir, constants, nested = lower_graph(sub)
         lower_ms = (time.perf_counter() - start) * 1e3
         nested = _compile_subgraphs(nested, config, graph_name)
-        compiled[name] = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, [], nested)
+        compiled[name] = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, [], nested,
+                                    config.autotune, config.autotune_budget_s)
         report.record_graph(graph_name, "subgraph", _fx_nodes(sub), compiled[name], lower_ms, ir)
     return compiled
 

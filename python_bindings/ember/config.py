@@ -129,12 +129,22 @@ SETTINGS = {s.name: s for s in (
     Setting("cudagraph_max_graphs", int, 8,
             "input signatures captured per graph; past it the least recently used one gives its graphs up, with one "
             "warning", USER, option=True, minimum=1),
+    Setting("autotune", bool, None,
+            'time every candidate of each CUDA GEMM at its first call, within autotune_budget_s; None: on in '
+            'mode="max-autotune" and "max-autotune-no-cudagraphs" (torch.compile takes a mode or options, not both), '
+            "off otherwise", USER, option=True),
+    Setting("autotune_budget_s", int, 30,
+            "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates; problems met "
+            "after it is spent get the default mode's choice; 0: none tuned beyond it. Timed choices, in every mode, "
+            "are kept in <cache_dir>/gemm for later processes",
+            USER, option=True, minimum=0),
     Setting("parameter_cache", bool, True,
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms) again only "
             "when a parameter changes; off where parameters change through `.data`, which ember cannot see",
             USER, option=True),
     Setting("cache_dir", str, "",
-            'the directory of the disk caches (CUDA kernels, whole compiles); empty: ~/.cache/ember; "off": none', USER,
+            'the directory of the disk caches (CUDA kernels, timed GEMM choices, whole compiles); empty: '
+            '~/.cache/ember; "off": none', USER,
             cpp=True),
     Setting("compile_cache", bool, True,
             "whole compiles (the IR after tracing and lowering) kept in <cache_dir>/graphs, so that a restarted "

@@ -4,7 +4,8 @@
     print(report)
 
 The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels,
-oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the graphs that fell back
+oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the CUDA GEMMs whose
+choice was timed (each candidate's time and the winner; mode="max-autotune" times them all), the graphs that fell back
 to eager and why, and the compile time split into Dynamo and ATen tracing (AOTAutograd, trace.py's one pass or
 joint.py's call-by-call training trace), lowering to IR, ember's passes, code generation and plan building.
 """
@@ -35,6 +36,14 @@ class GraphReport:
         if self.compiled is not None and self.compiled.cuda_graphs:
             return self.compiled.cuda_graph_report()
         return ""
+
+    @property
+    def tuned(self):
+        """What the graph's steps timed to choose, one line per problem (the CUDA GEMMs: kernels/cuda/gemm.cpp), read
+        when asked: the choices are made at a step's first call, after the compile."""
+        if self.compiled is None or not hasattr(self.compiled, "tuning"):
+            return []
+        return list(self.compiled.tuning())
 
     @property
     def kernels(self):
@@ -94,6 +103,8 @@ class ExplainReport:
                 lines.append(f"    folded  {g.folded_batchnorms} batch norm(s) into convolution weights")
             if aten:
                 lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
+            for line in g.tuned:
+                lines.append(f"    tuned   {line}")
             if g.cuda_graphs:
                 lines.extend("    " + line for line in g.cuda_graphs.rstrip().splitlines())
             elif g.graphs_note:

@@ -30,6 +30,10 @@ struct CompileOptions {
   // The subgraphs this graph's control flow nodes name (torch.cond's branches, a while_loop's condition and
   // body, a scan's combine function), each compiled before this graph, by the name the node gives.
   Subgraphs subgraphs;
+  // mode="max-autotune": the steps that time their choices (CUDA GEMMs) try every candidate, until the graph
+  // has spent `autotune_budget_s` seconds timing (runtime.h: Tuning).
+  bool autotune = false;
+  double autotune_budget_s = 30;
 };
 
 struct PassContext {

@@ -9,6 +9,7 @@
 #include <ATen/core/ivalue.h>
 
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -75,6 +76,28 @@ class FastPath {
   virtual ~FastPath() = default;
   virtual bool run(std::vector<c10::IValue>& buffers) const = 0;
   virtual std::string describe() const = 0;  // for the plan's listing
+  // What it timed to make its choice, one line per problem (ember.explain); empty where it timed nothing.
+  virtual std::vector<std::string> tuning() const { return {}; }
+};
+
+// How hard the fast paths that time their choices at a step's first call (the CUDA GEMMs,
+// kernels/cuda/gemm.cpp) tune. Default: a few candidates per problem, each problem within a small budget of its
+// own. Exhaustive (mode="max-autotune"): every candidate, while the graph's budget lasts; problems met after it is
+// spent get the default's choice. A plan's steps share one budget.
+class TuningBudget {
+ public:
+  explicit TuningBudget(double seconds) : seconds_(seconds) {}
+  bool left() const;
+  void spend(double seconds);
+
+ private:
+  const double seconds_;
+  mutable std::mutex mu_;
+  double spent_ = 0;
+};
+struct Tuning {
+  bool exhaustive = false;
+  std::shared_ptr<TuningBudget> budget;  // exhaustive only; null: nothing is tuned beyond the default
 };
 
 // True on a thread while it runs a plan to warm up for CUDA graph capture (cudagraph/replay.cpp, through
@@ -95,8 +118,8 @@ class WarmingForGraphs {
 struct Step;
 // Makes a fast path for node `n` bound as `step`, or null. Makers registered here are asked for every ATen
 // step, in registration order, once the plan's frees are scheduled (an output in the step's own frees is
-// one nothing reads); the first non-null answer wins.
-using FastPathMaker = std::shared_ptr<const FastPath> (*)(const Node& n, const Step& step);
+// one nothing reads); the first non-null answer wins. `tuning`: the plan's (build_plan).
+using FastPathMaker = std::shared_ptr<const FastPath> (*)(const Node& n, const Step& step, const Tuning& tuning);
 void register_fast_path(FastPathMaker maker);
 
 // For fast paths: the buffer bound to `step`'s argument slot `slot`, if a buffer is (at plan time), and
@@ -257,7 +280,8 @@ GroupKernel make_control_flow_kernel(const Node& n, const Subgraphs& subgraphs);
 // Builds the plan for `graph`. Throws ember::Error naming the node for anything it cannot bind
 // (unknown op, argument that does not fit the schema, missing constant).
 // `kernels` maps fusion group ids to generated kernels; groups without one run node by node.
+// `tuning` goes to the fast path makers.
 Plan build_plan(const Graph& graph, const std::unordered_map<std::string, at::Tensor>& constants,
-                const std::unordered_map<int, GroupKernel>& kernels = {});
+                const std::unordered_map<int, GroupKernel>& kernels = {}, const Tuning& tuning = {});
 
 }  // namespace ember

@@ -1,0 +1,129 @@
+// Record file: "EMBERGEM", u32 layout version, the key (u64 length, bytes), u8 route, i32 configuration,
+// u64 workspace, the algorithm's 64 bytes, the winner's name (u64 length, bytes), u32 candidate count and per candidate its name (u64 length, bytes)
+// and f32 milliseconds, then the XXH64 of everything before it. Little-endian as the host writes it (the key
+// names the device, so a file never travels between hosts that would read it differently).
+#include "kernels/cuda/gemm_record.h"
+
+#include "backend/package/xxhash.h"
+#include "kernels/cuda/disk_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+
+namespace ember::cuda {
+namespace {
+
+constexpr char kMagic[8] = {'E', 'M', 'B', 'E', 'R', 'G', 'E', 'M'};
+constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kMaxTimings = 4096;    // far above any problem's candidates
+constexpr uint64_t kMaxNameBytes = 256;   // a candidate's name
+
+uint64_t checksum(const std::string& bytes, size_t n) {
+  return xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), n, 0);
+}
+
+std::string file_name(const std::string& key) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "%016llx.bin", static_cast<unsigned long long>(checksum(key, key.size())));
+  return name;
+}
+
+template <class T>
+void put(std::string& out, const T& v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+void put_string(std::string& out, const std::string& s) {
+  put(out, static_cast<uint64_t>(s.size()));
+  out += s;
+}
+
+// Reads from [pos, end) of a byte string, refusing anything that would run past `end`.
+class Reader {
+ public:
+  Reader(const std::string& bytes, size_t end) : bytes_(bytes), end_(end) {}
+
+  template <class T>
+  bool get(T* v) {
+    if (end_ - pos_ < sizeof(T)) return false;
+    std::memcpy(v, bytes_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return true;
+  }
+  bool get_string(std::string* s, uint64_t max_bytes) {
+    uint64_t n = 0;
+    if (!get(&n) || n > max_bytes || n > end_ - pos_) return false;
+    s->assign(bytes_, pos_, static_cast<size_t>(n));
+    pos_ += static_cast<size_t>(n);
+    return true;
+  }
+  bool done() const { return pos_ == end_; }
+
+ private:
+  const std::string& bytes_;
+  const size_t end_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+std::string gemm_record_bytes(const GemmRecord& r) {
+  std::string out(kMagic, sizeof(kMagic));
+  put(out, kLayoutVersion);
+  put_string(out, r.key);
+  put(out, r.route);
+  put(out, r.config);
+  put(out, r.workspace);
+  out.append(reinterpret_cast<const char*>(r.algo.data()), r.algo.size());
+  put_string(out, r.winner.size() <= kMaxNameBytes ? r.winner : r.winner.substr(0, kMaxNameBytes));
+  const uint32_t count = static_cast<uint32_t>(std::min<size_t>(r.timings.size(), kMaxTimings));
+  put(out, count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const std::string& name = r.timings[i].first;
+    put_string(out, name.size() <= kMaxNameBytes ? name : name.substr(0, kMaxNameBytes));
+    put(out, r.timings[i].second);
+  }
+  put(out, checksum(out, out.size()));
+  return out;
+}
+
+std::optional<GemmRecord> parse_gemm_record(const std::string& bytes, const std::string& key) {
+  if (bytes.size() < sizeof(kMagic) + sizeof(uint64_t)) return std::nullopt;
+  const size_t body = bytes.size() - sizeof(uint64_t);
+  uint64_t stored = 0;
+  std::memcpy(&stored, bytes.data() + body, sizeof(stored));
+  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0 || checksum(bytes, body) != stored) return std::nullopt;
+  Reader in(bytes, body);
+  char magic[sizeof(kMagic)];
+  uint32_t version = 0, count = 0;
+  GemmRecord r;
+  if (!in.get(&magic) || !in.get(&version) || version != kLayoutVersion || !in.get_string(&r.key, body) ||
+      r.key != key || !in.get(&r.route) || !in.get(&r.config) || !in.get(&r.workspace) || !in.get(&r.algo) ||
+      !in.get_string(&r.winner, kMaxNameBytes) || !in.get(&count) || count > kMaxTimings)
+    return std::nullopt;
+  r.timings.resize(count);
+  for (auto& [name, ms] : r.timings)
+    if (!in.get_string(&name, kMaxNameBytes) || !in.get(&ms) || !std::isfinite(ms)) return std::nullopt;
+  if (!in.done()) return std::nullopt;
+  return r;
+}
+
+std::optional<GemmRecord> gemm_record_find(const std::string& cache_dir, const std::string& key) {
+  if (cache_dir.empty()) return std::nullopt;
+  const std::optional<std::string> bytes = read_cache_file(cache_dir + "/gemm/" + file_name(key));
+  return bytes ? parse_gemm_record(*bytes, key) : std::nullopt;
+}
+
+bool gemm_record_store(const std::string& cache_dir, const GemmRecord& record) {
+  if (cache_dir.empty()) return false;
+  return write_cache_file(cache_dir + "/gemm", file_name(record.key), gemm_record_bytes(record));
+}
+
+GemmTuningCounters& gemm_tuning_counters() {
+  static GemmTuningCounters counters;
+  return counters;
+}
+
+}  // namespace ember::cuda

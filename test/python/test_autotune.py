@@ -1,0 +1,260 @@
+"""mode="max-autotune" and "max-autotune-no-cudagraphs": CUDA GEMMs time every candidate at their first calls, within
+autotune_budget_s per graph (kernels/cuda/gemm.cpp, point 8), and every timed GEMM choice, in any mode, is kept in
+<cache_dir>/gemm (kernels/cuda/gemm_record.h) so that a restarted process times nothing it timed before.
+
+torch.compile takes a mode or options, not both: options={"autotune": True, "autotune_budget_s": ...} asks for the
+tuning without a mode, and ember.config holds the settings a test needs beside a mode.
+
+Without a GPU: the mode or option and the budget reach the C++ compile, the options are checked, CPU graphs tune
+nothing. With
+one: tuned graphs give eager's results on fresh inputs (every epilogue, every dtype, symbolic sizes); a second
+process over the same cache folder times nothing and says so in ember.explain, damaged records are timed again, and
+EMBER_CACHE_DIR=off keeps nothing; a spent budget leaves the default's choice; explain lists each problem's
+candidates and winner. Each CUDA test uses GEMM sizes of its own: choices are made once per process.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ember
+import ember._C
+import ember.backend
+from ember import EmberError
+from helpers import MATMUL_TOL, assert_same
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+TOL = {torch.float32: MATMUL_TOL, torch.float16: dict(atol=1e-2, rtol=1e-2), torch.bfloat16: dict(atol=5e-2, rtol=3e-2)}
+AUTOTUNE_MODES = ["max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@pytest.fixture
+def settings(tmp_path, monkeypatch):
+    """A cache folder of the test's own, and what a compile with a mode cannot take as options: fallback="raise",
+    and linear_chain off (it would run these small MLPs as one kernel of its own, with no GEMM step to tune)."""
+    monkeypatch.setattr(ember.config, "cache_dir", str(tmp_path))
+    monkeypatch.setattr(ember.config, "fallback", "raise")
+    monkeypatch.setattr(ember.config, "disable_passes", "linear_chain")
+    return tmp_path
+
+
+def _stats():
+    return dict(ember._C.gemm_tuning_stats())
+
+
+def _since(before):
+    now = _stats()
+    return {name: now[name] - before[name] for name in now}
+
+
+def _mlp(width, dtype=torch.float32, device="cuda"):
+    """Every GEMM epilogue: bias + ReLU and bias + tanh-GELU (cuBLASLt's epilogue), a plain bias, none."""
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.ReLU(), nn.Linear(2 * width, 3 * width),
+                         nn.GELU(approximate="tanh"), nn.Linear(3 * width, width), nn.Linear(width, width, bias=False),
+                         ).to(device, dtype)
+
+
+def _tuned_lines(report):
+    return [line for g in report.graphs for line in g.tuned]
+
+
+# ---- the mode's way into C++ (no GPU needed)
+
+
+def _compiles(monkeypatch):
+    """The (autotune, autotune_budget_s) of each C++ compile from here on (backend._compile_ir's arguments)."""
+    seen = []
+    original = ember._C.compile
+
+    def spy(*args, **kwargs):
+        seen.append(args[7:9])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ember._C, "compile", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode, options, autotune", [
+    (None, None, False), ("default", None, False), ("reduce-overhead", None, False), ("max-autotune", None, True),
+    ("max-autotune-no-cudagraphs", None, True), (None, {"autotune": True}, True),
+    (None, {"autotune": False}, False), (None, {"autotune": None}, False)])
+def test_the_mode_or_option_reaches_the_compile(mode, options, autotune, monkeypatch):
+    monkeypatch.setattr(ember.config, "fallback", "raise")
+    seen = _compiles(monkeypatch)
+    model = _mlp(12, device="cpu")
+    compiled = torch.compile(model, backend="ember", mode=mode, options=options)
+    with torch.no_grad():
+        x = torch.randn(9, 12)
+        assert_same(compiled(x), model(x), **MATMUL_TOL)
+    assert seen and all(s == (autotune, 30) for s in seen), seen
+
+
+def test_the_options_are_checked_before_tracing(monkeypatch):
+    config = ember.backend.CompileConfig
+    assert config(None, {"autotune": True, "autotune_budget_s": 5}).autotune_budget_s == 5
+    assert config("max-autotune").autotune_budget_s == 30
+    assert config("max-autotune", {"autotune": False}).autotune is False
+    monkeypatch.setattr(ember.config, "autotune_budget_s", 7)
+    assert config("max-autotune-no-cudagraphs").autotune_budget_s == 7
+    for bad in (-1, "30", 1.5, True):
+        with pytest.raises(EmberError, match="autotune_budget_s must be an integer >= 0"):
+            config(None, {"autotune_budget_s": bad})
+    with pytest.raises(EmberError, match="autotune must be a boolean"):
+        config(None, {"autotune": "sometimes"})
+    seen = _compiles(monkeypatch)
+    x = torch.randn(4, 6)
+    compiled = torch.compile(lambda x: (x @ x.t()).relu(), backend="ember",
+                             options={"fallback": "raise", "autotune": True, "autotune_budget_s": 0})
+    assert_same(compiled(x), (x @ x.t()).relu(), **MATMUL_TOL)
+    assert seen == [(True, 0)]
+
+
+def test_cpu_graphs_tune_no_cuda_gemm(settings):
+    before = _stats()
+    assert set(before) == {"timed", "autotuned", "from_disk", "refused", "over_budget"}
+    model = _mlp(10, device="cpu")
+    x = torch.randn(5, 10)
+    with torch.no_grad():
+        report = ember.explain(model, mode="max-autotune")(x)
+    assert _tuned_lines(report) == [] and "tuned  " not in str(report)
+    assert _since(before) == dict.fromkeys(before, 0)
+
+
+# ---- CUDA: tuning, the budget, explain
+
+
+@cuda
+@pytest.mark.parametrize("mode", AUTOTUNE_MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_tuned_graphs_match_eager(mode, dtype, settings):
+    width = 40 + 8 * DTYPES.index(dtype) + (24 if mode == "max-autotune" else 0)
+    model = _mlp(width, dtype)
+    compiled = torch.compile(model, backend="ember", mode=mode)
+    before = _stats()
+    with torch.no_grad():
+        for _ in range(4):  # the first call tunes (the warm-up before capture in max-autotune), later ones replay
+            x = torch.randn(37, width, device="cuda", dtype=dtype)
+            assert_same(compiled(x), model(x), **TOL[dtype])
+    assert _since(before)["autotuned"] >= 4  # the four GEMMs' problems differ
+    assert len(list((settings / "gemm").glob("*.bin"))) >= 4
+
+
+@cuda
+def test_symbolic_sizes_are_tuned_per_size(settings):
+    model = _mlp(56)
+    compiled = torch.compile(model, backend="ember", mode="max-autotune-no-cudagraphs", dynamic=True)
+    before = _stats()
+    with torch.no_grad():
+        for rows in (19, 19, 43, 43, 43, 19):  # a size's plan is made at its second call
+            x = torch.randn(rows, 56, device="cuda")
+            assert_same(compiled(x), model(x), **MATMUL_TOL)
+    assert _since(before)["autotuned"] >= 8
+
+
+@cuda
+def test_a_spent_budget_leaves_the_default_choice(settings, monkeypatch):
+    """A budget of 0 seconds: nothing tuned beyond the default mode, as the setting beside a mode and as an option."""
+    model = _mlp(88)
+    x = torch.randn(21, 88, device="cuda")
+    before = _stats()
+    with torch.no_grad():
+        with ember.config.patch(autotune_budget_s=0):
+            report = ember.explain(model, mode="max-autotune-no-cudagraphs")(x)
+        compiled = torch.compile(model, backend="ember", options={"autotune": True, "autotune_budget_s": 0})
+        for _ in range(3):
+            x = torch.randn(21, 88, device="cuda")
+            assert_same(compiled(x), model(x), **MATMUL_TOL)
+    spent = _since(before)
+    assert spent["autotuned"] == 0 and spent["over_budget"] >= 4 and spent["timed"] >= 1, spent
+    lines = _tuned_lines(report)
+    assert lines and all("(default" in line for line in lines), lines
+
+
+@cuda
+def test_explain_lists_the_candidates_and_the_winner(settings):
+    model = _mlp(104)
+    with torch.no_grad():
+        report = ember.explain(model, mode="max-autotune-no-cudagraphs")(
+            torch.randn(29, 104, device="cuda"))
+    lines = _tuned_lines(report)
+    assert len(lines) >= 4, str(report)
+    for line in lines:
+        # "29x208x104 f32 +bias relu: lt#3 12.5 us (max-autotune); 40 timed: lt#3 12.5 us, lt#0 13.1 us, ...,
+        # 30 more up to 80.2 us" (the fastest ten by GPU time)
+        problem, rest = line.split(": ", 1)
+        winner, candidates = rest.split("; ", 1)
+        assert problem.startswith("29x") and " f32" in problem, line
+        assert winner.endswith(" us (max-autotune)"), line
+        timed, listed = candidates.split(" timed: ", 1)
+        assert int(timed) >= 2, line
+        names = [c.rsplit(" ", 2)[0] for c in listed.split(", ") if c.endswith(" us") and " more up to " not in c]
+        assert 1 <= len(names) <= 10 and int(timed) >= len(names), line
+        assert len(names) < 10 or any(n.startswith(("lt#", "lt_bias#")) for n in names), line  # 7 kernels at most
+        assert winner.rsplit(" ", 3)[0] in names or int(timed) > 10, line
+    assert "    tuned   29x" in str(report)
+
+
+# ---- CUDA: the disk, across processes
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, ember
+    mode = None if sys.argv[1] == "default" else sys.argv[1]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(200, 136), torch.nn.ReLU(), torch.nn.Linear(136, 72)).cuda()
+    ember.config.fallback = "raise"
+    ember.config.disable_passes = "linear_chain"  # it would run the model as one kernel, no GEMM step to tune
+    with torch.no_grad():
+        report = ember.explain(model, mode=mode)(torch.randn(24, 200, device="cuda"))
+        compiled = torch.compile(model, backend="ember", mode=mode)
+        error = 0.0
+        for _ in range(3):
+            x = torch.randn(24, 200, device="cuda")
+            error = max(error, (compiled(x) - model(x)).abs().max().item())
+    lines = [line for g in report.graphs for line in g.tuned]
+    print("RESULT", json.dumps({"stats": ember._C.gemm_tuning_stats(), "error": error, "lines": lines}))
+""")
+
+
+def _run(mode, cache):
+    env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
+    run = subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    assert result["error"] < 1e-3, result
+    return result
+
+
+@cuda
+@pytest.mark.parametrize("mode, counter", [("max-autotune", "autotuned"), ("max-autotune-no-cudagraphs", "autotuned"),
+                                           ("default", "timed")])
+def test_a_warm_start_times_nothing(mode, counter, tmp_path):
+    cold = _run(mode, tmp_path)
+    assert cold["stats"][counter] >= 2 and cold["stats"]["from_disk"] == 0, cold
+    records = sorted((tmp_path / "gemm").glob("*.bin"))
+    assert len(records) >= 2
+    warm = _run(mode, tmp_path)
+    assert warm["stats"]["timed"] == 0 and warm["stats"]["autotuned"] == 0, warm
+    assert warm["stats"]["from_disk"] >= 2 and warm["stats"]["refused"] == 0, warm
+    assert warm["lines"] and all("from disk" in line for line in warm["lines"]), warm["lines"]
+    # Records cut short or overwritten with other bytes are misses: timed again, with eager's results.
+    for i, record in enumerate(records):
+        data = record.read_bytes()
+        record.write_bytes(data[: len(data) // 2] if i % 2 else bytes(len(data)))
+    damaged = _run(mode, tmp_path)
+    assert damaged["stats"][counter] >= 2 and damaged["stats"]["from_disk"] == 0, damaged
+
+
+@cuda
+def test_the_cache_off_keeps_no_choice(tmp_path):
+    for _ in range(2):
+        result = _run("max-autotune-no-cudagraphs", "off")
+        assert result["stats"]["autotuned"] >= 2 and result["stats"]["from_disk"] == 0, result
