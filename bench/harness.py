@@ -430,8 +430,10 @@ def compile_with(model, backend):
         return torch.compile(model, backend="inductor", mode="reduce-overhead")
     if backend == "ember-ro":  # what mode="reduce-overhead" selects, with fallback="raise" (mode and options exclude each other)
         return torch.compile(model, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True})
-    if backend in ("inductor-ma", "ember-ma"):
-        return torch.compile(model, backend=backend[:-3], mode="max-autotune")
+    if backend == "inductor-ma":
+        return torch.compile(model, backend="inductor", mode="max-autotune")
+    if backend == "ember-ma":  # what mode="max-autotune" selects, with fallback="raise"
+        return torch.compile(model, backend="ember", options={**EMBER_OPTIONS, "cudagraphs": True, "autotune": True})
     raise ValueError(f"unknown backend {backend!r}")
 
 
