@@ -294,6 +294,40 @@ def _tensor_parallel_attention_program(rank):
     _tensor_parallel_program(Attention, _attention_plan, (2, 7, 32))
 
 
+def _overlap_program(rank):
+    """A graph whose all-reduce has work beside it: with overlap_comm the wait lands after that work (the IR after
+    the pass says so), and with the pass on or off the results equal eager's."""
+    import torch.distributed._functional_collectives as fc
+
+    group = dist.group.WORLD
+
+    def fn(x, w, y):
+        total = fc.all_reduce(x @ w, "sum", group)
+        beside = torch.tanh(y).sum(-1, keepdim=True) * 2  # reads nothing the all-reduce makes
+        gathered = fc.all_gather_tensor(beside, 0, group)
+        return total.relu() + beside, gathered.exp()
+
+    g = torch.Generator().manual_seed(11 + rank)
+    x, w, y = torch.randn(5, 7, generator=g), torch.randn(7, 3, generator=g), torch.randn(5, 9, generator=g)
+    expected = fn(x, w, y)
+    for disabled in ([], ["overlap_comm"]):
+        torch._dynamo.reset()
+        with tempfile.TemporaryDirectory() as debug:
+            options = {"fallback": "raise", "disable_passes": disabled, "debug_dir": debug}
+            got = torch.compile(fn, backend="ember", options=options)(x, w, y)
+            moved = [f for f in os.listdir(debug) if f.endswith("_after_overlap_comm.ir")]
+            lines = open(os.path.join(debug, moved[0])).read().splitlines() if moved else []
+        for e, o in zip(expected, got):
+            torch.testing.assert_close(o, e)
+        if disabled:
+            assert not moved
+            continue
+        assert len(moved) == 1, moved
+        at = {name: next(i for i, line in enumerate(lines) if name in line)
+              for name in ("all_reduce(", "aten::tanh", "wait_tensor(")}
+        assert at["all_reduce("] < at["aten::tanh"] < at["wait_tensor("], "\n".join(lines)
+
+
 def test_ddp_training_matches_eager():
     """DDP with buckets small enough that DDPOptimizer splits the model into several graphs, each compiled by
     ember: losses and parameters after STEPS SGD steps equal eager DDP's, in each rank."""
@@ -329,6 +363,12 @@ def test_tensor_parallel_attention_matches_eager():
     """Two-way tensor parallelism of a causal attention block (q, k, v column-parallel, so each rank runs half the
     heads; o row-parallel), compiled with ember as the MLP above, equals eager tensor parallelism."""
     run_world(_tensor_parallel_attention_program)
+
+
+def test_waits_move_past_independent_work_and_results_stay_eager():
+    """overlap_comm: an all-reduce's wait moves below the work that does not need its result, and the compiled
+    graph's results equal eager's with the pass on and with it disabled."""
+    run_world(_overlap_program)
 
 
 def test_distributed_bench_reports_each_strategy_and_backend(tmp_path):
