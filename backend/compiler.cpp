@@ -1,7 +1,7 @@
 // The pipeline, in one list:
 //
 //   verify (and each node against its op's schema) -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
-//          -> claim_matmul_epilogues -> fuse                                     (passes)
+//          -> claim_matmul_epilogues -> fuse -> overlap_collectives              (passes)
 //          -> generate_kernels (one kernel per fusion group; a control flow node is a group of its own, its
 //             kernel running the subgraphs compiled before this graph)        (codegen)
 //          -> build_plan                                                       (runtime)
@@ -52,6 +52,7 @@ const std::vector<Pass>& default_passes() {
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole
       {"fuse", fuse},
+      {"overlap_comm", overlap_collectives},  // last: it moves nodes only where no group's place changes
   };
   return passes;
 }

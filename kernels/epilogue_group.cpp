@@ -55,7 +55,8 @@ bool is_epilogue_group(const Graph& graph, int group) {
   return false;
 }
 
-std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not) {
+std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not,
+                                                  const std::vector<bool>& unversioned) {
   auto fail = [&](const std::string& why) -> std::optional<EpilogueGroup> {
     if (why_not) *why_not = why;
     return std::nullopt;
@@ -116,6 +117,9 @@ std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group,
   // weights might change unseen, so they are never packed.
   for (const auto& n : graph.nodes())
     if (op_info(n->op).has(kMutates)) m.weights_input = nullptr;
+  const auto& inputs = graph.inputs();
+  for (size_t i = 0; i < inputs.size() && i < unversioned.size(); ++i)
+    if (unversioned[i] && inputs[i] == m.weights_input) m.weights_input = nullptr;
   return m;
 }
 

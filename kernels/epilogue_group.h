@@ -47,6 +47,9 @@ struct EpilogueGroup {
 bool is_epilogue_group(const Graph& graph, int group);
 
 // Nothing, with the reason in *why_not, when the group is not a matmul chain as the pass claims them.
-std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not);
+// `unversioned`: per graph input, whether its version counter may miss a change (CompileOptions): such
+// weights are never packed.
+std::optional<EpilogueGroup> lower_epilogue_group(const Graph& graph, int group, std::string* why_not,
+                                                  const std::vector<bool>& unversioned = {});
 
 }  // namespace ember

@@ -92,7 +92,7 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
         return;
       }
       if (is_epilogue_group(graph, groups[i])) {
-        std::optional<EpilogueGroup> m = lower_epilogue_group(graph, groups[i], &r.why);
+        std::optional<EpilogueGroup> m = lower_epilogue_group(graph, groups[i], &r.why, options.unversioned_inputs);
         if (!m) return;
         r.listing = "group " + std::to_string(groups[i]) + ": " + m->text() + "\n";
         r.kernel.reads = m->reads();

@@ -20,5 +20,6 @@ void fuse_addmm_activation(Graph& graph, PassContext& ctx);
 void fuse_linear_chains(Graph& graph, PassContext& ctx);
 void pad_matmul(Graph& graph, PassContext& ctx);
 void fuse(Graph& graph, PassContext& ctx);
+void overlap_collectives(Graph& graph, PassContext& ctx);
 
 }  // namespace ember

@@ -38,12 +38,36 @@ namespace py = pybind11;
 namespace ember {
 namespace {
 
-c10::IValue to_ivalue(PyObject* obj, size_t index) {
+// A Python object as an IValue, for graph inputs of kind Object (a DeviceMesh, ember/ir.h): the plan only
+// moves it from an input to outputs, so it needs nothing but a reference, let go with the GIL (a plan frees its
+// buffers without it). (torch's ConcretePyObjectHolder would do, but its methods call functions torch_python
+// does not export.)
+struct CarriedObject final : c10::ivalue::PyObjectHolder {
+  explicit CarriedObject(PyObject* obj) : obj(obj) { Py_INCREF(obj); }
+  ~CarriedObject() override {
+    py::gil_scoped_acquire gil;
+    Py_DECREF(obj);
+  }
+  PyObject* getPyObject() override { return obj; }
+  c10::InferredType tryToInferType() override { return c10::InferredType("an object ember carries"); }
+  c10::IValue toIValue(const c10::TypePtr& type, std::optional<int32_t>) override {
+    throw Error("an object ember carries has no value of type " + type->str());
+  }
+  std::string toStr() override { return "object"; }
+  std::vector<at::Tensor> extractTensors() override { return {}; }
+  PyObject* obj;
+};
+
+// Argument `index` of a call, which is graph input `input`; an input of kind Object takes any object.
+c10::IValue to_ivalue(PyObject* obj, size_t index, const CompiledGraph& graph, size_t input) {
   if (THPVariable_Check(obj)) return c10::IValue(THPVariable_Unpack(obj));
   if (obj == Py_None) return c10::IValue();
   if (PyBool_Check(obj)) return c10::IValue(obj == Py_True);
   if (PyLong_Check(obj)) return c10::IValue(static_cast<int64_t>(PyLong_AsLongLong(obj)));
   if (PyFloat_Check(obj)) return c10::IValue(PyFloat_AS_DOUBLE(obj));
+  const auto& inputs = graph.graph().inputs();
+  if (input < inputs.size() && inputs[input]->type.kind == Type::Kind::Object)
+    return c10::IValue(c10::intrusive_ptr<c10::ivalue::PyObjectHolder>(c10::make_intrusive<CarriedObject>(obj)));
   throw Error("input " + std::to_string(index) + " has unsupported type " + Py_TYPE(obj)->tp_name);
 }
 
@@ -53,6 +77,11 @@ PyObject* to_python(c10::IValue&& v) {
   if (v.isBool()) return PyBool_FromLong(v.toBool());
   if (v.isInt()) return PyLong_FromLongLong(v.toInt());
   if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  if (v.isPyObject()) {  // an object input the graph returns
+    PyObject* obj = v.toPyObject();
+    Py_INCREF(obj);
+    return obj;
+  }
   throw Error(std::string("graph output of unsupported kind ") + v.tagKind());
 }
 
@@ -62,12 +91,12 @@ py::list call(CompiledGraph& graph, py::handle args) {
   if (PyList_Check(seq)) {
     Py_ssize_t n = PyList_GET_SIZE(seq);
     inputs.reserve(n);
-    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyList_GET_ITEM(seq, i), i));
+    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyList_GET_ITEM(seq, i), i, graph, i));
     PyList_SetSlice(seq, 0, n, nullptr);  // boxed convention: the callee owns the inputs now
   } else if (PyTuple_Check(seq)) {
     Py_ssize_t n = PyTuple_GET_SIZE(seq);
     inputs.reserve(n);
-    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyTuple_GET_ITEM(seq, i), i));
+    for (Py_ssize_t i = 0; i < n; ++i) inputs.push_back(to_ivalue(PyTuple_GET_ITEM(seq, i), i, graph, i));
   } else {
     throw Error("compiled graph takes a list of inputs");
   }
@@ -132,7 +161,7 @@ void read_arguments(const DirectCall& self, PyObject* const* args, Py_ssize_t n,
       const at::Tensor& t = THPVariable_Unpack(args[i]);
       if (!slot.isTensor() || slot.toTensor().unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) slot = t;
     } else {
-      slot = to_ivalue(args[i], i);
+      slot = to_ivalue(args[i], i, *self.graph, base + at);
     }
   }
 }
@@ -246,10 +275,11 @@ std::shared_ptr<CompiledGraph> compile_text(const std::string& ir, const std::un
                                             std::vector<std::string> disabled_passes, std::string debug_dir,
                                             std::string graph_name, std::vector<bool> cached_inputs,
                                             const std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>& subgraphs,
-                                            bool autotune, double autotune_budget_s) {
+                                            bool autotune, double autotune_budget_s, std::vector<bool> unversioned_inputs) {
   CompileOptions options;
   options.autotune = autotune;
   options.autotune_budget_s = autotune_budget_s;
+  options.unversioned_inputs = std::move(unversioned_inputs);
   for (const auto& [name, g] : subgraphs) options.subgraphs.emplace(name, g);
   options.cached_inputs = std::move(cached_inputs);
   options.disabled_passes = std::move(disabled_passes);
@@ -331,7 +361,8 @@ PYBIND11_MODULE(_native, m) {
   m.def("compile", &compile_text, py::arg("ir"), py::arg("constants"), py::arg("disabled_passes"),
         py::arg("debug_dir"), py::arg("graph_name"), py::arg("cached_inputs") = std::vector<bool>{},
         py::arg("subgraphs") = std::unordered_map<std::string, std::shared_ptr<CompiledGraph>>{},
-        py::arg("autotune") = false, py::arg("autotune_budget_s") = 30.0);
+        py::arg("autotune") = false, py::arg("autotune_budget_s") = 30.0,
+        py::arg("unversioned_inputs") = std::vector<bool>{});
   m.def("direct_call", &make_direct_call, py::arg("graph"), py::arg("prefix"), py::arg("keep") = std::vector<bool>{},
         py::arg("guarded") = false, py::arg("bump") = std::vector<uint32_t>{}, py::arg("training") = nullptr,
         "The graph as a callable taking its inputs positionally, after `prefix`; `keep[i]`: input i comes back "

@@ -107,6 +107,7 @@ void print_type(std::string& out, const Type& t) {
     case Type::Kind::Float: out += "float"; return;
     case Type::Kind::Bool: out += "bool"; return;
     case Type::Kind::None: out += "none"; return;
+    case Type::Kind::Object: out += "object"; return;
   }
 }
 
@@ -234,6 +235,7 @@ class Parser {
     if (word == "float") return Type::of(Type::Kind::Float);
     if (word == "bool") return Type::of(Type::Kind::Bool);
     if (word == "none") return Type::of(Type::Kind::None);
+    if (word == "object") return Type::of(Type::Kind::Object);
     TensorType t;
     t.dtype = parse_dtype(word);
     t.sizes = parse_dims('[', ']');

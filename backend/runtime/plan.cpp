@@ -378,6 +378,11 @@ class PlanBuilder {
     for (const Value* v : graph_.inputs()) buffer_of(v);
     for (const auto& n : graph_.nodes()) {
       node_ = n.get();
+      // An object is carried, not read: the dispatcher would want it as its schema's class, not as the
+      // Python object the call holds (ember/ir.h, Type::Kind::Object).
+      n->for_each_input([&](const Value* v) {
+        if (v->type.kind == Type::Kind::Object) fail("reads %" + v->name + ", an opaque object");
+      });
       if (n->op == "prim::constant") {
         bind_constant(*n);
         continue;

@@ -111,7 +111,7 @@ def compile_fx_graph(gm, config, kind, pinned=None, lowered=None):
         fx_nodes = _fx_nodes(gm)
         is_cuda = any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes)
         compiled = _compile_ir(ir, constants, _compile_subgraphs(subgraphs, config, graph_name), config, kind,
-                               graph_name, pinned, fx_nodes, lower_ms, is_cuda)
+                               graph_name, pinned, fx_nodes, lower_ms, is_cuda, _unversioned_inputs(gm))
         if lowered is not None and not subgraphs:
             lowered.append({"ir": ir, "constants": dict(constants), "pinned": list(pinned), "fx_nodes": fx_nodes,
                             "cuda": is_cuda})
@@ -132,14 +132,18 @@ def compile_cached_graph(graph, config, kind):
                        graph["fx_nodes"], 0.0, graph["cuda"])
 
 
-def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_nodes, lower_ms, is_cuda):
+def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_nodes, lower_ms, is_cuda,
+                unversioned=()):
     from . import _C, report
 
     if is_cuda:
         _hint_nvrtc()
     # Inference graphs: steps over parameters alone (weights in channels_last, a padded LM head, a batch
-    # norm's scale and shift) run once, and again only when a parameter changes.
+    # norm's scale and shift) run once, and again only when a parameter changes (as its version counter
+    # says: not for `unversioned` inputs).
     cached = pinned if kind == "inference" and config.parameter_cache else []
+    if cached and any(unversioned):
+        cached = [p and not u for p, u in zip(cached, unversioned)]
     # Under the Python dispatcher, as the tracing was (and as AOTAutograd compiles): the plan's view steps
     # take their geometry from meta kernels, and only where those agree with the traced types do they
     # become fast paths (under plain C++ meta kernels, 12 of BERT-base's views did not: the strides of
@@ -148,7 +152,7 @@ def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_n
 
     with enable_python_dispatcher():
         compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs,
-                              config.autotune, config.autotune_budget_s)
+                              config.autotune, config.autotune_budget_s, list(unversioned))
     compiled._boxed_call = True
     if cached:
         compiled.cache_parameter_steps(cached)
@@ -218,6 +222,22 @@ def _pinned_inputs(gm, kind):
         if 0 <= i < len(pinned):
             pinned[i] = True
     return pinned
+
+
+def _unversioned_inputs(gm):
+    """Per placeholder of an AOTAutograd graph, whether it may change without its version counter moving
+    (CompileOptions::unversioned_inputs): the inner tensors AOTAutograd flattened a tensor subclass into, as its
+    input descriptors say (a DTensor parameter's local shard, written by the optimizer's in-place step below the
+    DTensor, whose counter alone moves), in a forward and where a backward takes one as a saved input."""
+    def inner(desc):
+        while desc is not None:
+            if type(desc).__name__ == "SubclassGetAttrAOTInput":
+                return True
+            desc = getattr(desc, "base", None)
+        return False
+
+    flags = [inner(n.meta.get("desc")) for n in gm.graph.nodes if n.op == "placeholder"]
+    return flags if any(flags) else []
 
 
 def _plain_metadata(meta):

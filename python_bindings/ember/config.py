@@ -117,7 +117,8 @@ SETTINGS = {s.name: s for s in (
             'a graph ember cannot compile: "warn" runs it eagerly with one warning, "raise" raises ember.EmberError '
             "naming the node", USER, option=True),
     Setting("disable_passes", "names", (),
-            'passes to skip, by name (`ember._C.pass_names()`): a list or a comma-separated string ("dce,cse")',
+            "passes to skip, by name (`ember._C.pass_names()`, docs/architecture.md's table; overlap_comm: functional "
+            'collectives\' waits where their results are first read): a list or a comma-separated string ("dce,cse")',
             USER, option=True),
     Setting("debug_dir", str, "",
             "a directory to write each graph's FX graph, IR after every pass, kernels and plan into; empty: none",

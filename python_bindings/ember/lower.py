@@ -64,6 +64,19 @@ def dim_text(d):
     return str(int(d))
 
 
+def is_opaque_object(val):
+    """Whether `val` is an opaque object (IR type `object`, ember/ir.h): a torchbind object, real or as AOTAutograd's
+    FakeScriptObject, or an instance of a type registered with torch._library.opaque_object (DeviceMesh and
+    ProcessGroup). DTensor flattens to its local tensor and its DeviceMesh, so tensor-parallel graphs take meshes
+    as inputs and return them beside their DTensor results (and gradients)."""
+    from torch._library.fake_class_registry import FakeScriptObject
+
+    if isinstance(val, (FakeScriptObject, torch.ScriptObject)):
+        return True
+    opaque = getattr(torch._library, "opaque_object", None)
+    return opaque is not None and hasattr(opaque, "is_opaque_value") and opaque.is_opaque_value(val)
+
+
 def type_text(val):
     if isinstance(val, torch.Tensor):
         if val.layout != torch.strided:
@@ -82,6 +95,8 @@ def type_text(val):
         return "float"
     if val is None:
         return "none"
+    if is_opaque_object(val):
+        return "object"
     raise EmberError(f"values of type {type(val).__name__} are not supported")
 
 

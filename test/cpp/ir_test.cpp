@@ -29,6 +29,14 @@ TEST(IrText, RoundTripsEveryArgumentKind) {
       "  return (%y, %m, %n, None, 3, 2.5e-07)\n");
 }
 
+TEST(IrText, OpaqueObjectsPassThrough) {
+  // A DTensor's DeviceMesh, carried from an input to the outputs beside the local tensor.
+  expect_roundtrip(
+      "graph(%x: f32[4]{1}@cpu, %mesh: object):\n"
+      "  %y: f32[4]{1}@cpu = aten::sin(%x)\n"
+      "  return (%y, %mesh, %mesh)\n");
+}
+
 TEST(IrText, SymbolicDimsKeepTheirExpression) {
   const std::string text =
       "graph(%x: f16[2*s0, ((s1-1)//2)+1, Max(1,s2)]{s1*s2, s2, 1}@cpu):\n"

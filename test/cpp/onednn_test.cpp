@@ -213,6 +213,28 @@ TEST(OneDnnMatmul, LinearReluScaleMatchesAten) {
   }
 }
 
+// A tensor subclass's inner tensor is written below the subclass (a DTensor's local shard by the optimizer's
+// step): its version counter stays put, so its weights must never be packed (CompileOptions::unversioned_inputs).
+TEST(OneDnnMatmul, UnversionedWeightsAreReadAtEveryCall) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  CompileOptions options;
+  options.unversioned_inputs = {false, true, false};
+  auto g = compile(parse(kLinearRelu), {}, options);
+  EXPECT_EQ(onednn_steps(*g), 1) << g->describe();
+  at::Tensor w = at::randn({5, 13}), b = at::randn({5});
+  for (int call = 0; call < 4; ++call) {
+    at::Tensor x = at::randn({7, 13});
+    at::Tensor expected = (at::relu(at::addmm(b, x, w.t())) * 0.5).exp();
+    EXPECT_TRUE(at::allclose(t(g->run({x, w, b})[0]), expected, 1e-4, 1e-5)) << "call " << call;
+    const uint32_t version = w._version();
+    {
+      at::AutoDispatchBelowADInplaceOrView below;  // as a subclass's __torch_dispatch__ writes its inner tensor
+      w.add_(0.25);
+    }
+    ASSERT_EQ(w._version(), version);
+  }
+}
+
 TEST(OneDnnMatmul, ResidualRowAddGeluViewsAndOddSizes) {
   if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
   const std::string text =

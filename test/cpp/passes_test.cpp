@@ -947,3 +947,78 @@ TEST(LinearChain, SoftmaxOverTheLastLayerJoinsAsItsEpilogue) {
 
 }  // namespace
 }  // namespace ember
+
+// overlap_collectives: IR text only; running a collective needs a process group, which the gloo worlds of
+// test/python/test_distributed.py provide (results against eager with the pass on and off).
+namespace ember {
+namespace {
+
+// %ar rises above %s, %ag above %o (the wait it would not pass is still above the cosine then); %w sinks to
+// %o, and %w2, read by the graph's outputs alone, to the end.
+TEST(OverlapCollectives, StartsRiseToTheirInputsWaitsSinkToTheirFirstReader) {
+  const std::string in =
+      "graph(%x: f32[4]{1}@cpu, %y: f32[4]{1}@cpu):\n"
+      "  %m: f32[4]{1}@cpu = aten::mul.Tensor(%x, 2)\n"
+      "  %s: f32[4]{1}@cpu = aten::sin(%y)\n"
+      "  %ar: f32[4]{1}@cpu = _c10d_functional::all_reduce(%m, \"sum\", \"0\")\n"
+      "  %w: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar)\n"
+      "  %c: f32[4]{1}@cpu = aten::cos(%s)\n"
+      "  %e: f32[4]{1}@cpu = aten::exp(%c)\n"
+      "  %o: f32[4]{1}@cpu = aten::add.Tensor(%w, %e)\n"
+      "  %ag: f32[8]{1}@cpu = _c10d_functional::all_gather_into_tensor(%e, 2, \"0\")\n"
+      "  %w2: f32[8]{1}@cpu = _c10d_functional::wait_tensor(%ag)\n"
+      "  %t: f32[4]{1}@cpu = aten::tanh(%o)\n"
+      "  return (%t, %w2)\n";
+  const std::string expected =
+      "graph(%x: f32[4]{1}@cpu, %y: f32[4]{1}@cpu):\n"
+      "  %m: f32[4]{1}@cpu = aten::mul.Tensor(%x, 2)\n"
+      "  %ar: f32[4]{1}@cpu = _c10d_functional::all_reduce(%m, \"sum\", \"0\")\n"
+      "  %s: f32[4]{1}@cpu = aten::sin(%y)\n"
+      "  %c: f32[4]{1}@cpu = aten::cos(%s)\n"
+      "  %e: f32[4]{1}@cpu = aten::exp(%c)\n"
+      "  %ag: f32[8]{1}@cpu = _c10d_functional::all_gather_into_tensor(%e, 2, \"0\")\n"
+      "  %w: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar)\n"
+      "  %o: f32[4]{1}@cpu = aten::add.Tensor(%w, %e)\n"
+      "  %t: f32[4]{1}@cpu = aten::tanh(%o)\n"
+      "  %w2: f32[8]{1}@cpu = _c10d_functional::wait_tensor(%ag)\n"
+      "  return (%t, %w2)\n";
+  EXPECT_EQ(run_pass(overlap_collectives, in), expected);
+  // A second run finds nothing to move.
+  EXPECT_EQ(run_pass(overlap_collectives, expected), expected);
+}
+
+TEST(OverlapCollectives, InPlaceWritesGroupsAndOtherCollectivesHoldNodesBack) {
+  // The second all_reduce's start stays behind the first one's wait (collectives keep their order) and behind
+  // the copy_ (nothing moves across a write); the first wait stops at the copy_; the second wait's reader %r is
+  // in group 0, which runs where %q stands.
+  const std::string in =
+      "graph(%x: f32[4]{1}@cpu, %buf: f32[4]{1}@cpu):\n"
+      "  %ar: f32[4]{1}@cpu = _c10d_functional::all_reduce(%x, \"sum\", \"0\")\n"
+      "  %w: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar)\n"
+      "  %a: f32[4]{1}@cpu = aten::sin(%x)\n"
+      "  %d: f32[4]{1}@cpu = aten::copy_(%buf, %a)\n"
+      "  %ar2: f32[4]{1}@cpu = _c10d_functional::all_reduce(%x, \"sum\", \"0\")\n"
+      "  %w2: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar2)\n"
+      "  %q: f32[4]{1}@cpu = aten::cos(%a) #0\n"
+      "  %b: f32[4]{1}@cpu = aten::exp(%a)\n"
+      "  %r: f32[4]{1}@cpu = aten::add.Tensor(%q, %w2) #0\n"
+      "  %o: f32[4]{1}@cpu = aten::add.Tensor(%w, %r)\n"
+      "  return (%o, %b)\n";
+  const std::string expected =
+      "graph(%x: f32[4]{1}@cpu, %buf: f32[4]{1}@cpu):\n"
+      "  %ar: f32[4]{1}@cpu = _c10d_functional::all_reduce(%x, \"sum\", \"0\")\n"
+      "  %a: f32[4]{1}@cpu = aten::sin(%x)\n"
+      "  %w: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar)\n"
+      "  %d: f32[4]{1}@cpu = aten::copy_(%buf, %a)\n"
+      "  %ar2: f32[4]{1}@cpu = _c10d_functional::all_reduce(%x, \"sum\", \"0\")\n"
+      "  %w2: f32[4]{1}@cpu = _c10d_functional::wait_tensor(%ar2)\n"
+      "  %q: f32[4]{1}@cpu = aten::cos(%a) #0\n"
+      "  %b: f32[4]{1}@cpu = aten::exp(%a)\n"
+      "  %r: f32[4]{1}@cpu = aten::add.Tensor(%q, %w2) #0\n"
+      "  %o: f32[4]{1}@cpu = aten::add.Tensor(%w, %r)\n"
+      "  return (%o, %b)\n";
+  EXPECT_EQ(run_pass(overlap_collectives, in), expected);
+}
+
+}  // namespace
+}  // namespace ember

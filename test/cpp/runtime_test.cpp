@@ -285,6 +285,29 @@ TEST(Runtime, ConstantsLiteralOutputsAndPassThroughInputs) {
   EXPECT_TRUE(t(out[4]).is_same(x));
 }
 
+// An opaque object (a DTensor's DeviceMesh; Python hands it in as a PyObject IValue, here a string stands in)
+// goes from its input to the outputs untouched; a node reading one is refused when the plan is built.
+TEST(Runtime, OpaqueObjectsPassThroughAndNoOpReadsThem) {
+  auto g = compile_text(
+      "graph(%x: f32[3]{1}@cpu, %mesh: object):\n"
+      "  %y: f32[3]{1}@cpu = aten::sin(%x)\n"
+      "  return (%y, %mesh, %mesh)\n");
+  at::Tensor x = at::randn({3});
+  auto out = g->run({x, c10::IValue(std::string("mesh"))});
+  EXPECT_TRUE(at::allclose(t(out[0]), x.sin()));
+  EXPECT_EQ(out[1].toStringRef(), "mesh");
+  EXPECT_EQ(out[2].toStringRef(), "mesh");
+  try {
+    compile_text(
+        "graph(%x: f32[3]{1}@cpu, %mesh: object):\n"
+        "  %y: f32[3]{1}@cpu = aten::add.Tensor(%x, %mesh)\n"
+        "  return (%y)\n");
+    FAIL() << "expected the plan to refuse a node reading an object";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("opaque object"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Runtime, BuffersAreReleasedAfterTheirLastUse) {
   auto g = compile_text(
       "graph(%x: f32[64]{1}@cpu):\n"

@@ -248,6 +248,7 @@ def test_pass_names():
     assert PASSES[:9] == ["canonicalize", "fold_matmul", "addmm_act", "pad_mm", "linear_chain", "fold_batchnorm",
                          "bn_pointwise", "dce", "cse"], PASSES
     assert PASSES.index("epilogue") < PASSES.index("fuse"), PASSES  # fuse leaves claimed epilogues alone
+    assert PASSES[-1] == "overlap_comm", PASSES  # moves nodes only around the groups fuse made
 
 
 @pytest.mark.parametrize("disabled", [[p] for p in PASSES] + [",".join(PASSES), []],

@@ -208,6 +208,126 @@ def _collectives_program(rank):
         torch.testing.assert_close(o, e)
 
 
+class MLP(nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class Attention(nn.Module):
+    """Causal self-attention whose head count follows the projections' width, so that a column-parallel q, k and
+    v give each rank its share of the heads."""
+
+    def __init__(self, dim=32, head_dim=8):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(att.transpose(1, 2).reshape(b, s, -1))
+
+
+def _tensor_parallel_program(make_model, plan, shape):
+    """Two-way tensor parallelism of make_model() (parallelize_module with `plan`), eager and compiled with ember:
+    a forward without grad, then STEPS SGD steps on a mean-squared error; the same input and target on both ranks,
+    as tensor parallelism wants. Each rank compares outputs, losses and the gathered parameters with eager's, and
+    ember's IR shows that it compiled graphs carrying the DeviceMesh as an opaque object."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(0)
+    base = make_model()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)) for _ in range(STEPS)]
+    with tempfile.TemporaryDirectory() as debug:
+        results = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            model = parallelize_module(copy.deepcopy(base), mesh, plan())
+            options = {"fallback": "raise", "debug_dir": debug}
+            fn = torch.compile(model, backend="ember", options=options) if compiled else model
+            with torch.no_grad():
+                inference = fn(batches[0][0])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses = []
+            for x, target in batches:
+                loss = torch.nn.functional.mse_loss(fn(x), target)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            params = [(n, p.full_tensor().detach().clone()) for n, p in model.named_parameters()]
+            results.append((inference, torch.stack(losses), params))
+        (eager_out, eager_losses, eager_params), (ember_out, ember_losses, ember_params) = results
+        torch.testing.assert_close(ember_out, eager_out, atol=1e-5, rtol=1e-4)
+        _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
+        irs = [open(os.path.join(debug, f)).read() for f in os.listdir(debug) if f.endswith("0_input.ir")]
+    carried = [ir for ir in irs if ": object" in ir]
+    assert len(carried) >= 2, f"no forward and backward carrying the mesh among {len(irs)} graphs"
+    assert any("_c10d_functional::all_reduce" in ir for ir in irs), "ember compiled no graph with the all-reduce"
+
+
+def _mlp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def _attention_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+
+
+def _tensor_parallel_mlp_program(rank):
+    _tensor_parallel_program(MLP, _mlp_plan, (6, 32))
+
+
+def _tensor_parallel_attention_program(rank):
+    _tensor_parallel_program(Attention, _attention_plan, (2, 7, 32))
+
+
+def _overlap_program(rank):
+    """A graph whose all-reduce has work beside it: with overlap_comm the wait lands after that work (the IR after
+    the pass says so), and with the pass on or off the results equal eager's."""
+    import torch.distributed._functional_collectives as fc
+
+    group = dist.group.WORLD
+
+    def fn(x, w, y):
+        total = fc.all_reduce(x @ w, "sum", group)
+        beside = torch.tanh(y).sum(-1, keepdim=True) * 2  # reads nothing the all-reduce makes
+        gathered = fc.all_gather_tensor(beside, 0, group)
+        return total.relu() + beside, gathered.exp()
+
+    g = torch.Generator().manual_seed(11 + rank)
+    x, w, y = torch.randn(5, 7, generator=g), torch.randn(7, 3, generator=g), torch.randn(5, 9, generator=g)
+    expected = fn(x, w, y)
+    for disabled in ([], ["overlap_comm"]):
+        torch._dynamo.reset()
+        with tempfile.TemporaryDirectory() as debug:
+            options = {"fallback": "raise", "disable_passes": disabled, "debug_dir": debug}
+            got = torch.compile(fn, backend="ember", options=options)(x, w, y)
+            moved = [f for f in os.listdir(debug) if f.endswith("_after_overlap_comm.ir")]
+            lines = open(os.path.join(debug, moved[0])).read().splitlines() if moved else []
+        for e, o in zip(expected, got):
+            torch.testing.assert_close(o, e)
+        if disabled:
+            assert not moved
+            continue
+        assert len(moved) == 1, moved
+        at = {name: next(i for i, line in enumerate(lines) if name in line)
+              for name in ("all_reduce(", "aten::tanh", "wait_tensor(")}
+        assert at["all_reduce("] < at["aten::tanh"] < at["wait_tensor("], "\n".join(lines)
+
+
 def test_ddp_training_matches_eager():
     """DDP with buckets small enough that DDPOptimizer splits the model into several graphs, each compiled by
     ember: losses and parameters after STEPS SGD steps equal eager DDP's, in each rank."""
@@ -230,6 +350,25 @@ def test_functional_collectives_inside_a_compiled_graph():
     """all_reduce, all_gather_tensor, reduce_scatter_tensor and all_to_all_single (with wait_tensor) in one graph
     ember compiles, with compute between them, give eager's results in each rank."""
     run_world(_collectives_program)
+
+
+def test_tensor_parallel_mlp_matches_eager():
+    """Two-way tensor parallelism of an MLP (column-parallel up, row-parallel down; DTensor parameters), compiled
+    with ember, fallback raising: a forward without grad, and the losses and parameters of STEPS SGD steps, equal
+    eager tensor parallelism's in each rank. The graphs carry each DTensor's DeviceMesh as an opaque object."""
+    run_world(_tensor_parallel_mlp_program)
+
+
+def test_tensor_parallel_attention_matches_eager():
+    """Two-way tensor parallelism of a causal attention block (q, k, v column-parallel, so each rank runs half the
+    heads; o row-parallel), compiled with ember as the MLP above, equals eager tensor parallelism."""
+    run_world(_tensor_parallel_attention_program)
+
+
+def test_waits_move_past_independent_work_and_results_stay_eager():
+    """overlap_comm: an all-reduce's wait moves below the work that does not need its result, and the compiled
+    graph's results equal eager's with the pass on and with it disabled."""
+    run_world(_overlap_program)
 
 
 def test_distributed_bench_reports_each_strategy_and_backend(tmp_path):

@@ -27,6 +27,10 @@ struct CompileOptions {
   // CompiledGraph::cache_parameter_steps, which the caller applies after compiling). Passes may then move
   // work on those inputs into steps of their own (bn_pointwise: a batch norm's per-channel scale and shift).
   std::vector<bool> cached_inputs;
+  // Per graph input: whether it may change without its version counter moving. A tensor subclass's inner
+  // tensors do (a DTensor parameter's local shard: the optimizer's in-place step moves the DTensor's counter,
+  // not the shard's), so nothing kept across calls may rest on theirs (packed matmul weights, EpilogueGroup).
+  std::vector<bool> unversioned_inputs;
   // The subgraphs this graph's control flow nodes name (torch.cond's branches, a while_loop's condition and
   // body, a scan's combine function), each compiled before this graph, by the name the node gives.
   Subgraphs subgraphs;

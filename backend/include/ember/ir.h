@@ -51,8 +51,10 @@ inline bool static_matrix(const TensorType& t) {
   return true;
 }
 
+// Object: an opaque object the graph only carries, from an input to outputs (a DTensor's DeviceMesh, which
+// AOTAutograd flattens beside its local tensor); no op may read one (build_plan refuses).
 struct Type {
-  enum class Kind { Tensor, Int, Float, Bool, None };
+  enum class Kind { Tensor, Int, Float, Bool, None, Object };
   Kind kind = Kind::None;
   TensorType tensor;  // meaningful for Kind::Tensor only
 
