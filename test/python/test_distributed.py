@@ -352,6 +352,50 @@ def test_functional_collectives_inside_a_compiled_graph():
     run_world(_collectives_program)
 
 
+NCCL_WORLD_OF_ONE = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+import ember
+
+dist.init_process_group("nccl", init_method="file://" + os.path.join(tempfile.mkdtemp(), "rendezvous"), rank=0,
+                        world_size=1, device_id=torch.device("cuda", 0))
+group = dist.group.WORLD
+
+def fn(x, y):
+    total = fc.all_reduce(x * 2, "sum", group)
+    gathered = fc.all_gather_tensor(y.relu(), 0, group)
+    scattered = fc.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
+    exchanged = fc.all_to_all_single(total + 1, None, None, group)
+    return total.sin() + 1, gathered, scattered, exchanged * exchanged
+
+for options in ({"fallback": "raise"}, {"fallback": "raise", "cudagraphs": True}):
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="ember", options=options)
+    for step in range(4):  # reduce-overhead: warm-up, capture, replays
+        g = torch.Generator(device="cuda").manual_seed(step)
+        x, y = torch.randn(4, 6, device="cuda", generator=g), torch.randn(2, 5, device="cuda", generator=g)
+        if options.get("cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()
+        got = [t.clone() for t in compiled(x, y)]
+        for e, o in zip(fn(x, y), got):
+            torch.testing.assert_close(o, e)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL")
+def test_nccl_world_of_one_runs_collectives_in_the_plan_and_under_cuda_graphs():
+    """NCCL with a world of one (the single-GPU machine): the functional collectives of a compiled graph run as plan
+    steps, in the default mode and under CUDA graphs, and give eager's results at every call. In a process of its
+    own, so that a failing NCCL cannot take pytest with it."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-c", NCCL_WORLD_OF_ONE], capture_output=True, text=True, timeout=TIME_LIMIT)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+
+
 def test_tensor_parallel_mlp_matches_eager():
     """Two-way tensor parallelism of an MLP (column-parallel up, row-parallel down; DTensor parameters), compiled
     with ember, fallback raising: a forward without grad, and the losses and parameters of STEPS SGD steps, equal
