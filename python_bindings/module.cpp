@@ -331,12 +331,19 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("tuning", [](const CompiledGraph& g) {
-        // What the steps' fast paths timed to choose (FastPath::tuning), one line per problem, in step order.
+        // What the steps' fast paths timed to choose (FastPath::tuning), one line per problem, in step order, and
+        // the convolutions that cuDNN's benchmark search chooses for (Step::benchmark_cudnn).
         std::vector<std::string> out;
+        size_t convolutions = 0;
         for (const auto* steps : {&g.plan().cached_steps, &g.plan().steps})
-          for (const Step& s : *steps)
+          for (const Step& s : *steps) {
             if (s.fast)
               for (std::string& line : s.fast->tuning()) out.push_back(std::move(line));
+            convolutions += s.benchmark_cudnn ? 1 : 0;
+          }
+        if (convolutions)
+          out.push_back(std::to_string(convolutions) + " convolution(s): cuDNN's benchmark search picks each shape's "
+                        "algorithm at its first call (max-autotune)");
         return out;
       })
       .def("steps", [](const CompiledGraph& g) {

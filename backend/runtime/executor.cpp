@@ -8,6 +8,7 @@
 #include "ember/error.h"
 #include "ember/runtime.h"
 
+#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -222,6 +223,18 @@ void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, siz
   for (size_t s = first; s < last; ++s) run_step(plan_.steps[s], buffers, stack);
 }
 
+// cuDNN's benchmark search on for one call (Step::benchmark_cudnn), the caller's setting back after it.
+class BenchmarkCuDNN {
+ public:
+  BenchmarkCuDNN() : before_(at::globalContext().benchmarkCuDNN()) { at::globalContext().setBenchmarkCuDNN(true); }
+  ~BenchmarkCuDNN() { at::globalContext().setBenchmarkCuDNN(before_); }
+  BenchmarkCuDNN(const BenchmarkCuDNN&) = delete;
+  BenchmarkCuDNN& operator=(const BenchmarkCuDNN&) = delete;
+
+ private:
+  bool before_;
+};
+
 void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c10::IValue>& stack) {
   if (step.kernel || step.fast) {
     // Named for torch.profiler while it records (one check of its callbacks otherwise).
@@ -250,6 +263,8 @@ void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c
   for (const ListSlot& l : step.lists) stack[l.slot] = assemble_list(l, &buffers);
   try {
     if (step.op) {
+      std::optional<BenchmarkCuDNN> benchmark;
+      if (C10_UNLIKELY(step.benchmark_cudnn)) benchmark.emplace();
       step.op->callBoxed(stack);
     } else {
       c10::IValue r = run_prim(step.prim, stack);

@@ -416,6 +416,7 @@ class PlanBuilder {
       if (step.op && !step.fast && step.node)
         for (FastPathMaker make : fast_path_makers())
           if (!step.fast) step.fast = make(*step.node, step, tuning_);
+      if (tuning_.exhaustive && step.op && step.node && is_cuda_convolution(*step.node)) step.benchmark_cudnn = true;
       if (step.kernel) step.label = "ember::" + step.kernel->describe();
       else if (step.fast && step.node) step.label = "ember::fast path " + step.node->op;
     }
@@ -603,6 +604,16 @@ class PlanBuilder {
   }
 
   uint32_t buffer_of_value(const Value* v) const { return buffers_.at(v); }
+
+  // A convolution (forward or backward) that ATen runs through cuDNN: one on CUDA tensors.
+  static bool is_cuda_convolution(const Node& n) {
+    static const std::unordered_set<std::string> ops = {"aten::convolution", "aten::_convolution",
+                                                        "aten::cudnn_convolution", "aten::convolution_backward"};
+    if (!ops.count(n.op) || n.outputs.empty()) return false;
+    for (const Value* v : n.outputs)
+      if (v->type.is_tensor() && v->type.tensor.device.is_cuda()) return true;
+    return false;
+  }
 
   static bool static_geometry(const Value* v) {
     if (!v->type.is_tensor()) return false;

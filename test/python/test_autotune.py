@@ -203,6 +203,43 @@ def test_explain_lists_the_candidates_and_the_winner(settings):
     assert "    tuned   29x" in str(report)
 
 
+@cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_convolutions_run_with_cudnn_benchmark_and_match_eager(training, settings):
+    """max-autotune runs a graph's CUDA convolutions (and their backward) with cuDNN's benchmark search, leaves the
+    caller's torch.backends.cudnn.benchmark as it was, gives eager's results, and explain says so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3, stride=2),
+                          nn.Flatten(), nn.Linear(8 * 15 * 15, 10)).cuda()
+    model.train(training)
+    x = torch.randn(4, 3, 32, 32, device="cuda")
+    assert not torch.backends.cudnn.benchmark
+    if training:
+        reference = [p.detach().clone() for p in model.parameters()]
+        expected = model(x)
+        expected.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), reference):
+                p.copy_(r)
+    compiled = torch.compile(model, backend="ember", mode="max-autotune-no-cudagraphs")
+    with torch.set_grad_enabled(training):
+        got = compiled(x)
+        if not training:
+            expected = model(x)
+    assert_same(got, expected, atol=1e-3, rtol=1e-3)  # cuDNN's algorithms differ in rounding (TF32 off)
+    if training:
+        got.sum().backward()
+        for p, g in zip(model.parameters(), grads):
+            assert_same(p.grad, g, atol=1e-3, rtol=1e-3)
+    assert not torch.backends.cudnn.benchmark
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(training):
+        report = ember.explain(model, mode="max-autotune-no-cudagraphs")(x)
+    assert any("cuDNN's benchmark search" in line for line in _tuned_lines(report)), str(report)
+
+
 # ---- CUDA: the disk, across processes
 
 _SCRIPT = textwrap.dedent("""

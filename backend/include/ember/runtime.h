@@ -147,6 +147,9 @@ struct Step {
   std::vector<int32_t> outputs;  // buffer for each return; -1 drops it
   bool expand_list = false;      // the op returns one Tensor[] spread over `outputs`
   std::shared_ptr<const FastPath> fast;  // tried before the op (FastPath)
+  // Exhaustive tuning (max-autotune) of a CUDA convolution: the op runs with cuDNN's benchmark search on, which
+  // times its algorithms at a shape's first call and keeps the fastest for the process (ATen's cache).
+  bool benchmark_cudnn = false;
   std::vector<uint32_t> frees;   // buffers whose last use is this step
   const Node* node = nullptr;    // for error messages only; valid while the owning Graph lives
   // A kernel or fast-path step's name in torch.profiler ("ember::" and what runs), made with the plan; ATen
