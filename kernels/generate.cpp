@@ -98,7 +98,7 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
         r.kernel.reads = m->reads();
         r.kernel.writes = {m->output};
         if (m->device.is_cpu() && m->kind == EpilogueGroup::Kind::Conv2d) r.kernel.kernel = cpu::make_conv2d_kernel(*m, &r.why);
-        else if (m->device.is_cpu()) r.kernel.kernel = cpu::make_matmul_kernel(*m, &r.why);
+        else if (m->device.is_cpu()) r.kernel.kernel = cpu::make_matmul_kernel(*m, &r.why, options.autotune);
         else r.why = "no library epilogue for " + m->device.str() + " matmuls yet";
         return;
       }

@@ -17,7 +17,9 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* wh
 
 // A claimed matmul group as one oneDNN matmul with post-ops (kernels/cpu/matmul_kernel.cpp). Null, with the
 // reason in *why_not, when ember was built without oneDNN or oneDNN rejects it.
-std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not);
+// `exhaustive` (max-autotune): every problem's library is timed, not only those of kTimedMacs and more.
+std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not,
+                                                bool exhaustive = false);
 // One line per problem the matmul kernels timed, in order: "72x232x264 matmul f32 +bias gelu (packed): onednn
 // 41 us, aten 48 us, torch 45 us -> onednn". A problem is timed once per process; tests read which ran.
 std::vector<std::string> cpu_matmul_timings();

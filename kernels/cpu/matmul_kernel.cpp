@@ -9,9 +9,9 @@
 //  4. Operands neither takes as they are (neither rows nor columns contiguous, an empty dimension, an
 //     addend that is not contiguous) run the same computation through ATen, so every input is correct; so
 //     do a few bfloat16 rows, or rows against row-major weights, unless the weights are packed.
-//  5. Problems of at least kTimedMacs multiply-adds are timed once per shape, oneDNN (its epilogue fused)
-//     against ATen (MKL, then the epilogue as ATen ops) and, for nn.Linear's layout, torch's own oneDNN
-//     (point 6), and run by the fastest from then on (Library). oneDNN is not always the faster: Debian's
+//  5. Problems of at least kTimedMacs multiply-adds (every problem under max-autotune) are timed once per shape,
+//     oneDNN (its epilogue fused) against ATen (MKL, then the epilogue as ATen ops) and, for nn.Linear's layout,
+//     torch's own oneDNN (point 6), and run by the fastest from then on (Library). oneDNN is not always the faster: Debian's
 //     oneDNN 2.6 runs f32 matmuls on an AVX2-only host as `gemm:jit`, which took 12.4-12.9 ms for
 //     [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's addmm took 6.8-8.5 ms (bench/zoo.py's
 //     4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice is process-wide by shape, layout and
@@ -131,8 +131,10 @@ double elapsed_us(std::chrono::steady_clock::time_point since) {
 
 class MatmulKernel final : public Kernel {
  public:
-  MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config)
-      : dnnl_(std::move(dnnl)), config_(std::move(config)), library_ops_(library_exact_ops(m)), dtype_(m.dtype),
+  MatmulKernel(const EpilogueGroup& m, std::unique_ptr<onednn::Matmul> dnnl, onednn::MatmulConfig config,
+               bool exhaustive)
+      : exhaustive_(exhaustive), dnnl_(std::move(dnnl)), config_(std::move(config)),
+        library_ops_(library_exact_ops(m)), dtype_(m.dtype),
         bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()),
@@ -203,7 +205,7 @@ class MatmulKernel final : public Kernel {
       return true;
     }
     if (first) return false;
-    const bool timed = forced_ || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
+    const bool timed = forced_ || exhaustive_ || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
     const std::optional<Library> library = timed ? library_for(call, packing != 0) : std::nullopt;
     if (library == Library::Aten) return false;
     if (library == Library::Torch && torch_takes(src, weights)) {
@@ -345,6 +347,7 @@ class MatmulKernel final : public Kernel {
   }
 
   static constexpr int64_t kFewRows = 8;
+  bool exhaustive_;  // max-autotune: every problem timed (point 5)
   std::unique_ptr<onednn::Matmul> dnnl_;
   onednn::MatmulConfig config_;  // all of the epilogue as post-ops, for gemv() (it keeps NaN through relu)
   size_t library_ops_;           // dnnl_ applies ops_[0, library_ops_) as post-ops, ATen the rest
@@ -375,7 +378,7 @@ class MatmulKernel final : public Kernel {
 
 }  // namespace
 
-std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::string* why_not) {
+std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::string* why_not, bool exhaustive) {
   if (!m.device.is_cpu()) {
     if (why_not) *why_not = "not a CPU matmul";
     return nullptr;
@@ -392,7 +395,7 @@ std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& m, std::st
   library.post_ops = post_ops_of(m, library_exact_ops(m));
   auto dnnl = onednn::Matmul::create(library, why_not);
   if (!dnnl) return nullptr;
-  return std::make_shared<MatmulKernel>(m, std::move(dnnl), std::move(config));
+  return std::make_shared<MatmulKernel>(m, std::move(dnnl), std::move(config), exhaustive);
 }
 
 std::vector<std::string> cpu_matmul_timings() {

@@ -129,6 +129,23 @@ def test_cpu_graphs_tune_no_cuda_gemm(settings):
     assert _since(before) == dict.fromkeys(before, 0)
 
 
+@pytest.mark.parametrize("autotune", [False, True], ids=["default", "autotune"])
+def test_cpu_matmuls_of_every_size_are_timed_under_autotune(autotune, settings):
+    """On the CPU, max-autotune times oneDNN against ATen (and torch's oneDNN) for every matmul, where the default
+    times only problems of 2**22 multiply-adds and more; results equal eager either way."""
+    torch.manual_seed(0)
+    width = 72 if autotune else 80  # problems of their own: each is timed once per process
+    model = nn.Sequential(nn.Linear(width, 3 * width), nn.GELU(), nn.Linear(3 * width, width)).eval()
+    compiled = torch.compile(model, backend="ember", options={"fallback": "raise", "autotune": autotune})
+    before = len(ember._C.cpu_matmul_timings())
+    with torch.no_grad():
+        for _ in range(3):  # the weights are packed at their second sight, timed at the first oneDNN call
+            x = torch.randn(24, width)
+            assert_same(compiled(x), model(x), **MATMUL_TOL)
+    timed = [line for line in ember._C.cpu_matmul_timings()[before:] if line.startswith("24x")]
+    assert len(timed) == (2 if autotune else 0), timed
+
+
 # ---- CUDA: tuning, the budget, explain
 
 
