@@ -131,7 +131,8 @@ SETTINGS = {s.name: s for s in (
             "input signatures captured per graph; past it the least recently used one gives its graphs up, with one "
             "warning", USER, option=True, minimum=1),
     Setting("autotune", bool, None,
-            'time every candidate of each CUDA GEMM at its first call, within autotune_budget_s; None: on in '
+            'time every candidate of each CUDA GEMM at its first call, within autotune_budget_s (and run CUDA '
+            "convolutions with cuDNN's benchmark search, time every CPU matmul's libraries); None: on in "
             'mode="max-autotune" and "max-autotune-no-cudagraphs" (torch.compile takes a mode or options, not both), '
             "off otherwise", USER, option=True),
     Setting("autotune_budget_s", int, 30,
