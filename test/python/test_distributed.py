@@ -188,22 +188,23 @@ def _fsdp2_program(rank):
     _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
 
 
-def _collectives_program(rank):
+def collectives(x, y):
+    """all_reduce, all_gather_tensor, reduce_scatter_tensor and all_to_all_single over the world, compute between."""
     import torch.distributed._functional_collectives as fc
 
     group = dist.group.WORLD
+    total = fc.all_reduce(x * 2, "sum", group)
+    gathered = fc.all_gather_tensor(y.relu(), 0, group)
+    scattered = fc.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
+    exchanged = fc.all_to_all_single(total + 1, None, None, group)
+    return total.sin() + 1, gathered, scattered, exchanged * exchanged
 
-    def fn(x, y):
-        total = fc.all_reduce(x * 2, "sum", group)
-        gathered = fc.all_gather_tensor(y.relu(), 0, group)
-        scattered = fc.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
-        exchanged = fc.all_to_all_single(total + 1, None, None, group)
-        return total.sin() + 1, gathered, scattered, exchanged * exchanged
 
+def _collectives_program(rank):
     g = torch.Generator().manual_seed(7 + rank)
     x, y = torch.randn(4, 6, generator=g), torch.randn(2, 5, generator=g)
-    expected = fn(x, y)
-    got = torch.compile(fn, backend="ember", options={"fallback": "raise"})(x, y)
+    expected = collectives(x, y)
+    got = torch.compile(collectives, backend="ember", options={"fallback": "raise"})(x, y)
     for e, o in zip(expected, got):
         torch.testing.assert_close(o, e)
 
@@ -355,19 +356,11 @@ def test_functional_collectives_inside_a_compiled_graph():
 NCCL_WORLD_OF_ONE = r"""
 import os, sys, tempfile
 import torch, torch.distributed as dist
-import torch.distributed._functional_collectives as fc
 import ember
+from test_distributed import collectives as fn
 
 dist.init_process_group("nccl", init_method="file://" + os.path.join(tempfile.mkdtemp(), "rendezvous"), rank=0,
                         world_size=1, device_id=torch.device("cuda", 0))
-group = dist.group.WORLD
-
-def fn(x, y):
-    total = fc.all_reduce(x * 2, "sum", group)
-    gathered = fc.all_gather_tensor(y.relu(), 0, group)
-    scattered = fc.reduce_scatter_tensor(gathered * 3, "sum", 0, group)
-    exchanged = fc.all_to_all_single(total + 1, None, None, group)
-    return total.sin() + 1, gathered, scattered, exchanged * exchanged
 
 for options in ({"fallback": "raise"}, {"fallback": "raise", "cudagraphs": True}):
     torch._dynamo.reset()
@@ -392,7 +385,8 @@ def test_nccl_world_of_one_runs_collectives_in_the_plan_and_under_cuda_graphs():
     own, so that a failing NCCL cannot take pytest with it."""
     import subprocess
 
-    run = subprocess.run([sys.executable, "-c", NCCL_WORLD_OF_ONE], capture_output=True, text=True, timeout=TIME_LIMIT)
+    run = subprocess.run([sys.executable, "-c", NCCL_WORLD_OF_ONE], capture_output=True, text=True, timeout=TIME_LIMIT,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
 
 
