@@ -7,7 +7,8 @@
 //  4. ATen steps may get a FastPath (runtime.h). Views over statically shaped tensors get their geometry
 //     precomputed (StaticView, below): a view step costs the executor one TensorImpl instead of a boxed
 //     dispatcher call. In TransformerEncoderLayer's plan 25 of 45 steps are views; host time per call is
-//     what such plans pay. Other makers register themselves (kernels/cuda/gemm.cpp).
+//     what such plans pay. Views whose sizes are symbols compute theirs per call from the input and the
+//     symbols' values (SymbolicView). Other makers register themselves (kernels/cuda/gemm.cpp).
 //  5. A CPU add / sub / mul / div of two tensors whose first operand (or, for add with alpha 1 and mul, the
 //     second) dies at that step writes its result into that operand (InPlaceBinary, below), where no one
 //     else holds the tensor or its storage. Why: a backward sums the gradients of a parameter used twice
