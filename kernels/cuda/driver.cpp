@@ -362,6 +362,7 @@ KernelImage find_or_compile(const std::string& source, const std::string& name, 
     ++stats.from_cache;
     return std::move(*cached);
   }
+  wait_for_warm_up();  // only a compile does: a process whose kernels all come from a cache never waits for it
   auto t0 = std::chrono::steady_clock::now();
   const ThreadUsage u0 = thread_usage();
   KernelImage image{target, source, nvrtc_compile(source, name, target), version};
@@ -413,7 +414,6 @@ std::vector<void*> compile(const std::string& source, const std::vector<std::str
   std::mutex& mu = c.mu;
   auto& cache = c.modules;
   if (names.empty()) throw Error("CUDA: a module needs at least one entry point");
-  wait_for_warm_up();
   const Api& a = api();
   make_current(device);
   const std::string target = arch(device) + (arch_specific ? "a" : "");

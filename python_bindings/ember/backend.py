@@ -801,10 +801,6 @@ def _compile_graph(gm, example_inputs, config, built=None):
     from . import cache
     from .decompositions import decomposition_table
 
-    if any(getattr(x, "is_cuda", False) for x in example_inputs):
-        from . import _C
-
-        _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps AOTAutograd's tracing below
     # DDP's graph splitter (DDPOptimizer) calls each compiled piece once on fake tensors to get the inputs of the
     # next: AOTAutograd's wrapper answers that call, a DirectCall (C++, real tensors) cannot. Such pieces keep
     # the wrapper and skip the compile cache, whose hits are DirectCalls.
@@ -818,6 +814,10 @@ def _compile_graph(gm, example_inputs, config, built=None):
             if built is not None:
                 built.update(entry)
             return direct
+    if any(getattr(x, "is_cuda", False) for x in example_inputs):
+        from . import _C
+
+        _C.warm_up_cuda_compiler()  # NVRTC's first use in the process overlaps the tracing below
 
     inference = []
     training = []  # (kind, compiled, facts) for the forward and the backward
@@ -940,14 +940,17 @@ def _aot_autograd(**kwargs):
 def _warm_up_if_cuda_in_use():
     """torch.compile(..., backend="ember") imports this module (the entry point) before the first call is
     traced. Where the process already uses CUDA, NVRTC's first use starts now, on a thread of its own, and
-    overlaps Dynamo's tracing instead of only AOTAutograd's (ember_backend starts it otherwise)."""
+    overlaps Dynamo's tracing instead of only ember's (_compile_graph starts it on a compile cache miss
+    otherwise). Not where the compile cache holds entries: a restarted process then mostly hits, needs no
+    NVRTC, and its first call ran slower with the warm-up's loading and compiling beside Dynamo's tracing."""
     import sys
 
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
-        from . import _C
+        from . import _C, cache
 
-        _C.warm_up_cuda_compiler()
+        if not cache.holds_entries():
+            _C.warm_up_cuda_compiler()
 
 
 _warm_up_if_cuda_in_use()

@@ -86,6 +86,18 @@ def entries():
     return [(path, size) for _, path, size in sorted(found)]
 
 
+def holds_entries():
+    """True when the folder holds at least one entry: a restarted process is then likely to hit."""
+    where = folder()
+    if where is None:
+        return False
+    try:
+        with os.scandir(where) as it:
+            return any(e.name.endswith(".entry") for e in it)
+    except OSError:  # no folder yet
+        return False
+
+
 def clear():
     """Removes every entry; returns how many."""
     gone = 0
