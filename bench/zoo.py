@@ -6,6 +6,8 @@
     python bench/zoo.py --train                        # forward + backward: parameter gradients
     python bench/zoo.py --train --mode reduce-overhead --steps 20   # 20 steps under CUDA graphs: crashes, mismatches
     python bench/zoo.py --dynamic                      # one shape, then two others (automatic dynamic shapes)
+    python bench/zoo.py --device cuda --against inductor   # inductor in the same mode, timed in the same process
+    python bench/zoo.py --device cuda --mode max-autotune --against ember-default
     python bench/zoo.py --list
 
 Where bench/harness.py measures the issue's fixed suite side by side with inductor, this sweeps breadth:
@@ -21,6 +23,10 @@ Per model it reports
     speedup   eager's latency / ember's: medians of --repeat calls, the two alternating in three rounds, the
               best round of each (on CUDA each call is synchronized); --dynamic does not time
     graphs    graphs Dynamo compiled (more than one: graph breaks, or --dynamic's recompile)
+    --against adds backends compiled and timed in the same process, alternating with eager and ember: `inductor`
+    (torch.compile's default backend in the same --mode) and `ember-default` (ember in the default mode, against
+    which --mode max-autotune is compared). Each gets <name>_ms, <name>_first_s and <name>_err. Every child starts
+    with empty caches (ember's in a fresh folder, inductor's off), so first calls are cold for all.
 Results: a table on stdout and JSON (default bench/results/zoo_<device>.json).
 """
 
@@ -28,9 +34,11 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -223,15 +231,16 @@ def latency(fn, device, repeat):
     return statistics.median(times)
 
 
-def compare_speed(eager, ember, device, repeat):
-    """(eager s, ember s): the best of three rounds, each a median of `repeat` calls of each, alternating."""
+def compare_speed(fns, device, repeat):
+    """Seconds per fn: the best of three rounds, each a median of `repeat` calls of each, alternating."""
     for _ in range(2):
-        eager(), ember()
+        for fn in fns:
+            fn()
     import ember as ember_package
 
     ember_package.wait_for_compiles()  # (harness.settle; zoo.py runs without harness on the path too)
-    rounds = [(latency(eager, device, repeat), latency(ember, device, repeat)) for _ in range(3)]
-    return min(r[0] for r in rounds), min(r[1] for r in rounds)
+    rounds = [[latency(fn, device, repeat) for fn in fns] for _ in range(3)]
+    return [min(r[i] for r in rounds) for i in range(len(fns))]
 
 
 def timed_first(fn, device):
@@ -242,21 +251,49 @@ def timed_first(fn, device):
     return out, time.perf_counter() - start
 
 
-def compile_model(model, args):
-    # torch.compile takes mode or options, not both: reduce-overhead is ember's cudagraphs option.
-    options = {"fallback": "raise", "cudagraphs": args.mode == "reduce-overhead"}
+AGAINST = ("inductor", "ember-default")
+
+
+def compile_model(model, args, backend="ember"):
+    """`backend` (ember, or one of AGAINST) in --mode. torch.compile takes mode or options, not both: ember's
+    modes are its options here, so that a graph ember cannot compile raises."""
+    if backend == "inductor":
+        return torch.compile(model, mode=None if args.mode == "default" else args.mode)
+    mode = "default" if backend == "ember-default" else args.mode
+    options = {"fallback": "raise", "cudagraphs": mode in ("reduce-overhead", "max-autotune"),
+               "autotune": mode == "max-autotune"}
     return torch.compile(model, backend="ember", options=options)
+
+
+def against(args):
+    return [b.strip() for b in args.against.split(",") if b.strip()]
+
+
+def run_compared(args, device, step, compare):
+    """The row of one model: ember's (and each --against backend's) first call of step(fn) and its error
+    (compare(out)), then every latency, alternating with eager's (step(None))."""
+    row = {}
+    fns = {}
+    for backend in ["ember", *against(args)]:
+        compiled = fns[backend] = compile_model(args.model, args, backend)
+        out, first = timed_first(lambda: step(compiled), device)
+        prefix = "" if backend == "ember" else backend + "_"
+        row[prefix + "first_s"], row[prefix + "err"] = first, compare(out)
+        if backend == "ember":  # the counter goes on counting the other backends' graphs
+            row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    seconds = compare_speed([lambda: step(None)] + [lambda fn=fn: step(fn) for fn in fns.values()], device, args.repeat)
+    row["eager_ms"] = seconds[0] * 1e3
+    for backend, s in zip(fns, seconds[1:]):
+        row[backend + "_ms"] = s * 1e3
+    return row
 
 
 def run_inference(name, device, args):
     model, inputs = build(name, device, args)
-    compiled = compile_model(model, args)
+    args.model = model
     with torch.no_grad():
-        ref = model(*inputs)
-        out, first = timed_first(lambda: compiled(*inputs), device)
-        err = relative_error(tensors(out), tensors(ref))
-        eager_s, ember_s = compare_speed(lambda: model(*inputs), lambda: compiled(*inputs), device, args.repeat)
-    return {"err": err, "first_s": first, "eager_ms": eager_s * 1e3, "ember_ms": ember_s * 1e3}
+        ref = tensors(model(*inputs))
+        return run_compared(args, device, lambda fn: (model if fn is None else fn)(*inputs), lambda out: relative_error(tensors(out), ref))
 
 
 class EagerFailed(Exception):
@@ -278,22 +315,22 @@ def run_training(name, device, args):
         (out.float() * weights[out.shape]).sum().backward()
         return [p.grad for p in params]
 
-    compiled = compile_model(model, args)
     try:  # twice: a model that cannot take a second step (LeViT's eval-mode bias cache keeps a freed graph)
         step(model)
         ref = [g.clone() if g is not None else None for g in step(model)]
     except RuntimeError as e:
         raise EagerFailed(f"eager's second step fails too: {str(e).splitlines()[0][:150]}") from e
-    got, first = timed_first(lambda: step(compiled), device)
-    err = gradient_error(got, ref)
     if args.steps > 1:  # the same parameters every step, so every step's gradients are eager's
+        compiled = compile_model(model, args)
+        got, first = timed_first(lambda: step(compiled), device)
+        err = gradient_error(got, ref)
         for _ in range(args.steps - 1):
             got = step(compiled)
         if device == "cuda":
             torch.cuda.synchronize()
         return {"err": max(err, gradient_error(got, ref)), "first_s": first, "steps": args.steps}
-    eager_s, ember_s = compare_speed(lambda: step(model), lambda: step(compiled), device, args.repeat)
-    return {"err": err, "first_s": first, "eager_ms": eager_s * 1e3, "ember_ms": ember_s * 1e3}
+    args.model = model
+    return run_compared(args, device, lambda fn: step(model if fn is None else fn), lambda got: gradient_error(got, ref))
 
 
 def gradient_error(got, ref):
@@ -330,7 +367,7 @@ def child(name, args):
     except EagerFailed as e:
         print("RESULT " + json.dumps({"skipped": str(e)}), flush=True)
         return 0
-    row["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    row.setdefault("graphs", torch._dynamo.utils.counters["stats"]["unique_graphs"])
     print("RESULT " + json.dumps(row), flush=True)
     return 0
 
@@ -342,10 +379,14 @@ def child(name, args):
 
 def run_in_child(name, args, argv):
     command = [sys.executable, os.path.abspath(__file__), *argv, "--child", name]
+    caches = tempfile.mkdtemp(prefix="ember-zoo-")
+    env = {**os.environ, "EMBER_CACHE_DIR": caches, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
+    finally:
+        shutil.rmtree(caches, ignore_errors=True)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -365,8 +406,15 @@ def describe(row, tolerance):
     if "ember_ms" in row:
         row["speedup"] = row["eager_ms"] / row["ember_ms"]
         text += f"  eager {row['eager_ms']:9.3f} ms  ember {row['ember_ms']:9.3f} ms  {row['speedup']:5.2f}x"
+    behind = row["err"] > tolerance or row.get("speedup", 1.0) < 1.0
+    for backend in AGAINST:
+        if backend + "_ms" in row:
+            row[backend + "_speedup"] = row["eager_ms"] / row[backend + "_ms"]
+            ratio = row[backend + "_ms"] / row["ember_ms"]  # above 1: ember is faster
+            text += f"  {backend} {row[backend + '_speedup']:5.2f}x (ember {ratio:4.2f}x it; first {row[backend + '_first_s']:6.2f} s)"
+            behind = behind or ratio < (0.98 if backend == "inductor" else 1.0)
     text += f"  graphs {row['graphs']}"
-    if row["err"] > tolerance or row.get("speedup", 1.0) < 1.0:
+    if behind:
         text += "  <--"
     return text
 
@@ -381,7 +429,8 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="f32")
     parser.add_argument("--train", action="store_true", help="forward + backward, gradients compared")
     parser.add_argument("--dynamic", action="store_true", help="three input shapes in turn, values compared")
-    parser.add_argument("--mode", choices=("default", "reduce-overhead"), default="default")
+    parser.add_argument("--mode", choices=("default", "reduce-overhead", "max-autotune"), default="default")
+    parser.add_argument("--against", default="", help=f"comma-separated backends timed beside ember: {', '.join(AGAINST)}")
     parser.add_argument("--steps", type=int, default=1, help="--train: steps to run (more than 1: untimed)")
     parser.add_argument("--no-tf32", action="store_true",
                         help="convolutions and matmuls in full f32 (cuDNN's TF32 convolutions differ by ~1e-3 between algorithms)")
@@ -393,6 +442,8 @@ def main(argv=None):
     parser.add_argument("--list", action="store_true")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if any(b not in AGAINST for b in against(args)):
+        parser.error(f"--against takes {', '.join(AGAINST)}")
     args.batch = args.batch or default_batch(args.device)
     args.seq = args.seq or default_seq(args.device)
     if args.no_tf32:
