@@ -248,18 +248,18 @@ def test_values_read_from_code_and_environment():
 @needs_cuda
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
 @torch.no_grad()
-def test_cuda_modes_match_eager(mode):
+def test_cuda_modes_match_eager(mode, monkeypatch):
+    """torch.compile takes a mode or options, not both: with a mode, the buckets come from ember.config."""
+    monkeypatch.setattr(ember.config, "pad_to_buckets", BUCKETS)
+    monkeypatch.setattr(ember.config, "fallback", "raise")
     model = rows_model("cuda")
-    options = {"pad_to_buckets": BUCKETS, "fallback": "raise"}
-    compiled = torch.compile(model, backend="ember", dynamic=True,
-                             **({"mode": mode} if mode else {}), options=None if mode else options)
-    if mode:  # torch.compile takes a mode or options, not both
-        compiled = torch.compile(model, backend="ember", dynamic=True,
-                                 options={**options, "cudagraphs": True})
+    compiled = torch.compile(model, backend="ember", dynamic=True, mode=mode)
     for n in many_sizes(40, repeat=3):
         x = torch.randn(n, 12, device="cuda")
         torch.testing.assert_close(compiled(x), model(x), **TOL)
-    assert set(sizes_run()) <= {8, 16, 32, -1}, sizes_run()
+    assert set(sizes_run()) == {8, 16, 32, -1}, sizes_run()
+    (graph,) = padded_graphs()
+    assert graph.cuda_graphs == (mode is not None)
 
 
 @needs_cuda
@@ -287,3 +287,23 @@ def test_cuda_graphs_hold_bucket_sizes_only():
     sizes = re.search(r"sizes captured: (.*)", report).group(1)
     assert set(re.findall(r"\[(\d+), 12\]", sizes)) <= {"8", "16", "32"}, report
     assert "signatures evicted" not in report, report
+
+
+@torch.no_grad()
+def test_padding_comes_back_from_the_compile_cache(tmp_path, monkeypatch):
+    """A compile cache hit (no tracing) pads as the fresh compile did: the plan is stored with the graph."""
+    monkeypatch.setattr(ember.config, "compile_cache", True)
+    monkeypatch.setattr(ember.config, "cache_dir", str(tmp_path))
+    model = rows_model("cpu")
+    options = {"pad_to_buckets": BUCKETS, "fallback": "raise"}
+    for hit in (False, True):
+        torch._dynamo.reset()
+        EMBER_GRAPHS.clear()
+        report = str(ember.explain(model, dynamic=True, options=options)(torch.randn(11, 12)))
+        assert ("from the compile cache" in report) == hit, report
+        assert re.search(r"padded  s\d+ to buckets 8, 16, 32", report), report
+    compiled = compile_ember(model, dynamic=True, options={"pad_to_buckets": BUCKETS})
+    for n in (3, 11, 20):
+        x = torch.randn(n, 12)
+        torch.testing.assert_close(compiled(x), model(x), **TOL)
+    assert set(sizes_run()) == {8, 16, 32}, sizes_run()
