@@ -12,6 +12,7 @@
 // DirectCall runs the forward plan with grad mode off and hands its results to attach_backward
 // (training_graph.h), which stands in for AOTAutograd's autograd.Function.
 #include "backend/package/export.h"
+#include "backend/runtime/size_buckets.h"
 #include "ember/compiler.h"
 #include "ember/config.h"
 #include "ember/cudagraph.h"
@@ -328,6 +329,36 @@ PYBIND11_MODULE(_native, m) {
            "Captures the plan's capturable parts into CUDA graphs after warm-up; returns '' or why not.")
       .def("cache_parameter_steps", &CompiledGraph::cache_parameter_steps, py::arg("pinned"),
            "Runs the steps over parameters alone once, and again only when a parameter changes; returns their count.")
+      .def("set_size_buckets",
+           [](CompiledGraph& g, std::vector<int64_t> sizes,
+              const std::vector<std::tuple<std::string, uint32_t, int32_t>>& symbols,
+              const std::vector<std::tuple<uint32_t, int32_t, uint32_t>>& inputs,
+              const std::vector<std::tuple<uint32_t, int32_t, uint32_t>>& outputs) {
+             std::vector<SizeBuckets::Symbol> syms;
+             for (const auto& [name, input, dim] : symbols) syms.push_back({name, input, dim});
+             auto uses = [](const std::vector<std::tuple<uint32_t, int32_t, uint32_t>>& all) {
+               std::vector<SizeBuckets::Use> out;
+               for (const auto& [index, dim, symbol] : all) out.push_back({index, dim, symbol});
+               return out;
+             };
+             g.set_size_buckets(std::make_shared<SizeBuckets>(std::move(sizes), std::move(syms), uses(inputs),
+                                                              uses(outputs), g.num_inputs(), g.plan().outputs.size()));
+           },
+           py::arg("sizes"), py::arg("symbols"), py::arg("inputs"), py::arg("outputs"),
+           "Pads symbolic sizes up to buckets around every call (backend/runtime/size_buckets.h): `sizes` ascending "
+           "(empty: powers of two); symbols (name, input, dim) where a call's size is read (dim -1: an int input); "
+           "inputs and outputs (index, dim, symbol) carrying one (dim -1: an int that is the size).")
+      .def("size_buckets",
+           [](const CompiledGraph& g) {
+             return g.size_buckets() ? g.size_buckets()->describe() : std::vector<std::string>{};
+           },
+           "One line per padded symbol: what it pads and slices, and the calls run at each size; empty: no padding.")
+      .def("size_bucket_calls",
+           [](const CompiledGraph& g) {
+             return g.size_buckets() ? g.size_buckets()->calls()
+                                     : std::vector<std::vector<std::pair<int64_t, uint64_t>>>{};
+           },
+           "Per padded symbol, (size run at, calls) for each size that ran; -1: above the largest bucket, unpadded.")
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("tuning", [](const CompiledGraph& g) {

@@ -8,6 +8,8 @@
 #include "ember/error.h"
 #include "ember/runtime.h"
 
+#include "backend/runtime/size_buckets.h"
+
 #include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
@@ -110,15 +112,39 @@ void check_input_count(size_t got, size_t expected) {
 
 std::vector<c10::IValue> CompiledGraph::run_borrowed(const std::vector<c10::IValue>& inputs, bool guarded) const {
   check_input_count(inputs.size(), plan_.num_inputs);
-  if (runner_) {
-    c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
-    if (auto outputs = runner_->replay_borrowed(inputs, guarded)) return std::move(*outputs);
+  if (buckets_) {
+    if (auto padded = buckets_->pad(inputs)) {
+      // Fresh tensors: nobody else holds them, so the plan may take them.
+      std::vector<c10::IValue> outputs = run_plan(std::move(padded->inputs));
+      buckets_->slice(outputs, padded->real);
+      return outputs;
+    }
   }
-  return run(inputs);
+  return run_plan_borrowed(inputs, guarded);
 }
 
 std::vector<c10::IValue> CompiledGraph::run(std::vector<c10::IValue> inputs) const {
   check_input_count(inputs.size(), plan_.num_inputs);
+  if (buckets_) {
+    if (auto padded = buckets_->pad(inputs)) {
+      inputs.clear();  // the caller's tensors go as early as they would have
+      std::vector<c10::IValue> outputs = run_plan(std::move(padded->inputs));
+      buckets_->slice(outputs, padded->real);
+      return outputs;
+    }
+  }
+  return run_plan(std::move(inputs));
+}
+
+std::vector<c10::IValue> CompiledGraph::run_plan_borrowed(const std::vector<c10::IValue>& inputs, bool guarded) const {
+  if (runner_) {
+    c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    if (auto outputs = runner_->replay_borrowed(inputs, guarded)) return std::move(*outputs);
+  }
+  return run_plan(inputs);
+}
+
+std::vector<c10::IValue> CompiledGraph::run_plan(std::vector<c10::IValue> inputs) const {
   c10::impl::ExcludeDispatchKeyGuard below_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
   if (runner_) return runner_->run(std::move(inputs));
   std::vector<c10::IValue> buffers = start(std::move(inputs));

@@ -12,7 +12,7 @@ trace_by_node = False keeps AOTAutograd for it.
 
 Options (torch.compile's `options=` dict) are the settings of ember.config marked `option` (config.py:
 fallback, disable_passes, debug_dir, cudagraphs, cudagraph_warmup, cudagraph_max_graphs, autotune,
-autotune_budget_s, parameter_cache);
+autotune_budget_s, parameter_cache, pad_to_buckets, pad_dims);
 one compile's options take precedence over ember.config and the environment. torch.compile hands mode and
 options to the backend only at the first call, so that is where an unknown one raises (CompileConfig), before
 anything is traced.
@@ -71,6 +71,8 @@ class CompileConfig:
         tune = resolved["autotune"]
         self.autotune = self.mode in _AUTOTUNE_MODES if tune is None else tune
         self.autotune_budget_s = resolved["autotune_budget_s"]
+        self.pad_to_buckets = resolved["pad_to_buckets"]
+        self.pad_dims = resolved["pad_dims"]
 
     def check_passes(self, known):
         unknown = [p for p in self.disabled_passes if p not in known]
@@ -110,14 +112,36 @@ def compile_fx_graph(gm, config, kind, pinned=None, lowered=None):
             pinned = _pinned_inputs(gm, kind)
         fx_nodes = _fx_nodes(gm)
         is_cuda = any(n.op == "placeholder" and getattr(n.meta.get("val"), "is_cuda", False) for n in gm.graph.nodes)
+        padding = _size_buckets(gm, config, kind, graph_name)
         compiled = _compile_ir(ir, constants, _compile_subgraphs(subgraphs, config, graph_name), config, kind,
-                               graph_name, pinned, fx_nodes, lower_ms, is_cuda, _unversioned_inputs(gm))
+                               graph_name, pinned, fx_nodes, lower_ms, is_cuda, _unversioned_inputs(gm), padding)
         if lowered is not None and not subgraphs:
             lowered.append({"ir": ir, "constants": dict(constants), "pinned": list(pinned), "fx_nodes": fx_nodes,
-                            "cuda": is_cuda})
+                            "cuda": is_cuda, "padding": padding})
         return compiled
     except Exception as e:
         return _fell_back(e, config, kind, gm)
+
+
+def _size_buckets(gm, config, kind, graph_name):
+    """pad_to_buckets for one ATen graph: (the plan CompiledGraph.set_size_buckets takes, or None; why not, or "").
+    A graph that has symbolic sizes to pad but must not be padded (buckets.py says why; a training graph, whose
+    padded rows would reach the parameters' gradients) runs at its own sizes, with one warning."""
+    if config.pad_to_buckets is None:
+        return None, ""
+    from .buckets import Refused, padding_plan
+
+    try:
+        plan = padding_plan(gm, config.pad_to_buckets, config.pad_dims)
+        why = "" if plan is None or kind == "inference" else (
+            f"a {kind} graph: padding is for inference graphs alone (padded rows would reach the gradients)")
+    except Refused as e:
+        plan, why = None, str(e)
+    if not why:
+        return plan, ""
+    if kind != "backward":  # its forward said it
+        warnings.warn(f"ember: pad_to_buckets leaves {graph_name} at its own sizes: {why}", stacklevel=4)
+    return None, why
 
 
 def _fx_nodes(gm):
@@ -129,11 +153,11 @@ def compile_cached_graph(graph, config, kind):
     """compile_fx_graph for one graph of a compile cache entry: the C++ pipeline over its stored IR."""
     graph_name = f"g{next(_graph_ids)}_{kind}"
     return _compile_ir(graph["ir"], graph["constants"], {}, config, kind, graph_name, graph["pinned"],
-                       graph["fx_nodes"], 0.0, graph["cuda"])
+                       graph["fx_nodes"], 0.0, graph["cuda"], padding=graph.get("padding") or (None, ""))
 
 
 def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_nodes, lower_ms, is_cuda,
-                unversioned=()):
+                unversioned=(), padding=(None, "")):
     from . import _C, report
 
     if is_cuda:
@@ -156,8 +180,11 @@ def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_n
     compiled._boxed_call = True
     if cached:
         compiled.cache_parameter_steps(cached)
+    plan, unpadded = padding
+    if plan is not None:  # before the CUDA graphs: they then see the padded sizes alone
+        compiled.set_size_buckets(*plan)
     graphs_note = _enable_cuda_graphs(compiled, is_cuda, config, pinned) if config.cudagraphs else ""
-    report.record_graph(graph_name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note)
+    report.record_graph(graph_name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note, unpadded)
     return compiled
 
 

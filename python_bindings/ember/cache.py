@@ -385,6 +385,9 @@ def _check_graph(graph):
     _need(type(ir) is str and type(constants) is dict and _bools(pinned), "graph: fields")
     _need(type(graph.get("fx_nodes")) is int and graph["fx_nodes"] >= 0 and type(graph.get("cuda")) is bool,
           "graph: fields")
+    padding = graph.get("padding")  # (the plan or None, why not): the C++ side checks the plan's indices
+    _need(padding is None or (type(padding) in (list, tuple) and len(padding) == 2 and type(padding[1]) is str),
+          "graph: padding")
     for name, t in constants.items():
         _need(type(name) is str and type(t) is torch.Tensor and t.layout == torch.strided, "graph: constants")
         _need(not t.is_meta, "a constant without its values")

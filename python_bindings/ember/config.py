@@ -34,8 +34,9 @@ DEBUG = "debug"
 
 
 class Setting:
-    """One setting. `kind`: bool, int, str, a tuple of the accepted strings, or "names" (a list of names, also
-    a comma-separated string). `default` None (for a bool): decided elsewhere, as the doc says."""
+    """One setting. `kind`: bool, int, str, a tuple of the accepted strings, "names" (a list of names, also
+    a comma-separated string), "ints" (a list of ints >= 0, also one int or "0,1") or "buckets" (None, "pow2", or
+    a list of sizes >= 1, also "8,16,32"). `default` None (for a bool): decided elsewhere, as the doc says."""
 
     def __init__(self, name, kind, default, doc, category, env=None, option=False, cpp=False, minimum=None,
                  read_once=False):
@@ -48,6 +49,10 @@ class Setting:
             return " / ".join(f'"{c}"' for c in self.kind)
         if self.kind == "names":
             return "list of names"
+        if self.kind == "ints":
+            return "list of ints >= 0"
+        if self.kind == "buckets":
+            return '"pow2" or list of ints >= 1 or None'
         name = self.kind.__name__
         if self.kind is int and self.minimum is not None:
             return f"int >= {self.minimum}"
@@ -76,6 +81,8 @@ class Setting:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise EmberError(f"{source} must be a list of names or a comma-separated string, not {value!r}")
             return tuple(value)
+        if self.kind in ("ints", "buckets"):
+            return _check_ints(self.kind, value, source)
         if isinstance(self.kind, tuple):
             if value not in self.kind:
                 raise EmberError(f"{source} must be one of {', '.join(repr(c) for c in self.kind)}, not {value!r}")
@@ -105,6 +112,28 @@ class Setting:
         if isinstance(value, bool):
             return "1" if value else "0"
         return str(value)
+
+
+def _check_ints(kind, value, source):
+    """A "ints" setting's value as a tuple, or a "buckets" one's as None, "pow2" or an ascending tuple of sizes."""
+    if kind == "buckets" and (value is None or (isinstance(value, str) and value.strip().lower() in ("", "off", "none"))):
+        return None
+    if kind == "buckets" and isinstance(value, str) and value.strip().lower() == "pow2":
+        return "pow2"
+    items = value
+    if isinstance(value, str):
+        try:
+            items = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            items = None
+    elif isinstance(value, int) and not isinstance(value, bool):
+        items = [value]
+    least = 1 if kind == "buckets" else 0
+    if (not isinstance(items, (list, tuple)) or not items
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= least for v in items)):
+        what = '"pow2", a list of sizes >= 1 or None' if kind == "buckets" else "a list of integers >= 0"
+        raise EmberError(f"{source} must be {what}, not {value!r}")
+    return tuple(sorted(set(items)))
 
 
 _BOOL_TEXT = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
@@ -144,6 +173,15 @@ SETTINGS = {s.name: s for s in (
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms) again only "
             "when a parameter changes; off where parameters change through `.data`, which ember cannot see",
             USER, option=True),
+    Setting("pad_to_buckets", "buckets", None,
+            "inference graphs over a symbolic size (dynamic=True, automatic dynamic, mark_dynamic) run it padded with "
+            'zeros up to a bucket ("pow2": the next power of two; a list: the smallest listed size that holds it, '
+            "larger sizes unpadded) and slice their outputs back, so that reduce-overhead captures few sizes; correct "
+            "only where rows along the padded dim are independent (docs/configuration.md, Sizes that vary); None: off",
+            USER, option=True),
+    Setting("pad_dims", "ints", (0,),
+            "with pad_to_buckets: the input dims whose symbolic size is padded (every input and output of that size "
+            "follows it); 0: the batch dim", USER, option=True),
     Setting("cache_dir", str, "",
             'the directory of the disk caches (CUDA kernels, timed GEMM choices, whole compiles); empty: '
             '~/.cache/ember; "off": none', USER,
@@ -315,6 +353,8 @@ def _default_text(setting):
         return "None"
     if setting.kind == "names":
         return "none"
+    if setting.kind == "ints":
+        return ", ".join(str(v) for v in setting.default)
     if isinstance(setting.default, str):
         return f'"{setting.default}"'
     return str(setting.default)

@@ -5,9 +5,11 @@
 
 The report lists each graph ember compiled (forward / backward / inference), its plan (fused kernels,
 oneDNN matmuls with the epilogue fused into them, and the ATen ops that run one by one), the CUDA GEMMs whose
-choice was timed (each candidate's time and the winner; mode="max-autotune" times them all), the graphs that fell back
-to eager and why, and the compile time split into Dynamo and ATen tracing (AOTAutograd, trace.py's one pass or
-joint.py's call-by-call training trace), lowering to IR, ember's passes, code generation and plan building.
+choice was timed (each candidate's time and the winner; mode="max-autotune" times them all), the symbolic sizes
+padded to buckets (pad_to_buckets: what each pads and slices, the calls run at each size) or why a graph was not,
+the sizes that hold CUDA graphs in reduce-overhead mode, the graphs that fell back to eager and why, and the compile
+time split into Dynamo and ATen tracing (AOTAutograd, trace.py's one pass or joint.py's call-by-call training
+trace), lowering to IR, ember's passes, code generation and plan building.
 """
 
 import collections
@@ -19,9 +21,10 @@ _active = []  # stack of ExplainReport being filled
 
 
 class GraphReport:
-    def __init__(self, name, kind, fx_nodes, steps, timings, lower_ms, ir, compiled=None, graphs_note=""):
+    def __init__(self, name, kind, fx_nodes, steps, timings, lower_ms, ir, compiled=None, graphs_note="", unpadded=""):
         self.compiled = compiled
         self.graphs_note = graphs_note  # why CUDA graphs were not installed, when they were asked for
+        self.unpadded = unpadded  # why pad_to_buckets left the graph at its own sizes (backend._size_buckets)
         self.name = name
         self.kind = kind
         self.fx_nodes = fx_nodes
@@ -36,6 +39,14 @@ class GraphReport:
         if self.compiled is not None and self.compiled.cuda_graphs:
             return self.compiled.cuda_graph_report()
         return ""
+
+    @property
+    def padded(self):
+        """pad_to_buckets: per padded symbol, what it pads and slices and the calls run at each size (read when
+        asked, so the counts are those of every call so far); [] where nothing is padded."""
+        if self.compiled is None or not hasattr(self.compiled, "size_buckets"):
+            return []
+        return list(self.compiled.size_buckets())
 
     @property
     def tuned(self):
@@ -105,6 +116,10 @@ class ExplainReport:
                 lines.append("    ATen    " + ", ".join(f"{op} x{n}" if n > 1 else op for op, n in aten.most_common()))
             for line in g.tuned:
                 lines.append(f"    tuned   {line}")
+            for line in g.padded:
+                lines.append(f"    padded  {line}")
+            if g.unpadded:
+                lines.append(f"    not padded: {g.unpadded}")
             if g.cuda_graphs:
                 lines.extend("    " + line for line in g.cuda_graphs.rstrip().splitlines())
             elif g.graphs_note:
@@ -146,10 +161,11 @@ def _timing(name, value):
     return f"{name} {int(value)}" if name in _COUNTS else f"{name} {value:.1f} ms"
 
 
-def record_graph(name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note=""):
+def record_graph(name, kind, fx_nodes, compiled, lower_ms, ir, graphs_note="", unpadded=""):
     if _active:
         _active[-1].graphs.append(
-            GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir, compiled, graphs_note)
+            GraphReport(name, kind, fx_nodes, compiled.steps(), compiled.timings, lower_ms, ir, compiled, graphs_note,
+                        unpadded)
         )
 
 

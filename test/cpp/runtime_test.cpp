@@ -1,5 +1,6 @@
 // Runtime tests: graphs built in C++ or from IR text, compiled and run through the Plan, compared with
 // ATen on fresh random inputs (odd sizes, non-contiguous, broadcast, empty).
+#include "backend/runtime/size_buckets.h"
 #include "ember/compiler.h"
 #include "ember/error.h"
 
@@ -116,6 +117,36 @@ TEST(Runtime, SymIntShapesFromSizeQueriesAndArithmetic) {
     EXPECT_EQ(out[1].toInt(), n * 3 / 2);
     EXPECT_DOUBLE_EQ(out[2].toDouble(), n / 4.0);
   }
+}
+
+// pad_to_buckets' runtime half: the size padded up to a bucket before the plan runs, outputs sliced back. A softmax
+// over the padded dim shows the padding (zeros up to the bucket); the relu rows and the size match the call's.
+TEST(Runtime, SizeBucketsPadInputsAndSliceOutputs) {
+  auto g = compile_text(
+      "graph(%s0: int, %x: f32[s0, 5]{5, 1}@cpu):\n"
+      "  %r: f32[s0, 5]{5, 1}@cpu = aten::relu(%x)\n"
+      "  %p: f32[s0, 5]{5, 1}@cpu = aten::_softmax(%x, 0, false)\n"
+      "  %m: f32[s0, 5]{5, 1}@cpu = aten::mul.Tensor(%r, %p)\n"
+      "  return (%r, %s0, %m)\n");
+  g->set_size_buckets(std::make_shared<SizeBuckets>(
+      std::vector<int64_t>{4, 8}, std::vector<SizeBuckets::Symbol>{{"s0", 1, 0}},
+      std::vector<SizeBuckets::Use>{{0, -1, 0}, {1, 0, 0}},
+      std::vector<SizeBuckets::Use>{{0, 0, 0}, {1, -1, 0}, {2, 0, 0}}, 2, 3));
+  for (int64_t n : {3, 4, 5, 8, 11}) {
+    at::Tensor x = at::randn({n, 5});
+    const int64_t bucket = n <= 4 ? 4 : n <= 8 ? 8 : n;
+    auto out = g->run({n, x});
+    ASSERT_EQ(t(out[0]).size(0), n);
+    EXPECT_TRUE(at::equal(t(out[0]), at::relu(x)));
+    EXPECT_EQ(out[1].toInt(), n);
+    at::Tensor padded = at::cat({x, at::zeros({bucket - n, 5})});
+    EXPECT_TRUE(at::allclose(t(out[2]), (at::relu(padded) * at::softmax(padded, 0)).narrow(0, 0, n)));
+  }
+  const auto calls = g->size_buckets()->calls();
+  ASSERT_EQ(calls.size(), 1u);
+  EXPECT_EQ(calls[0], (std::vector<std::pair<int64_t, uint64_t>>{{4, 2}, {8, 2}, {-1, 1}}));
+  EXPECT_THROW(SizeBuckets({8, 4}, {{"s0", 1, 0}}, {}, {}, 2, 3), Error);          // not ascending
+  EXPECT_THROW(SizeBuckets({4}, {{"s0", 1, 0}}, {{5, 0, 0}}, {}, 2, 3), Error);     // no input 5
 }
 
 TEST(Runtime, IndexWithOptionalTensorListAndIndexPut) {

@@ -202,6 +202,8 @@ class PlanRunner {
 // Every buffer a step reads: kernel reads, argument slots, scalars, list items.
 std::vector<uint32_t> step_reads(const Step& step);
 
+class SizeBuckets;  // backend/runtime/size_buckets.h
+
 class CompiledGraph {
  public:
   CompiledGraph(Graph graph, Plan plan) : graph_(std::move(graph)), plan_(std::move(plan)) {}
@@ -237,6 +239,11 @@ class CompiledGraph {
   void set_runner(std::unique_ptr<PlanRunner> runner) { runner_ = std::move(runner); }
   const PlanRunner* runner() const { return runner_.get(); }
 
+  // Symbolic sizes padded up to buckets around every call, before the runner sees the inputs, and outputs sliced
+  // back (the pad_to_buckets option; backend/runtime/size_buckets.h). Null: calls run at their own sizes.
+  void set_size_buckets(std::shared_ptr<const SizeBuckets> buckets) { buckets_ = std::move(buckets); }
+  const SizeBuckets* size_buckets() const { return buckets_.get(); }
+
   const Graph& graph() const { return graph_; }
   const Plan& plan() const { return plan_; }
   size_t num_inputs() const { return plan_.num_inputs; }
@@ -250,6 +257,11 @@ class CompiledGraph {
   Graph graph_;  // the optimized IR the plan was built from (kept for describe() and debugging)
   Plan plan_;
   std::unique_ptr<PlanRunner> runner_;  // null: run() executes the plan directly
+  std::shared_ptr<const SizeBuckets> buckets_;
+
+  // run() and run_borrowed() once the inputs are at their buckets.
+  std::vector<c10::IValue> run_plan(std::vector<c10::IValue> inputs) const;
+  std::vector<c10::IValue> run_plan_borrowed(const std::vector<c10::IValue>& inputs, bool guarded) const;
 
   struct ParameterCache;  // executor.cpp
   void refresh_cached(std::vector<c10::IValue>& buffers) const;
