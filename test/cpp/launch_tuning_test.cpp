@@ -60,7 +60,7 @@ cuda::LaunchLimits limits_with(size_t entries, int resident_at_256) {
   return limits;
 }
 
-// The call's plan (outputs on the CPU), the program's inputs in order, its scalars none.
+// The call's plan (outputs on the CPU) with `inputs` in the program's input order.
 cuda::CallPlan call(const Program& program, const cuda::CudaSource& source, std::vector<at::Tensor> inputs,
                     const cuda::LaunchLimits& limits) {
   std::vector<c10::IValue> buffers;
@@ -68,6 +68,10 @@ cuda::CallPlan call(const Program& program, const cuda::CudaSource& source, std:
   for (at::Tensor& t : inputs) {
     reads.push_back(static_cast<uint32_t>(buffers.size()));
     buffers.emplace_back(t);
+  }
+  for (size_t s = 0; s < program.scalars.size(); ++s) {  // a size symbol's value: the first input's rows
+    reads.push_back(static_cast<uint32_t>(buffers.size()));
+    buffers.emplace_back(int64_t{inputs[0].size(0)});
   }
   std::vector<c10::ScalarType> out_dtypes;
   for (const ProgramOutput& o : program.outputs) out_dtypes.push_back(o.value->type.tensor.dtype);
@@ -103,8 +107,6 @@ TEST(LaunchCandidates, FlatGroupsVaryTheBlockAndTheGrid) {
       "  %a: f32[s0]{1}@cuda:0 = aten::add.Tensor(%m, %y)\n"
       "  return (%a)\n");
   ASSERT_EQ(flat.size(), 1u);
-  // (The scalar s0 is not read by the program: no scalars.)
-  ASSERT_TRUE(flat[0].scalars.empty());
   const cuda::CudaSource source = cuda::generate(flat[0], "k");
   ASSERT_EQ(source.vector_width, 4);
   ASSERT_EQ(source.flat_unroll, 4);
