@@ -191,7 +191,8 @@ TEST(LaunchCandidates, RowGroupsVaryTheVariantTheBlockAndTheGrid) {
   // Rows longer than the variant holds: plan_call takes the general kernel, and so do the candidates.
   std::vector<Program> symbolic = programs_of(
       "graph(%x: f32[s0, s1]{s1, 1}@cuda:0, %s0: int, %s1: int):\n"
-      "  %sm: f32[s0, s1]{s1, 1}@cuda:0 = aten::_softmax(%x, -1, false)\n"
+      "  %a: f32[s0, s1]{s1, 1}@cuda:0 = aten::mul.Tensor(%x, 0.5)\n"
+      "  %sm: f32[s0, s1]{s1, 1}@cuda:0 = aten::_softmax(%a, -1, false)\n"
       "  return (%sm)\n");
   ASSERT_EQ(symbolic.size(), 1u);
   const cuda::CudaSource every = cuda::generate(symbolic[0], "k");
