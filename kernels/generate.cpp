@@ -65,7 +65,7 @@ const Node* control_flow_node(const Graph& graph, int group) {
 }  // namespace
 
 std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const CompileOptions& options,
-                                                      std::string* listing, std::string* declined) {
+                                                      std::string* listing, std::string* declined, const Tuning& tuning) {
   std::set<int> ids;
   for (const auto& n : graph.nodes())
     if (n->group >= 0) ids.insert(n->group);
@@ -110,7 +110,7 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
       for (const ProgramOutput& o : program->outputs) r.kernel.writes.push_back(o.value);
       if (program->device.is_cpu()) r.kernel.kernel = cpu::make_fused_kernel(std::move(*program), &r.why);
       else if (program->device.is_cuda()) r.kernel.kernel = cuda::make_fused_kernel(std::move(*program), &r.listing, &r.why,
-                                                                 options.kernel_images.get());
+                                                                 options.kernel_images.get(), tuning);
       else r.why = "no kernel generator for " + program->device.str();
     } catch (const std::exception& e) {
       r.why = e.what();  // e.g. NVRTC rejected the source: the group runs in ATen

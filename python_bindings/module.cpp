@@ -23,6 +23,7 @@
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
 #include "kernels/cuda/gemm_record.h"
+#include "kernels/cuda/launch_record.h"
 #include "python_bindings/training_graph.h"
 
 #include <c10/core/GradMode.h>
@@ -362,14 +363,17 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("cuda_graphs", [](const CompiledGraph& g) { return g.runner() != nullptr; })
       .def("cuda_graph_report", [](const CompiledGraph& g) { return g.runner() ? g.runner()->describe() : std::string(); })
       .def("tuning", [](const CompiledGraph& g) {
-        // What the steps' fast paths timed to choose (FastPath::tuning), one line per problem, in step order, and
-        // the convolutions that cuDNN's benchmark search chooses for (Step::benchmark_cudnn).
+        // What the steps' fast paths and kernels timed to choose (FastPath::tuning, Kernel::tuning), one line per
+        // problem, in step order, and the convolutions that cuDNN's benchmark search chooses for
+        // (Step::benchmark_cudnn).
         std::vector<std::string> out;
         size_t convolutions = 0;
         for (const auto* steps : {&g.plan().cached_steps, &g.plan().steps})
           for (const Step& s : *steps) {
             if (s.fast)
               for (std::string& line : s.fast->tuning()) out.push_back(std::move(line));
+            if (s.kernel)
+              for (std::string& line : s.kernel->tuning()) out.push_back(std::move(line));
             convolutions += s.benchmark_cudnn ? 1 : 0;
           }
         if (convolutions)
@@ -449,6 +453,12 @@ PYBIND11_MODULE(_native, m) {
                                            {"over_budget", c.over_budget.load()}};
   }, "What the CUDA GEMMs' tuning did in this process (kernels/cuda/gemm_record.h): problems timed, autotuned, "
      "read from disk, records refused, problems past the autotuning budget.");
+  m.def("launch_tuning_stats", [] {
+    const cuda::LaunchTuningCounters& c = cuda::launch_tuning_counters();
+    return std::map<std::string, uint64_t>{{"timed", c.timed.load()}, {"from_disk", c.from_disk.load()},
+                                           {"refused", c.refused.load()}, {"over_budget", c.over_budget.load()}};
+  }, "What max-autotune's launch tuning of fused CUDA kernels did in this process (kernels/cuda/launch_record.h): "
+     "call shapes timed, choices read from disk, records refused, shapes past the autotuning budget.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

@@ -107,6 +107,13 @@ void plan_flat(CallPlan& plan, int64_t numel, const uint32_t masks[4], size_t in
                        : blocks_for(numel, kThreads, limits, plan.entry, kThreads, false);
 }
 
+// `rows` in `splits` chunks of ceil(rows / splits) rows, as many as the rows fill: none is empty.
+unsigned whole_chunks(int64_t rows, int64_t splits) {
+  if (rows <= 0 || splits <= 1) return 1;
+  const int64_t chunk = (rows + splits - 1) / splits;
+  return static_cast<unsigned>((rows + chunk - 1) / chunk);
+}
+
 // Column groups: a block per tile of 32 columns and chunk of rows (the kernel's shape, cuda_source.cpp:
 // columns()). The rows split only where the tiles fill less than half a wave, into as many chunks as
 // bring the grid to one wave, each at least kColumnChunkRows long.
@@ -119,8 +126,7 @@ void plan_columns(CallPlan& plan, int64_t columns, int64_t rows, const LaunchLim
   const int64_t most = std::max<int64_t>(1, rows / kColumnChunkRows);
   int64_t splits = std::clamp<int64_t>(wave / std::max<int64_t>(tiles, 1), 1, std::min<int64_t>(most, 65535));
   if (splits <= 1) return;
-  const int64_t chunk = (rows + splits - 1) / splits;
-  plan.splits = static_cast<unsigned>(std::max<int64_t>(1, (rows + chunk - 1) / chunk));
+  plan.splits = whole_chunks(rows, splits);
 }
 
 void plan_rows(CallPlan& plan, int64_t rows, int64_t cols, const CudaSource& source, const LaunchLimits& limits) {
@@ -261,6 +267,10 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
   }
   if (outputs_aligned && program.outer == 0 && (!program.has_reduction || cols % width == 0)) masks[0] |= kVectorOutputs;
   std::memcpy(&words[w], masks, sizeof(masks));
+  std::memcpy(plan.masks, masks, sizeof(masks));
+  plan.numel = numel;
+  plan.rows = rows;
+  plan.cols = cols;
   w += 2 + 2 * in_words;
   float* scalars = reinterpret_cast<float*>(&words[w]);
   for (size_t s = 0; s < program.scalars.size(); ++s) {
@@ -288,6 +298,93 @@ CallPlan plan_call(const Program& program, const CudaSource& source, const std::
     else plan_flat(plan, numel, masks, ni, width, source.flat_unroll, limits);
   }
   return plan;
+}
+
+std::vector<LaunchChoice> launch_candidates(const CallPlan& plan, const Program& program, const CudaSource& source,
+                                            const LaunchLimits& limits) {
+  std::vector<LaunchChoice> out{launch_of(plan)};
+  if (!plan.launch) return out;
+  auto add = [&](const LaunchChoice& c) {
+    if (std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  };
+  // `threads`-thread blocks of `entry` over `items` of work, `per_block` to a block: one wave, and every block.
+  auto both_grids = [&](uint32_t entry, unsigned threads, int64_t items, int64_t per_block) {
+    add({entry, threads, blocks_for(items, per_block, limits, entry, threads), 1});
+    add({entry, threads, blocks_for(items, per_block, limits, entry, threads, false), 1});
+  };
+  auto known = [&](size_t entry) {
+    return entry == plan.entry || (entry < limits.resident.size() && !limits.resident[entry].empty());
+  };
+  static constexpr unsigned kBlockSizes[] = {64, 128, 256, 512, 1024};
+
+  if (program.outer > 0) {
+    // (plan.rows counts the kept positions, the tiles' columns; plan.cols the rows each reduces.)
+    const int64_t columns = plan.rows, rows = plan.cols, tiles = (columns + 31) / 32;
+    const int64_t wave = limits.wave(0, kColumnThreads);
+    const unsigned one_wave = blocks_for(columns, 32, limits, 0, kColumnThreads);
+    // Chunks of at least half the rows plan_columns gives one, and only where every tile's chunks run at once.
+    const int64_t most = tiles <= wave ? std::min<int64_t>(rows / (kColumnChunkRows / 2), 65535) : 1;
+    for (int64_t splits : {int64_t{plan.splits} / 2, int64_t{plan.splits} * 2, int64_t{1}})
+      if (splits >= 1 && (splits == 1 || splits <= most)) add({0, kColumnThreads, one_wave, whole_chunks(rows, splits)});
+    add({0, kColumnThreads, blocks_for(columns, 32, limits, 0, kColumnThreads, false), 1});
+    return out;
+  }
+  if (!program.has_reduction) {
+    const bool vector = plan.entry != 0;
+    const int64_t items = vector ? plan.numel / source.vector_width : plan.numel;
+    const uint32_t entry = static_cast<uint32_t>(plan.entry);
+    for (unsigned t : kBlockSizes)
+      if (t <= limits.most_threads(entry)) both_grids(entry, t, items, int64_t{t} * (vector ? source.flat_unroll : 1));
+    return out;
+  }
+  const int width = source.vector_width;
+  const int64_t rows = plan.rows, cols = plan.cols;
+  if (known(0))
+    for (unsigned t : kBlockSizes)
+      if (t <= limits.most_threads(0)) both_grids(0, t, rows, 1);
+  for (size_t i = 0; i < source.rows.size(); ++i) {
+    const RowVariant& v = source.rows[i];
+    const uint32_t entry = static_cast<uint32_t>(1 + i);
+    if (!known(entry)) continue;
+    const int64_t most = limits.most_threads(entry);
+    if (v.mode == RowVariant::Mode::Warp) {  // a row per warp: T / 32 rows per block
+      if (cols > int64_t{v.chunks} * width * 32) continue;
+      for (unsigned t : kBlockSizes)
+        if (t <= most) both_grids(entry, t, rows, t / 32);
+    } else {  // a row per block, of the threads the row needs (more would hold nothing)
+      const int64_t need = block_threads(v, cols, width);
+      if (cols > int64_t{v.chunks} * width * 1024 || need > most) continue;
+      both_grids(entry, static_cast<unsigned>(std::max<int64_t>(need, 32)), rows, 1);
+    }
+  }
+  return out;
+}
+
+void apply_launch(CallPlan& plan, const LaunchChoice& choice, const CudaSource& source) {
+  plan.entry = choice.entry;
+  plan.threads = choice.threads;
+  plan.blocks = choice.blocks;
+  if (choice.splits == plan.splits) return;
+  // A column group's chunks (only they split): the Params' splits and chunk words and the workspace they need.
+  plan.splits = choice.splits;
+  int64_t* split_words = &plan.params[plan.workspace_word];
+  split_words[2] = choice.splits;
+  split_words[3] = (plan.cols + choice.splits - 1) / choice.splits;
+  plan.workspace_floats = choice.splits > 1 ? int64_t{source.column_reductions} * choice.splits * plan.rows : 0;
+  plan.counters = choice.splits > 1 ? (plan.rows + 31) / 32 : 0;
+}
+
+std::string launch_name(const LaunchChoice& choice, const Program& program, const CudaSource& source) {
+  std::string entry = "general";
+  if (program.outer > 0) entry = "cols";
+  else if (!program.has_reduction && choice.entry > 0) entry = choice.entry == 1 ? "vec" : "vec_strided";
+  else if (choice.entry > 0 && choice.entry <= source.rows.size()) {
+    const std::string& name = source.rows[choice.entry - 1].entry;
+    entry = name.substr(name.rfind('_') + 1);  // "ember_fused_w4": "w4"
+  }
+  std::string out = entry + " " + std::to_string(choice.threads) + "t " + std::to_string(choice.blocks) + "b";
+  if (choice.splits > 1) out += " " + std::to_string(choice.splits) + "s";
+  return out;
 }
 
 }  // namespace ember::cuda

@@ -19,6 +19,8 @@
 //    of SMs * 8 blocks ran a full wave and then a partial one wherever registers allowed fewer than 8
 //    resident blocks, leaving SMs idle for the second; a single wave of persistent blocks keeps every
 //    SM busy to the end.
+//  - under max-autotune the launch is timed instead (launch_candidates below; kernels/cuda/launch_tuning.h):
+//    every configuration the entry points take without recompiling, each computing the same result.
 #pragma once
 
 #include "kernels/cuda/cuda_source.h"
@@ -57,7 +59,40 @@ struct CallPlan {
   unsigned splits = 1;
   int64_t workspace_floats = 0, counters = 0;
   size_t workspace_word = 0;
+  // What the launch was chosen from (the Params' numel, rows and cols words and its access masks: vec,
+  // bcast, inner, chan): max-autotune keys its timed launches by them (launch_tuning.h).
+  int64_t numel = 0, rows = 0, cols = 0;
+  uint32_t masks[4] = {0, 0, 0, 0};
 };
+
+// One launch configuration of a call: plan_call's own, or one timed in its place under max-autotune. Resolved for
+// the call's sizes (blocks, splits), so it applies only to calls with the sizes it was made for.
+struct LaunchChoice {
+  uint32_t entry = 0, threads = 0, blocks = 0, splits = 1;
+  bool operator==(const LaunchChoice&) const = default;
+};
+inline LaunchChoice launch_of(const CallPlan& plan) { return {static_cast<uint32_t>(plan.entry), plan.threads, plan.blocks, plan.splits}; }
+
+// The launches `plan` (plan_call's, with launch set) may take instead, its own first, no two alike; each computes
+// the same result. The threads per block (64 to 1024, as each entry allows) and the grid (one wave of resident
+// blocks, or every block the work fills) are launch arguments; which loads are vector loads, and the vectors
+// per thread of the flat and row entries (flat_unroll, RowVariant::chunks), are compiled in.
+//  - flat groups: plan's entry (its loads follow from the pointers), every block size, both grids;
+//  - row groups: each compiled register-resident variant that takes rows of this length and the general
+//    kernel, with every block size (a block variant: the one its rows need), both grids;
+//  - column groups: blocks of kColumnThreads (the kernel is printed for it), the rows in plan's chunks, in
+//    half or twice as many, or unsplit; unsplit, one wave of tiles or all of them.
+// Entries `limits` does not know (not compiled yet) are left out, plan's own aside.
+std::vector<LaunchChoice> launch_candidates(const CallPlan& plan, const Program& program, const CudaSource& source,
+                                            const LaunchLimits& limits);
+
+// `plan` made to launch as `choice`, one of its launch_candidates: entry, grid, and a column group's chunks of
+// rows with the workspace they need.
+void apply_launch(CallPlan& plan, const LaunchChoice& choice, const CudaSource& source);
+
+// A short name for `choice` of a kernel from `source` ("w4 256t 528b", "general 512t 1024b", "vec 128t 8192b",
+// "cols 256t 24b 16s"), for ember.explain.
+std::string launch_name(const LaunchChoice& choice, const Program& program, const CudaSource& source);
 
 // Writes the workspace pointers of a column group's call into its Params.
 void set_workspace(CallPlan& plan, float* part, unsigned* count);

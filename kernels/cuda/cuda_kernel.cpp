@@ -9,6 +9,7 @@
 #include "kernels/cuda/call_plan.h"
 #include "kernels/cuda/cuda_source.h"
 #include "kernels/cuda/driver.h"
+#include "kernels/cuda/launch_tuning.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -76,7 +77,7 @@ std::vector<void*> compile_entries(const CudaSource& source, int device, ImageSt
 // A deferred kernel (make_fused_kernel) has no functions yet: its modules compile on a thread of their own
 // (compile_in_background), and until they are loaded compiling() says so, the plan's stand-in runs the
 // group's ATen ops, and a call without one waits for the compile.
-class FusedCudaKernel final : public Kernel {
+class FusedCudaKernel : public Kernel {
  public:
   FusedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device, bool deferred)
       : p_(std::move(program)), source_(std::move(source)), device_(device), entries_(functions.size()),
@@ -146,6 +147,15 @@ class FusedCudaKernel final : public Kernel {
            const std::vector<uint32_t>& writes) const override {
     c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
     c10::DeviceGuard guard(device);
+    void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
+    CallPlan plan = planned(buffers, reads, device);
+    if (plan.launch) launch_call(plan, stream, device);
+    for (size_t k = 0; k < plan.outputs.size(); ++k) buffers[writes[k]] = std::move(plan.outputs[k]);
+  }
+
+ protected:
+  // The call's plan (call_plan.h) once its kernel is loaded and the entry it takes compiled.
+  CallPlan planned(const std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads, c10::Device device) const {
     if (!loaded_.load(std::memory_order_acquire)) {  // deferred: a call without a stand-in, or being captured
       if (background_.valid()) background_.wait();
       if (!loaded_.load(std::memory_order_acquire)) {
@@ -154,22 +164,22 @@ class FusedCudaKernel final : public Kernel {
       }
     }
     const LaunchLimits* limits = limits_.load(std::memory_order_acquire);
-    void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
     CallPlan plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
     while (plan.launch && !compiled(*limits, plan.entry)) {
       load(plan.entry);  // a fallback entry's first use: compiled now, and the call planned again by its limits
       limits = limits_.load(std::memory_order_acquire);
       plan = plan_call(p_, source_, out_dtypes_, buffers, reads, device, *limits);
     }
-    if (plan.launch) {
-      void* function = functions_[plan.entry].load(std::memory_order_acquire);
-      if (plan.splits > 1) provide_workspace(plan, stream, device);
-      launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
-    }
-    for (size_t k = 0; k < plan.outputs.size(); ++k) buffers[writes[k]] = std::move(plan.outputs[k]);
+    return plan;
   }
 
- private:
+  // Launches `plan`, whose entry is compiled.
+  void launch_call(CallPlan& plan, void* stream, c10::Device device) const {
+    void* function = functions_[plan.entry].load(std::memory_order_acquire);
+    if (plan.splits > 1) provide_workspace(plan, stream, device);
+    launch(function, plan.blocks, plan.threads, stream, plan.params.data(), device_, plan.splits);
+  }
+
   // Every block size `entry` may launch with, asked once so that calls ask the driver nothing. Entries
   // before it that are not compiled yet keep unknown limits (LaunchLimits: 1024 threads, a wave estimated).
   static void set_limits(LaunchLimits& limits, size_t entry, void* function) {
@@ -256,6 +266,57 @@ class FusedCudaKernel final : public Kernel {
   std::atomic<bool> loaded_, failed_{false}, abandoned_{false};
 };
 
+// A fused kernel under max-autotune: each call shape's launch is timed at its first call (launch_tuning.h) and
+// looked up by later calls; the default mode's kernels are FusedCudaKernel itself, untouched by any of it.
+class TunedCudaKernel final : public FusedCudaKernel {
+ public:
+  TunedCudaKernel(Program program, CudaSource source, const std::vector<void*>& functions, int device, Tuning tuning)
+      : FusedCudaKernel(std::move(program), std::move(source), functions, device, false),
+        tuner_(std::move(tuning), p_, source_, device) {}
+
+  void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+           const std::vector<uint32_t>& writes) const override {
+    c10::Device device(c10::kCUDA, static_cast<c10::DeviceIndex>(device_));
+    c10::DeviceGuard guard(device);
+    void* stream = c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle();
+    CallPlan plan = planned(buffers, reads, device);
+    if (plan.launch) {
+      const LaunchChoice* choice = tuner_.find(plan);
+      if (!choice && !tuner_.full()) choice = tune(plan, stream, device);
+      if (choice) apply_launch(plan, *choice, source_);
+      launch_call(plan, stream, device);
+    }
+    for (size_t k = 0; k < plan.outputs.size(); ++k) buffers[writes[k]] = std::move(plan.outputs[k]);
+  }
+
+  std::vector<std::string> tuning() const override {
+    std::vector<std::string> out = tuner_.lines();
+    for (std::string& line : out) line = "fused group " + std::to_string(p_.group) + " " + line;
+    return out;
+  }
+
+ private:
+  // Every launch `plan` may take is timed on its buffers: each candidate runs the call into its own outputs
+  // (fresh from plan_call; the kernel only reads its inputs), and the caller's launch, with the winner, comes last.
+  const LaunchChoice* tune(const CallPlan& plan, void* stream, c10::Device device) const {
+    auto candidates = [&] {
+      // A row group's general entry compiled for its turn (otherwise on first use; its variants are compiled
+      // with the kernel). Flat groups keep plan's entry, which their pointers decide.
+      if (p_.has_reduction && p_.outer == 0 && !compiled(*limits_.load(std::memory_order_acquire), 0)) load(0);
+      return launch_candidates(plan, p_, source_, *limits_.load(std::memory_order_acquire));
+    };
+    auto launch_as = [&](const LaunchChoice& c) {
+      CallPlan trial = plan;
+      apply_launch(trial, c, source_);
+      launch_call(trial, stream, device);
+      return true;
+    };
+    return tuner_.choose(plan, candidates, launch_as, stream);
+  }
+
+  mutable LaunchTuner tuner_;
+};
+
 }  // namespace
 
 // EMBER_CUDA_BACKGROUND=0: every module compiles when the plan is built (for measuring what deferring saves
@@ -303,7 +364,7 @@ void wait_for_background_compiles() {
 }
 
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
-                                                ImageStore* images) {
+                                                ImageStore* images, const Tuning& tuning) {
   if (!available(why_not)) return nullptr;
   int device = program.device.has_index() ? program.device.index() : 0;
   // One name for every kernel: the source then depends on the program alone, so identical groups (a
@@ -319,13 +380,17 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* li
   }
   const size_t entries = 1 + (source.vector_entry.empty() ? 0 : 1) + source.rows.size() +
                          (source.strided_vector_entry.empty() ? 0 : 1);
-  if (!images && background_compiles() && !has_image(source.entries_text.empty() ? source.text : source.entries_text, device)) {
+  // Tuned kernels compile now: a deferred one's first calls would run its stand-in, and under max-autotune the
+  // call after them is captured into a CUDA graph, where nothing can be timed.
+  const bool tuned = tuning.exhaustive && !images && launch_timer();
+  if (!images && !tuned && background_compiles() && !has_image(source.entries_text.empty() ? source.text : source.entries_text, device)) {
     auto kernel = std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), std::vector<void*>(entries, nullptr),
                                                     device, true);
     kernel->compile_in_background();
     return kernel;
   }
   std::vector<void*> functions = compile_entries(source, device, images);
+  if (tuned) return std::make_shared<TunedCudaKernel>(std::move(program), std::move(source), functions, device, tuning);
   return std::make_shared<FusedCudaKernel>(std::move(program), std::move(source), functions, device, false);
 }
 

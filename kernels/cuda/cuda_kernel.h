@@ -18,9 +18,10 @@ class ImageStore;
 // and is compiled now so. Otherwise the kernel is deferred: NVRTC compiles it on a thread of its own, and until it is loaded Kernel::compiling() is true, so that the plan
 // runs the group's ATen ops in its place (Step::stand_in): a first call does not wait for NVRTC. A call
 // being captured into a CUDA graph, or one without a stand-in, waits for the compile.
-// EMBER_CUDA_BACKGROUND=0 compiles every kernel now.
+// EMBER_CUDA_BACKGROUND=0 compiles every kernel now. Under exhaustive `tuning` (max-autotune) the kernel compiles
+// now and times each call shape's launch at its first call (launch_tuning.h).
 std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* listing, std::string* why_not,
-                                                ImageStore* images);
+                                                ImageStore* images, const Tuning& tuning = {});
 
 // Waits until every deferred kernel's compile (above) has finished: then calls run the kernels they will
 // keep running (bench/ times steady state after this).

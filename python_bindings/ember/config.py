@@ -160,14 +160,16 @@ SETTINGS = {s.name: s for s in (
             "input signatures captured per graph; past it the least recently used one gives its graphs up, with one "
             "warning", USER, option=True, minimum=1),
     Setting("autotune", bool, None,
-            'time every candidate of each CUDA GEMM at its first call, within autotune_budget_s (and run CUDA '
-            "convolutions with cuDNN's benchmark search, time every CPU matmul's libraries); None: on in "
+            'time every candidate of each CUDA GEMM, and every launch configuration of each fused CUDA kernel, at '
+            "its first call, within autotune_budget_s (and run CUDA convolutions with cuDNN's benchmark search, time "
+            "every CPU matmul's libraries); None: on in "
             'mode="max-autotune" and "max-autotune-no-cudagraphs" (torch.compile takes a mode or options, not both), '
             "off otherwise", USER, option=True),
     Setting("autotune_budget_s", int, 30,
-            "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates; problems met "
-            "after it is spent get the default mode's choice; 0: none tuned beyond it. Timed choices, in every mode, "
-            "are kept in <cache_dir>/gemm for later processes",
+            "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates and fused "
+            "kernels' launches; problems met after it is spent get the default mode's choice; 0: none tuned beyond "
+            "it. Timed GEMM choices, in every mode, are kept in <cache_dir>/gemm for later processes, timed launches "
+            "in <cache_dir>/launch",
             USER, option=True, minimum=0),
     Setting("parameter_cache", bool, True,
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms) again only "

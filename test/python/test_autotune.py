@@ -11,6 +11,11 @@ one: tuned graphs give eager's results on fresh inputs (every epilogue, every dt
 process over the same cache folder times nothing and says so in ember.explain, damaged records are timed again, and
 EMBER_CACHE_DIR=off keeps nothing; a spent budget leaves the default's choice; explain lists each problem's
 candidates and winner. Each CUDA test uses GEMM sizes of its own: choices are made once per process.
+
+Fused CUDA kernels' launches (kernels/cuda/launch_tuning.h) are tuned under autotune only: per kernel and call shape,
+kept in <cache_dir>/launch. Tuned graphs of each kernel family (flat, softmax, layer norm, column sums; f32 and bf16)
+give eager's results on fresh inputs, a shape is timed once, a warm start times none, a spent budget keeps plan_call's
+launch, and the default mode times nothing.
 """
 
 import json
@@ -22,6 +27,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import ember
 import ember._C
@@ -312,3 +318,198 @@ def test_the_cache_off_keeps_no_choice(tmp_path):
     for _ in range(2):
         result = _run("max-autotune-no-cudagraphs", "off")
         assert result["stats"]["autotuned"] >= 2 and result["stats"]["from_disk"] == 0, result
+
+
+# ---- fused CUDA kernels' launches (kernels/cuda/launch_tuning.h)
+
+
+def _launch_stats():
+    return dict(ember._C.launch_tuning_stats())
+
+
+def _launch_since(before):
+    now = _launch_stats()
+    return {name: now[name] - before[name] for name in now}
+
+
+def _launch_lines(report):
+    return [line for line in _tuned_lines(report) if line.startswith("fused group ")]
+
+
+LAUNCH_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2)}
+
+
+def _fused_case(name, dtype):
+    """(function, inputs maker) of one kernel family: a flat group, a softmax and a layer norm (row groups), a column
+    sum (a column group)."""
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    cases = {
+        "flat": (lambda x, y: torch.sigmoid(x) * x + y, lambda: (randn(4096, 1000), randn(4096, 1000))),
+        "softmax": (lambda x: torch.softmax(x * 0.125, -1), lambda: (randn(2048, 1024),)),
+        "layernorm": (lambda x, b, w, c: F.layer_norm(x + b, (768,), w, c),
+                      lambda: (randn(1024, 768), randn(768), randn(768), randn(768))),
+        "columns": (lambda x: (x * 2.0).sum(0), lambda: (randn(1024, 768),)),
+    }
+    return cases[name]
+
+
+FUSED_CASES = ["flat", "softmax", "layernorm", "columns"]
+LAUNCH_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_cpu_graphs_tune_no_launch(settings):
+    before = _launch_stats()
+    assert set(before) == {"timed", "from_disk", "refused", "over_budget"}
+    x = torch.randn(64, 100)
+    report = ember.explain(lambda x: torch.softmax(x * 2, -1) + 1, mode="max-autotune")(x)
+    assert _launch_lines(report) == []
+    assert _launch_since(before) == dict.fromkeys(before, 0)
+
+
+@cuda
+@pytest.mark.parametrize("mode", AUTOTUNE_MODES)
+@pytest.mark.parametrize("dtype", LAUNCH_DTYPES, ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_tuned_fused_kernels_match_eager(case, dtype, mode, settings):
+    """Each call shape's launch is timed at its first call (max-autotune's warm-up before capture) and looked up
+    after: later calls of the same shape time nothing, and every call gives eager's results on fresh inputs."""
+    torch.manual_seed(0)
+    fn, inputs = _fused_case(case, dtype)
+    compiled = torch.compile(fn, backend="ember", mode=mode)
+    before = _launch_stats()
+    with torch.no_grad():
+        args = inputs()
+        assert_same(compiled(*args), fn(*args), **LAUNCH_TOL[dtype])
+        first = _launch_since(before)
+        assert first["timed"] >= 1 and first["from_disk"] == 0, first
+        for _ in range(3):
+            args = inputs()
+            assert_same(compiled(*args), fn(*args), **LAUNCH_TOL[dtype])
+    assert _launch_since(before) == first
+    assert len(list((settings / "launch").glob("*.bin"))) >= 1
+
+
+@cuda
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_explain_lists_each_launch_timed(case, settings):
+    fn, inputs = _fused_case(case, torch.float32)
+    with torch.no_grad():
+        report = ember.explain(fn, mode="max-autotune-no-cudagraphs")(*inputs())
+    lines = _launch_lines(report)
+    assert lines, str(report)
+    for line in lines:
+        # "fused group 0 2048x1024 rows: w4 512t 264b 10.2 us (max-autotune); plan_call's w4 256t 528b 11.0 us;
+        # 16 timed: w4 512t 264b 10.2 us, ..."
+        shape, rest = line[len("fused group "):].split(": ", 1)
+        winner, plan_call, timed = rest.split("; ", 2)
+        assert winner.endswith(" us (max-autotune)"), line
+        assert plan_call.startswith("plan_call's ") and plan_call.endswith(" us"), line
+        count, listed = timed.split(" timed: ", 1)
+        assert int(count) >= 2, line
+        names = [c.rsplit(" ", 2)[0] for c in listed.split(", ") if c.endswith(" us") and " more up to " not in c]
+        assert winner.rsplit(" ", 3)[0] in names or int(count) > 10, line
+    assert "    tuned   fused group " in str(report)
+
+
+@cuda
+def test_symbolic_sizes_are_tuned_per_size(settings):
+    torch.manual_seed(0)
+    fn = lambda x: torch.softmax(x * 0.125, -1)  # noqa: E731
+    compiled = torch.compile(fn, backend="ember", options={"autotune": True}, dynamic=True)
+    before = _launch_stats()
+    seen = []
+    with torch.no_grad():
+        for rows in (512, 768, 512, 768):
+            x = torch.randn(rows, 1024, device="cuda")
+            assert_same(compiled(x), fn(x), **LAUNCH_TOL[torch.float32])
+            seen.append(_launch_since(before)["timed"])
+    assert seen[1] >= 2 and seen[1] > seen[0] and seen[3] == seen[1], seen
+
+
+@cuda
+def test_a_spent_budget_keeps_plan_calls_launch(settings):
+    torch.manual_seed(0)
+    fn, inputs = _fused_case("layernorm", torch.float32)
+    before = _launch_stats()
+    with torch.no_grad():
+        with ember.config.patch(autotune_budget_s=0):
+            report = ember.explain(fn, mode="max-autotune-no-cudagraphs")(*inputs())
+        compiled = torch.compile(fn, backend="ember", options={"autotune": True, "autotune_budget_s": 0})
+        for _ in range(3):
+            args = inputs()
+            assert_same(compiled(*args), fn(*args), **LAUNCH_TOL[torch.float32])
+    spent = _launch_since(before)
+    assert spent["timed"] == 0 and spent["over_budget"] >= 2, spent
+    lines = _launch_lines(report)
+    assert lines and all("(default: budget spent)" in line for line in lines), lines
+
+
+@cuda
+def test_the_default_mode_tunes_no_launch(settings):
+    fn, inputs = _fused_case("softmax", torch.float32)
+    before = _launch_stats()
+    with torch.no_grad():
+        report = ember.explain(fn)(*inputs())
+        compiled = torch.compile(fn, backend="ember")
+        args = inputs()
+        assert_same(compiled(*args), fn(*args), **LAUNCH_TOL[torch.float32])
+    assert report.graphs and report.graphs[0].kernels, str(report)
+    assert _launch_lines(report) == []
+    assert _launch_since(before) == dict.fromkeys(before, 0)
+    assert not (settings / "launch").exists()
+
+
+_LAUNCH_SCRIPT = textwrap.dedent("""
+    import json, torch, ember
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    ember.config.fallback = "raise"
+    cases = [
+        (lambda x, y: torch.sigmoid(x) * x + y, [(4096, 1000), (4096, 1000)]),
+        (lambda x: torch.softmax(x * 0.125, -1), [(2048, 1024)]),
+        (lambda x, b, w, c: F.layer_norm(x + b, (768,), w, c), [(1024, 768), (768,), (768,), (768,)]),
+        (lambda x: (x * 2.0).sum(0), [(1024, 768)]),
+    ]
+    lines, error = [], 0.0
+    with torch.no_grad():
+        for fn, shapes in cases:
+            for dtype in (torch.float32, torch.bfloat16):
+                args = [torch.randn(*s, device="cuda", dtype=dtype) for s in shapes]
+                report = ember.explain(fn, mode="max-autotune-no-cudagraphs")(*args)
+                lines += [line for g in report.graphs for line in g.tuned if line.startswith("fused group ")]
+                compiled = torch.compile(fn, backend="ember", mode="max-autotune-no-cudagraphs")
+                for _ in range(2):
+                    args = [torch.randn(*s, device="cuda", dtype=dtype) for s in shapes]
+                    got, expected = compiled(*args).float(), fn(*args).float()
+                    error = max(error, ((got - expected).abs().max() / (1 + expected.abs().max())).item())
+    print("RESULT", json.dumps({"stats": ember._C.launch_tuning_stats(), "error": error, "lines": lines}))
+""")
+
+
+def _run_launches(cache):
+    env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
+    run = subprocess.run([sys.executable, "-c", _LAUNCH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    assert result["error"] < 1e-2, result
+    return result
+
+
+@cuda
+def test_a_warm_start_tunes_no_launch(tmp_path):
+    cold = _run_launches(tmp_path)
+    assert cold["stats"]["timed"] >= 8, cold["stats"]  # (a second compile of a case may read the first one's records)
+    records = sorted((tmp_path / "launch").glob("*.bin"))
+    assert len(records) >= 8
+    warm = _run_launches(tmp_path)
+    assert warm["stats"]["timed"] == 0 and warm["stats"]["refused"] == 0, warm["stats"]
+    assert warm["stats"]["from_disk"] >= 8, warm["stats"]
+    assert warm["lines"] and all("from disk" in line for line in warm["lines"]), warm["lines"]
+    # Records cut short or overwritten with zeros are misses: timed again, with eager's results.
+    for i, record in enumerate(records):
+        data = record.read_bytes()
+        record.write_bytes(data[: len(data) // 2] if i % 2 else bytes(len(data)))
+    damaged = _run_launches(tmp_path)
+    assert damaged["stats"]["timed"] >= 8, damaged["stats"]

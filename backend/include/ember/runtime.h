@@ -58,6 +58,9 @@ class Kernel {
   // step with a stand-in (Step::stand_in) then runs that instead. False on a stream being captured into a
   // CUDA graph, where run() waits (a graph keeps what it captures); true for good where the compile failed.
   virtual bool compiling() const { return false; }
+  // What it timed to choose how it runs, one line per problem (ember.explain; max-autotune's fused CUDA kernels:
+  // kernels/cuda/launch_tuning.h); empty where it timed nothing.
+  virtual std::vector<std::string> tuning() const { return {}; }
 };
 
 // What code generation hands the plan for one fusion group: the kernel and the values it reads and writes.
@@ -80,8 +83,8 @@ class FastPath {
   virtual std::vector<std::string> tuning() const { return {}; }
 };
 
-// How hard the fast paths that time their choices at a step's first call (the CUDA GEMMs,
-// kernels/cuda/gemm.cpp) tune. Default: a few candidates per problem, each problem within a small budget of its
+// How hard the fast paths and kernels that time their choices at a step's first call (the CUDA GEMMs,
+// kernels/cuda/gemm.cpp; under max-autotune the fused CUDA kernels' launches, kernels/cuda/launch_tuning.h) tune. Default: a few candidates per problem, each problem within a small budget of its
 // own. Exhaustive (mode="max-autotune"): every candidate, while the graph's budget lasts; problems met after it is
 // spent get the default's choice. A plan's steps share one budget.
 class TuningBudget {
