@@ -968,8 +968,8 @@ def _warm_up_if_cuda_in_use():
     """torch.compile(..., backend="ember") imports this module (the entry point) before the first call is
     traced. Where the process already uses CUDA, NVRTC's first use starts now, on a thread of its own, and
     overlaps Dynamo's tracing instead of only ember's (_compile_graph starts it on a compile cache miss
-    otherwise). Not where the compile cache holds entries: a restarted process then mostly hits, needs no
-    NVRTC, and its first call ran slower with the warm-up's loading and compiling beside Dynamo's tracing."""
+    otherwise). Not where the compile cache holds entries: a restarted process then mostly hits and needs no
+    NVRTC, so the warm-up's loading and compiling would only compete with Dynamo's tracing for the host."""
     import sys
 
     torch = sys.modules.get("torch")
