@@ -324,6 +324,15 @@ class Lowering {
       return out(emit(OpCode::Where, emit(OpCode::Gt, v, Operand::constant(0.f)), v, emit(OpCode::Mul, v, slope)));
     }
     if (op == "aten::silu") return out(emit(OpCode::Silu, x(0, "self")));
+    if (op == "aten::hardswish" || op == "aten::hardsigmoid") {
+      // ATen's form: relu6(x + 3) / 6, times x for hardswish (a division, as ATen's kernels divide). Kept whole by
+      // the decompositions (ATen's one kernel beat the pointwise nodes run one by one); here they fuse with the
+      // convolution's or matmul's neighbours instead (mobilenet_v3's and LeViT's activations).
+      Operand v = x(0, "self");
+      Operand r6 = emit(OpCode::Min, Operand::constant(6.f), emit(OpCode::Max, Operand::constant(0.f), emit(OpCode::Add, v, Operand::constant(3.f))));
+      return out(op == "aten::hardswish" ? emit(OpCode::Div, emit(OpCode::Mul, v, r6), Operand::constant(6.f))
+                                         : emit(OpCode::Div, r6, Operand::constant(6.f)));
+    }
     if (op == "aten::gelu") {
       std::string approximate = arg_string(n, 1, "approximate", "none");
       if (approximate != "none" && approximate != "tanh") throw Unsupported("gelu approximate=" + approximate);

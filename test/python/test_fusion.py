@@ -64,6 +64,29 @@ def test_pointwise_every_lowered_op(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_hard_activations_fuse_with_their_neighbours(device, dtype):
+    """hardswish (which the decompositions keep whole) and hardsigmoid run inside the fused kernel of what
+    surrounds them, in ATen's form (relu6(x + 3) / 6, times x for hardswish): at the kinks, at +-inf and NaN
+    too, and the backward (ATen's hardswish_backward) still matches."""
+
+    def fn(x, y):
+        return F.hardswish(x * 2 + y) - y, F.hardsigmoid(x - y) * y
+
+    x = torch.randn(7, 129, device=device) * 4
+    x[0, :8] = torch.tensor([-1.5, 1.5, -1.0, 0.0, float("inf"), float("-inf"), float("nan"), -3.0])
+    y = torch.randn(7, 129, device=device)
+    y[0, :8] = 0.0  # x * 2 + y: -3, 3, -2, 0, inf, -inf, NaN, -6
+    x, y = x.to(dtype), y.to(dtype)
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    check(fn, x, y, grad=False, **tol)
+    assert not any("aten::hardswish" in g.describe() for _, g in EMBER_GRAPHS), "hardswish ran as an ATen call"
+    expect_fused(device, "inference")
+    check(fn, torch.randn(5, 67, device=device, dtype=dtype), torch.randn(5, 67, device=device, dtype=dtype), **tol)
+    expect_fused(device, "forward")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_broadcast_and_strided_inputs(device):
     def fn(x, row, col, s, t, sl):
         return (x * row + col - s).sin() * t + sl
