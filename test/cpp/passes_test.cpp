@@ -337,6 +337,39 @@ TEST(BatchnormPointwise, CudaBatchNormJoinsTheReluKernel) {
   EXPECT_EQ(run_pass(batchnorm_pointwise, cpu), cpu);
 }
 
+TEST(BatchnormPointwise, CpuRowsWithCachedParametersBecomeAMultiplyAdd) {
+  // A CPU batch norm over [N, C] (after a Linear) whose tensors the runtime caches: scale and shift over [C], one
+  // multiply-add per element that fuses with the hardswish after it. Its tensors not cached, or a 4-d input (a
+  // convolution's, which fold_batchnorm takes), it stays whole.
+  auto graph = [](const std::string& x) {
+    const std::string c = "f32[8]{1}@cpu";
+    return "graph(%x: " + x + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
+           "  %y: " + x + ", %s1: f32[0]{1}@cpu, %s2: f32[0]{1}@cpu = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+           "  %r: " + x + " = aten::hardswish(%y)\n"
+           "  return (%r)\n";
+  };
+  const std::string rows = graph("f32[6, 8]{8, 1}@cpu");
+  CompileOptions options;
+  options.cached_inputs = {false, true, true, true, true};
+  PassContext ctx{options};
+  Graph g = parse(rows);
+  bn_pointwise_then_dce(g, ctx);
+  std::string after = print(g);
+  EXPECT_EQ(after.find("_native_batch_norm"), std::string::npos) << after;
+  EXPECT_NE(after.find("f32[8]{1}@cpu = aten::rsqrt"), std::string::npos) << after;
+  fuse(g, ctx);
+  std::set<int> full_groups;
+  for (const auto& n : g.nodes())
+    if (n->outputs[0]->type.tensor.sizes.size() == 2) full_groups.insert(n->group);
+  EXPECT_EQ(full_groups.size(), 1u) << print(g);
+  EXPECT_EQ(full_groups.count(-1), 0u) << print(g);
+  EXPECT_EQ(run_pass(batchnorm_pointwise, rows), rows);  // nothing cached
+  const std::string image = graph("f32[2, 8, 5, 5]{200, 25, 5, 1}@cpu");
+  Graph conv_out = parse(image);
+  batchnorm_pointwise(conv_out, ctx);
+  EXPECT_EQ(print(conv_out), image);
+}
+
 TEST(PassManager, UnknownDisabledPassIsAnError) {
   CompileOptions options;
   options.disabled_passes = {"no_such_pass"};

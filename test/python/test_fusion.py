@@ -87,6 +87,37 @@ def test_hard_activations_fuse_with_their_neighbours(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_batch_norm_after_a_linear_fuses_in_inference(device):
+    """LeViT's Linear -> BatchNorm1d over the flattened rows -> hardswish, in eval mode: the norm becomes a
+    per-channel multiply-add (scale and shift computed once from the cached parameters) in a fused kernel, on
+    the CPU as on CUDA, at a static batch and at a symbolic one, and the results stay eager's."""
+
+    class LinearNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.bn = nn.Linear(32, 48, bias=False), nn.BatchNorm1d(48)
+
+        def forward(self, x):
+            return F.hardswish(self.bn(self.fc(x).flatten(0, 1)).reshape(x.shape[0], x.shape[1], -1))
+
+    model = LinearNorm().eval().to(device)
+    with torch.no_grad():
+        model.bn.running_mean.normal_()
+        model.bn.running_var.uniform_(0.5, 2.0)
+        model.bn.weight.normal_()
+        model.bn.bias.normal_()
+    compiled = compile_ember(model)
+    before = len(EMBER_GRAPHS)
+    with torch.no_grad():
+        for batch in (2, 2, 5):  # the second call runs on the cached scale and shift
+            x = torch.randn(batch, 9, 32, device=device)
+            assert_tensor_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
+    plans = "\n".join(g.describe() for _, g in EMBER_GRAPHS[before:])
+    assert "_native_batch_norm" not in plans, plans
+    expect_fused(device, "inference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_broadcast_and_strided_inputs(device):
     def fn(x, row, col, s, t, sl):
         return (x * row + col - s).sin() * t + sl
