@@ -32,36 +32,24 @@ std::string gemm_record_bytes(const GemmRecord& r) {
   put(out, r.config);
   put(out, r.workspace);
   out.append(reinterpret_cast<const char*>(r.algo.data()), r.algo.size());
-  put_string(out, r.winner.size() <= kMaxNameBytes ? r.winner : r.winner.substr(0, kMaxNameBytes));
-  const uint32_t count = static_cast<uint32_t>(std::min<size_t>(r.timings.size(), kMaxTimings));
-  put(out, count);
-  for (uint32_t i = 0; i < count; ++i) {
-    const std::string& name = r.timings[i].first;
-    put_string(out, name.size() <= kMaxNameBytes ? name : name.substr(0, kMaxNameBytes));
-    put(out, r.timings[i].second);
-  }
+  put_string(out, clipped(r.winner, kMaxNameBytes));
+  put_timings(out, r.timings, kMaxTimings, kMaxNameBytes);
   put(out, checksum(out, out.size()));
   return out;
 }
 
 std::optional<GemmRecord> parse_gemm_record(const std::string& bytes, const std::string& key) {
-  if (bytes.size() < sizeof(kMagic) + sizeof(uint64_t)) return std::nullopt;
-  const size_t body = bytes.size() - sizeof(uint64_t);
-  uint64_t stored = 0;
-  std::memcpy(&stored, bytes.data() + body, sizeof(stored));
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0 || checksum(bytes, body) != stored) return std::nullopt;
+  const size_t body = checked_body(bytes, kMagic);
+  if (body == 0) return std::nullopt;
   Reader in(bytes, body);
   char magic[sizeof(kMagic)];
-  uint32_t version = 0, count = 0;
+  uint32_t version = 0;
   GemmRecord r;
   if (!in.get(&magic) || !in.get(&version) || version != kLayoutVersion || !in.get_string(&r.key, body) ||
       r.key != key || !in.get(&r.route) || !in.get(&r.config) || !in.get(&r.workspace) || !in.get(&r.algo) ||
-      !in.get_string(&r.winner, kMaxNameBytes) || !in.get(&count) || count > kMaxTimings)
+      !in.get_string(&r.winner, kMaxNameBytes))
     return std::nullopt;
-  r.timings.resize(count);
-  for (auto& [name, ms] : r.timings)
-    if (!in.get_string(&name, kMaxNameBytes) || !in.get(&ms) || !std::isfinite(ms)) return std::nullopt;
-  if (!in.done()) return std::nullopt;
+  if (!get_timings(in, &r.timings, kMaxTimings, kMaxNameBytes) || !in.done()) return std::nullopt;
   return r;
 }
 

@@ -21,8 +21,6 @@ constexpr uint32_t kLayoutVersion = 1;
 constexpr uint32_t kMaxTimings = 1024;   // far above any call's candidates
 constexpr uint64_t kMaxNameBytes = 64;   // a candidate's name
 
-std::string clipped(const std::string& name) { return name.size() <= kMaxNameBytes ? name : name.substr(0, kMaxNameBytes); }
-
 }  // namespace
 
 std::string launch_record_bytes(const LaunchRecord& r) {
@@ -33,39 +31,28 @@ std::string launch_record_bytes(const LaunchRecord& r) {
   put(out, r.choice.threads);
   put(out, r.choice.blocks);
   put(out, r.choice.splits);
-  put_string(out, clipped(r.winner));
-  const uint32_t count = static_cast<uint32_t>(std::min<size_t>(r.timings.size(), kMaxTimings));
-  put(out, count);
-  for (uint32_t i = 0; i < count; ++i) {
-    put_string(out, clipped(r.timings[i].first));
-    put(out, r.timings[i].second);
-  }
+  put_string(out, clipped(r.winner, kMaxNameBytes));
+  put_timings(out, r.timings, kMaxTimings, kMaxNameBytes);
   put(out, checksum(out, out.size()));
   return out;
 }
 
 std::optional<LaunchRecord> parse_launch_record(const std::string& bytes, const std::string& key) {
-  if (bytes.size() < sizeof(kMagic) + sizeof(uint64_t)) return std::nullopt;
-  const size_t body = bytes.size() - sizeof(uint64_t);
-  uint64_t stored = 0;
-  std::memcpy(&stored, bytes.data() + body, sizeof(stored));
-  if (std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0 || checksum(bytes, body) != stored) return std::nullopt;
+  const size_t body = checked_body(bytes, kMagic);
+  if (body == 0) return std::nullopt;
   Reader in(bytes, body);
   char magic[sizeof(kMagic)];
-  uint32_t version = 0, count = 0;
+  uint32_t version = 0;
   LaunchRecord r;
   if (!in.get(&magic) || !in.get(&version) || version != kLayoutVersion || !in.get_string(&r.key, body) ||
       r.key != key || !in.get(&r.choice.entry) || !in.get(&r.choice.threads) || !in.get(&r.choice.blocks) ||
-      !in.get(&r.choice.splits) || !in.get_string(&r.winner, kMaxNameBytes) || !in.get(&count) || count > kMaxTimings)
+      !in.get(&r.choice.splits) || !in.get_string(&r.winner, kMaxNameBytes))
     return std::nullopt;
   // Values no launch takes are damage (the caller also checks that the choice is one of the call's candidates).
   if (r.choice.threads < 32 || r.choice.threads > 1024 || r.choice.blocks == 0 || r.choice.splits == 0 ||
       r.choice.splits > 65535)
     return std::nullopt;
-  r.timings.resize(count);
-  for (auto& [name, ms] : r.timings)
-    if (!in.get_string(&name, kMaxNameBytes) || !in.get(&ms) || !std::isfinite(ms)) return std::nullopt;
-  if (!in.done()) return std::nullopt;
+  if (!get_timings(in, &r.timings, kMaxTimings, kMaxNameBytes) || !in.done()) return std::nullopt;
   return r;
 }
 
