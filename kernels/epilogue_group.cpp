@@ -20,6 +20,8 @@ const char* op_name(EpilogueOp::Kind k) {
     case EpilogueOp::Kind::Silu: return "silu";
     case EpilogueOp::Kind::Sigmoid: return "sigmoid";
     case EpilogueOp::Kind::Tanh: return "tanh";
+    case EpilogueOp::Kind::Hardswish: return "hardswish";
+    case EpilogueOp::Kind::Clamp: return "clamp";
     case EpilogueOp::Kind::Linear: return "scale";
     case EpilogueOp::Kind::Add: return "add";
     case EpilogueOp::Kind::View: return "view";

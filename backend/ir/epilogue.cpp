@@ -41,6 +41,17 @@ std::optional<EpilogueOp> as_epilogue(const Node& n, const Value* in) {
   if (op == "aten::silu") return unary(K::Silu);
   if (op == "aten::sigmoid") return unary(K::Sigmoid);
   if (op == "aten::tanh") return unary(K::Tanh);
+  if (op == "aten::hardswish") return unary(K::Hardswish);
+  if (op == "aten::hardtanh" || op == "aten::clamp") {
+    // Both bounds numbers (relu6 is hardtanh(x, 0, 6)); hardtanh's default bounds are [-1, 1].
+    const bool hard = op == "aten::hardtanh";
+    const Arg* lo_arg = n.arg(1, hard ? "min_val" : "min");
+    const Arg* hi_arg = n.arg(2, hard ? "max_val" : "max");
+    auto lo = hard && !lo_arg ? std::optional<double>(-1.0) : number(lo_arg);
+    auto hi = hard && !hi_arg ? std::optional<double>(1.0) : number(hi_arg);
+    if (!is(self, in) || !lo || !hi || !(*lo <= *hi)) return std::nullopt;
+    return EpilogueOp{K::Clamp, static_cast<float>(*lo), static_cast<float>(*hi)};
+  }
   if (op == "aten::clamp_min") {
     auto min = number(n.arg(1, "min"));
     if (!is(self, in) || !min || *min != 0.0) return std::nullopt;
@@ -122,7 +133,8 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 bool torch_conv_takes(const std::vector<EpilogueOp>& ops) {
   using K = EpilogueOp::Kind;
   auto activation = [](K k) {
-    return k == K::Relu || k == K::GeluErf || k == K::GeluTanh || k == K::Silu || k == K::Sigmoid || k == K::Tanh;
+    return k == K::Relu || k == K::GeluErf || k == K::GeluTanh || k == K::Silu || k == K::Sigmoid || k == K::Tanh ||
+           k == K::Hardswish || k == K::Clamp;
   };
   if (ops.empty()) return true;
   if (ops.size() == 1) return activation(ops[0].kind) || ops[0].kind == K::Add;

@@ -71,12 +71,12 @@ inline onednn::DType onednn_dtype(c10::ScalarType t) {
 // on the library's result (apply_epilogue_with_aten from this index): one more pass over the result.
 // oneDNN's convolutions also map NaN to 0 through a sigmoid (its exp clamps the input first): Debian's 2.6
 // always, torch 2.13's own where the convolution pads (their matmuls, and ATen's sigmoid, keep NaN). There a
-// sigmoid stops the chain too.
+// sigmoid stops the chain too, and so does a clamp (relu6), which oneDNN's clip maps NaN to its lower bound.
 inline size_t library_exact_ops(const EpilogueGroup& g) {
   size_t i = 0;
   for (; i < g.ops.size(); ++i) {
     const EpilogueOp::Kind k = g.ops[i].kind;
-    if (k == EpilogueOp::Kind::Relu || (k == EpilogueOp::Kind::Sigmoid && g.kind == EpilogueGroup::Kind::Conv2d)) break;
+    if (k == EpilogueOp::Kind::Relu || k == EpilogueOp::Kind::Clamp || (k == EpilogueOp::Kind::Sigmoid && g.kind == EpilogueGroup::Kind::Conv2d)) break;
   }
   return i;
 }
@@ -95,6 +95,8 @@ inline std::vector<onednn::PostOp> post_ops_of(const EpilogueGroup& g, size_t co
       case EpilogueOp::Kind::Silu: p.kind = onednn::PostOp::Kind::Silu; break;
       case EpilogueOp::Kind::Sigmoid: p.kind = onednn::PostOp::Kind::Sigmoid; break;
       case EpilogueOp::Kind::Tanh: p.kind = onednn::PostOp::Kind::Tanh; break;
+      case EpilogueOp::Kind::Hardswish: p.kind = onednn::PostOp::Kind::Hardswish; break;
+      case EpilogueOp::Kind::Clamp: p.kind = onednn::PostOp::Kind::Clamp; break;
       case EpilogueOp::Kind::Linear: p.kind = onednn::PostOp::Kind::Linear; break;
       case EpilogueOp::Kind::Add: p.kind = onednn::PostOp::Kind::Add; p.row = g.addend_is_row[a++]; break;
       case EpilogueOp::Kind::View: continue;  // (lowering leaves none)
@@ -117,6 +119,7 @@ inline const char* torch_activation(EpilogueOp::Kind kind, const char** algorith
     case EpilogueOp::Kind::Silu: return "swish";
     case EpilogueOp::Kind::Sigmoid: return "sigmoid";
     case EpilogueOp::Kind::Tanh: return "tanh";
+    case EpilogueOp::Kind::Hardswish: return "hardswish";
     default: return nullptr;
   }
 }
@@ -165,6 +168,8 @@ inline at::Tensor apply_epilogue_with_aten(at::Tensor y, const std::vector<Epilo
       case EpilogueOp::Kind::Silu: y = at::silu(y); break;
       case EpilogueOp::Kind::Sigmoid: y.sigmoid_(); break;
       case EpilogueOp::Kind::Tanh: y.tanh_(); break;
+      case EpilogueOp::Kind::Hardswish: y = at::hardswish_(y); break;
+      case EpilogueOp::Kind::Clamp: y.clamp_(op.alpha, op.beta); break;
       case EpilogueOp::Kind::Linear: y.mul_(op.alpha).add_(op.beta); break;
       case EpilogueOp::Kind::Add:
         y.add_(is_row[a] ? addends[a].reshape({-1}) : addends[a].reshape(y.sizes()));

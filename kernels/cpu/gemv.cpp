@@ -58,6 +58,8 @@ float epilogue(float y, const MatmulConfig& config, const MatmulCall& call, int6
       case PostOp::Kind::Silu: y = y / (1.f + std::exp(-y)); break;
       case PostOp::Kind::Sigmoid: y = 1.f / (1.f + std::exp(-y)); break;
       case PostOp::Kind::Tanh: y = std::tanh(y); break;
+      case PostOp::Kind::Hardswish: y = y * std::min(std::max(y + 3.f, 0.f), 6.f) / 6.f; break;
+      case PostOp::Kind::Clamp: y = y < op.alpha ? op.alpha : y > op.beta ? op.beta : y; break;  // NaN stays NaN
       case PostOp::Kind::Linear: y = op.alpha * y + op.beta; break;
       case PostOp::Kind::Add: {
         const float* addend = static_cast<const float*>(call.addends[a]);

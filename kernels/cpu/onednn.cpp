@@ -34,6 +34,8 @@ dnnl::algorithm eltwise_algorithm(PostOp::Kind k) {
     case PostOp::Kind::Silu: return dnnl::algorithm::eltwise_swish;
     case PostOp::Kind::Sigmoid: return dnnl::algorithm::eltwise_logistic;
     case PostOp::Kind::Tanh: return dnnl::algorithm::eltwise_tanh;
+    case PostOp::Kind::Hardswish: return dnnl::algorithm::eltwise_hardswish;  // (oneDNN 2.x: alpha, beta ignored)
+    case PostOp::Kind::Clamp: return dnnl::algorithm::eltwise_clip;
     case PostOp::Kind::Linear: return dnnl::algorithm::eltwise_linear;
     case PostOp::Kind::Add: break;
   }
@@ -50,9 +52,11 @@ dnnl::post_ops make_post_ops(const std::vector<PostOp>& post_ops, AddendDesc add
       ops.append_binary(dnnl::algorithm::binary_add, addend(a++, p.row));
       continue;
     }
-    // alpha is relu's negative slope (0), swish's beta (1), linear's scale; beta is linear's shift.
-    float alpha = p.kind == PostOp::Kind::Linear ? p.alpha : p.kind == PostOp::Kind::Silu ? 1.f : 0.f;
-    float beta = p.kind == PostOp::Kind::Linear ? p.beta : 0.f;
+    // alpha is relu's negative slope (0), swish's beta (1), linear's scale, clip's lower bound; beta is
+    // linear's shift, clip's upper bound.
+    const bool own = p.kind == PostOp::Kind::Linear || p.kind == PostOp::Kind::Clamp;
+    float alpha = own ? p.alpha : p.kind == PostOp::Kind::Silu ? 1.f : 0.f;
+    float beta = own ? p.beta : 0.f;
     ops.append_eltwise(1.f, eltwise_algorithm(p.kind), alpha, beta);
   }
   return ops;

@@ -22,9 +22,9 @@ enum class DType : uint8_t { F32, BF16 };
 
 // One step of the epilogue, applied in order to the matmul's (biased) result.
 struct PostOp {
-  enum class Kind : uint8_t { Relu, GeluErf, GeluTanh, Silu, Sigmoid, Tanh, Linear, Add };
+  enum class Kind : uint8_t { Relu, GeluErf, GeluTanh, Silu, Sigmoid, Tanh, Hardswish, Clamp, Linear, Add };
   Kind kind = Kind::Relu;
-  float alpha = 1.f, beta = 0.f;  // Linear: alpha * x + beta
+  float alpha = 1.f, beta = 0.f;  // Linear: alpha * x + beta; Clamp: the bounds [alpha, beta]
   bool row = false;               // Add: the addend is one row [N] broadcast over every row
 };
 

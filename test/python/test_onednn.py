@@ -62,6 +62,8 @@ ACTIVATIONS = {
     "silu": F.silu,
     "sigmoid": torch.sigmoid,
     "tanh": torch.tanh,
+    "hardswish": F.hardswish,
+    "relu6": F.relu6,  # hardtanh(0, 6): oneDNN's clip maps NaN, so ATen clamps in place after the call
 }
 
 
@@ -79,7 +81,7 @@ def test_linear_activation_inference(act, bias, shape):
     assert len(kernels) == 1, kernels
     assert ("+bias" in kernels[0]) == bias, kernels
     if act != "none":
-        assert kernels[0].split()[-1] == act, kernels
+        assert kernels[0].split()[-1] == {"relu6": "clamp"}.get(act, act), kernels
 
 
 @needs_onednn
@@ -179,7 +181,7 @@ def _sprinkle(t):
 
 @needs_onednn
 @pytest.mark.parametrize("library", ["onednn", "torch", "aten"])
-@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid", "relu_scale"])
+@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid", "relu_scale", "relu6", "hardswish"])
 def test_matmul_epilogues_keep_nan(library, epilogue, monkeypatch):
     """torch.relu keeps NaN; oneDNN's relu post-op (max(x, 0)) maps it to 0, so the relu and what follows run
     through ATen after the library call (kernels/cpu/epilogue_support.h, library_exact_ops). NaN and Inf in the
@@ -189,7 +191,8 @@ def test_matmul_epilogues_keep_nan(library, epilogue, monkeypatch):
     lin = nn.Linear(24, 40).eval()
     w = torch.randn(24, 40)
     tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
-             "sigmoid": lambda y, r: torch.sigmoid(y), "relu_scale": lambda y, r: torch.relu(y) * 2.0 - 1.0}
+             "sigmoid": lambda y, r: torch.sigmoid(y), "relu_scale": lambda y, r: torch.relu(y) * 2.0 - 1.0,
+             "relu6": lambda y, r: F.relu6(y), "hardswish": lambda y, r: F.hardswish(y)}
     tail = tails[epilogue]
     for fn in (lambda x, r: tail(lin(x), r), lambda x, r: tail(torch.mm(x, w), r)):
         compiled = compile_ember(fn)
@@ -202,7 +205,7 @@ def test_matmul_epilogues_keep_nan(library, epilogue, monkeypatch):
 
 
 @pytest.mark.parametrize("route", ["torch", "onednn"])
-@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid"])
+@pytest.mark.parametrize("epilogue", ["relu", "add_relu", "sigmoid", "relu6", "hardswish"])
 def test_conv2d_epilogues_keep_nan(route, epilogue, monkeypatch):
     """The fuzzer's repro mismatch_2846: relu after a convolution through torch's oneDNN call (its relu post-op
     maps NaN to 0) or ember's (EMBER_ONEDNN_CONV=1, where a sigmoid does too)."""
@@ -214,7 +217,8 @@ def test_conv2d_epilogues_keep_nan(route, epilogue, monkeypatch):
         monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
     conv = nn.Conv2d(4, 6, 3, padding=1).eval()
     tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
-             "sigmoid": lambda y, r: torch.sigmoid(y)}
+             "sigmoid": lambda y, r: torch.sigmoid(y), "relu6": lambda y, r: F.relu6(y),
+             "hardswish": lambda y, r: F.hardswish(y)}
     fn = lambda x, r: tails[epilogue](conv(x), r)  # noqa: E731
     compiled = compile_ember(fn)
     with torch.no_grad():
@@ -443,7 +447,7 @@ def test_convolutions_by_default_run_torchs_onednn_with_batchnorm_folded(route, 
 @pytest.mark.parametrize("route", ["torch", "onednn"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("groups,stride,padding,dilation", [(1, 1, 1, 1), (2, 2, 1, 1), (1, 1, 2, 2), (4, 2, 0, 1)])
-@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "none"])
+@pytest.mark.parametrize("act", ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "hardswish", "relu6", "none"])
 def test_conv2d_epilogues(route, channels_last, groups, stride, padding, dilation, act, monkeypatch):
     """Both routes: torch's oneDNN call (the default) and ember's oneDNN (EMBER_ONEDNN_CONV=1)."""
     if route == "torch" and not torch.backends.mkldnn.is_available():

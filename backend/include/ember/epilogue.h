@@ -12,9 +12,9 @@
 namespace ember {
 
 struct EpilogueOp {
-  enum class Kind : uint8_t { Relu, GeluErf, GeluTanh, Silu, Sigmoid, Tanh, Linear, Add, View };
+  enum class Kind : uint8_t { Relu, GeluErf, GeluTanh, Silu, Sigmoid, Tanh, Hardswish, Clamp, Linear, Add, View };
   Kind kind = Kind::Relu;
-  float alpha = 1.f, beta = 0.f;  // Linear: alpha * x + beta
+  float alpha = 1.f, beta = 0.f;  // Linear: alpha * x + beta; Clamp: the bounds [alpha, beta] (relu6: [0, 6])
   const Value* addend = nullptr;  // Add: the tensor added (a residual, or one row broadcast over all rows)
 };
 
@@ -32,8 +32,8 @@ bool as_conv2d(const Node& n, const Value** src, const Value** weights, const Va
 
 // Whether a convolution followed by `ops` is one call of torch's own oneDNN convolution with post-ops
 // (mkldnn::_convolution_pointwise, kernels/cpu/conv_kernel.cpp): no op, one activation (relu, gelu, silu,
-// sigmoid, tanh), or an added tensor of the result's shape, then relu or nothing (a relu is then applied
-// through ATen after the call: kernels/cpu/epilogue_support.h, library_exact_ops).
+// sigmoid, tanh, hardswish, a clamp), or an added tensor of the result's shape, then relu or nothing (a relu or a clamp is then
+// applied through ATen after the call: kernels/cpu/epilogue_support.h, library_exact_ops).
 bool torch_conv_takes(const std::vector<EpilogueOp>& ops);
 // EMBER_ONEDNN_CONV=1: convolutions go to ember's own (Debian's) oneDNN with any epilogue instead of torch's
 // call. Read at each compile, so that a process can compare both; the claim pass and the kernel read it here.
