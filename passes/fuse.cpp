@@ -27,7 +27,8 @@
 //     permuted (channels_last), or is a CUDA pointwise group and the node only reads broadcasts, so the
 //     independent chains of one batch norm share its kernel.
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
-//     (reduce_through_reshapes), pointwise nodes move down to consumers that could not join them
+//     (reduce_through_reshapes), a pointwise node reading one reshaped value reads the value before the
+//     reshape, the reshape moving after it (lift_over_reshapes), pointwise nodes move down to consumers that could not join them
 //     (sink_into_consumers), and nodes that read no graph input move to the top (hoist_constant_nodes).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
@@ -121,6 +122,7 @@ class Fuser {
 
   void run() {
     reduce_through_reshapes();
+    lift_over_reshapes();
     sink_into_consumers();
     hoist_constant_nodes();
     const auto& nodes = graph_.nodes();
@@ -239,6 +241,70 @@ class Fuser {
     }
     graph_.replace_uses(replaced);
     graph_.remove_nodes_if([&](const Node& n) { return dropped.count(&n) > 0; });
+  }
+
+  // Rule 7: f(view(x, S)), for a pointwise f of one tensor, becomes view(f(x), S) where x, the view and f's
+  // result are all row-major contiguous (a reshape then keeps every element's flat position, so f over x is
+  // f over the view) and x is made by a node that fuses: f then joins the group making x instead of running
+  // alone behind the view. LeViT's Linear -> BatchNorm1d -> hardswish reshapes [N*S, C] to [N, S, C] between
+  // the batch norm's multiply-add and the hardswish, which ran as one ATen call per block.
+  void lift_over_reshapes() {
+    std::vector<Node*> order;
+    for (const auto& n : graph_.nodes()) order.push_back(n.get());
+    std::vector<std::pair<const Value*, Value*>> replaced;
+    std::unordered_set<const Node*> dropped;
+    std::unordered_map<const Value*, Value*> now;  // values replaced so far (the rewrite chains)
+    std::vector<const Node*> views;                 // the reshapes lifted over
+    auto current = [&](const Value* v) {
+      auto it = now.find(v);
+      return it == now.end() ? const_cast<Value*>(v) : it->second;
+    };
+    for (Node* n : order) {
+      if (n->group >= 0 || n->outputs.size() != 1 || !eligible(*n) || is_reduction(*n)) continue;
+      const Value* v = nullptr;
+      bool one = true;
+      for (const Arg& a : n->args) {
+        if (a.kind == Arg::Kind::List) a.for_each_value([&](const Value*) { one = false; });
+        if (!a.is_value()) continue;
+        if (v && current(a.value) != v) one = false;
+        v = current(a.value);
+      }
+      for (const auto& [name, a] : n->kwargs) a.for_each_value([&](const Value*) { one = false; });
+      if (!v || !one || !v->type.is_tensor()) continue;
+      const Node* view = v->producer;
+      if (!view || (view->op != "aten::view" && view->op != "aten::_unsafe_view" && view->op != "aten::reshape") ||
+          view->group >= 0 || view->args.size() != 2 || !view->args[0].is_value())
+        continue;
+      Value* x = view->args[0].value;
+      const Value* out = n->outputs[0];
+      if (!x->type.is_tensor() || !x->producer || x->producer->group >= 0 || !eligible(*x->producer) ||
+          !row_major(x->type.tensor) || !row_major(v->type.tensor) ||
+          !row_major(out->type.tensor) || x->type.tensor.dtype != v->type.tensor.dtype)
+        continue;
+      std::vector<Arg> args = n->args;
+      for (Arg& a : args)
+        if (a.is_value()) a = Arg::of(x);
+      TensorType lifted = x->type.tensor;
+      lifted.dtype = out->type.tensor.dtype;
+      const std::string base = out->name + "_lifted";
+      Value* f = graph_.add_node(n->op, std::move(args), n->kwargs, {{base, Type::of_tensor(lifted)}})->outputs[0];
+      Value* result = graph_.add_node("aten::view", {Arg::of(f), view->args[1]}, {}, {{base + "_view", out->type}})->outputs[0];
+      graph_.move_last_before(2, n);
+      replaced.emplace_back(out, result);
+      now[out] = result;
+      dropped.insert(n);
+      views.push_back(view);
+    }
+    graph_.replace_uses(replaced);
+    graph_.remove_nodes_if([&](const Node& n) { return dropped.count(&n) > 0; });
+    // A reshape read by nothing else now goes too.
+    std::unordered_set<const Value*> read;
+    for (const auto& n : graph_.nodes()) n->for_each_input([&](const Value* v) { read.insert(v); });
+    for (const Arg& a : graph_.outputs()) a.for_each_value([&](const Value* v) { read.insert(v); });
+    std::unordered_set<const Node*> unread;
+    for (const Node* view : views)
+      if (!read.count(view->outputs[0])) unread.insert(view);
+    graph_.remove_nodes_if([&](const Node& n) { return unread.count(&n) > 0; });
   }
 
   // Rule 8: a pointwise node moves down to just before its first consumer where that consumer, fusible

@@ -88,9 +88,10 @@ def test_hard_activations_fuse_with_their_neighbours(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_batch_norm_after_a_linear_fuses_in_inference(device):
-    """LeViT's Linear -> BatchNorm1d over the flattened rows -> hardswish, in eval mode: the norm becomes a
-    per-channel multiply-add (scale and shift computed once from the cached parameters) in a fused kernel, on
-    the CPU as on CUDA, at a static batch and at a symbolic one, and the results stay eager's."""
+    """LeViT's Linear -> BatchNorm1d over the flattened rows -> reshape -> hardswish, in eval mode: the norm
+    becomes a per-channel multiply-add (scale and shift computed once from the cached parameters) and the
+    hardswish joins its fused kernel across the reshape, on the CPU as on CUDA, at a static batch and at a
+    symbolic one, and the results stay eager's."""
 
     class LinearNorm(nn.Module):
         def __init__(self):
@@ -114,6 +115,8 @@ def test_batch_norm_after_a_linear_fuses_in_inference(device):
             assert_tensor_close(compiled(x), model(x), atol=1e-5, rtol=1e-5)
     plans = "\n".join(g.describe() for _, g in EMBER_GRAPHS[before:])
     assert "_native_batch_norm" not in plans, plans
+    # The hardswish behind the reshape joins the multiply-add's kernel (fuse's lift_over_reshapes).
+    assert "aten::hardswish" not in plans, plans
     expect_fused(device, "inference")
 
 
