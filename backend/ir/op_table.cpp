@@ -48,7 +48,7 @@ constexpr const char* kFusibleOps[] = {
     "aten::sigmoid_backward", "aten::tanh_backward", "aten::gelu_backward", "aten::gt.Scalar", "aten::gt.Tensor",
     "aten::lt.Scalar", "aten::lt.Tensor", "aten::ge.Scalar", "aten::ge.Tensor", "aten::le.Scalar",
     "aten::le.Tensor", "aten::eq.Scalar", "aten::eq.Tensor", "aten::ne.Scalar", "aten::ne.Tensor",
-    "aten::_to_copy", "aten::hardtanh", "aten::hardswish", "aten::hardsigmoid", "aten::logical_not", "aten::logical_and", "aten::logical_or",
+    "aten::_to_copy", "aten::clone", "aten::hardtanh", "aten::hardswish", "aten::hardsigmoid", "aten::logical_not", "aten::logical_and", "aten::logical_or",
     // the bitwise ones on bool tensors only (the fuse pass checks): hardtanh's (ReLU6's) backward masks by
     // bitwise_or(x <= 0, x >= 6), which split its kernel in two around an ATen bitwise_or and left the where
     // to ATen (mobilenet_v2's CPU training step, 2-core host: aten::where 9.7 ms of its 67)
