@@ -14,8 +14,8 @@
 //     dims, or with k leading 1s), all reductions of a group reduce the same k dims, and no full member
 //     reads a reduced value (nothing broadcasts back). Both kernel generators run them (outer_fused).
 //  4. Only f32/f16/bf16/bool tensors on one device are fused, and only nodes whose outputs are
-//     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise CUDA
-//     groups, all dense in one other order (channels_last: the kernel iterates in memory order); a group
+//     row-major contiguous (eager's layout for them, which fused kernels write) or, in pointwise groups, all
+//     dense in one other order (channels_last: the kernel iterates in memory order); a group
 //     of a single node is dissolved, since ATen's kernel is as good for one op (but for CUDA column
 //     reductions, see dissolve_singletons). Ops whose ATen CPU kernel beats ember's (kCpuKeepAten:
 //     gelu, tanh) are not fused on the CPU.
@@ -112,7 +112,7 @@ struct Group {
   bool has_reduction = false;
   size_t outer = 0;         // > 0: its reductions are over the first `outer` dims (a column group)
   int members = 0;
-  bool permuted = false;    // outputs dense in another order than row-major (pointwise CUDA groups only)
+  bool permuted = false;    // outputs dense in another order than row-major (pointwise groups only)
   std::vector<int> order;   // that order (memory_order)
 };
 
@@ -160,7 +160,7 @@ class Fuser {
     }
     for (const Value* v : n.outputs) {
       if (!v->type.is_tensor() || !fusible_dtype(v->type.tensor.dtype) || v->type.tensor.device != device) return false;
-      if (!row_major(v->type.tensor) && !(device.is_cuda() && !info->has(kReduction) && permuted_layout(v->type.tensor)))
+      if (!row_major(v->type.tensor) && !((device.is_cuda() || device.is_cpu()) && !info->has(kReduction) && permuted_layout(v->type.tensor)))
         return false;
     }
     bool ok = true;
@@ -380,8 +380,8 @@ class Fuser {
     graph_.reorder(first);
   }
 
-  // Dense in an order other than row-major (channels_last): CUDA pointwise groups iterate in that order
-  // and write their outputs so (kernels/cuda/call_plan.cpp), as eager lays them out.
+  // Dense in an order other than row-major (channels_last): pointwise groups iterate in that order and write
+  // their outputs so (kernels/cuda/call_plan.cpp, kernels/cpu/interpreter.cpp), as eager lays them out.
   static bool permuted_layout(const TensorType& t) {
     std::vector<int> order = memory_order(t);
     return !order.empty() && !in_dim_order(order);

@@ -19,6 +19,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 
 #include <algorithm>
 #include <array>
@@ -330,6 +331,23 @@ class FusedCpuKernel final : public Kernel {
   explicit FusedCpuKernel(Program program) : p_(std::move(program)) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     assign_slots();
+    // A pointwise group whose outputs are dense in another order than row-major (channels_last; passes/fuse.cpp
+    // keeps one order per group) iterates in that order, outermost in memory first, and lays its outputs out so,
+    // as eager does. The order is the traced strides', largest first, which places size-1 dims where eager's
+    // layout has them (channels_last's H of 1 keeps the stride W * C); with a symbolic stride, size-1 dims lead.
+    if (!p_.has_reduction && !p_.outputs.empty()) {
+      const TensorType& t = p_.outputs[0].value->type.tensor;
+      const std::vector<int> order = memory_order(t);
+      if (!order.empty() && !std::is_sorted(order.begin(), order.end())) {
+        const bool constant = std::all_of(t.strides.begin(), t.strides.end(), [](const Dim& d) { return d.is_constant(); });
+        for (int d = 0; d < static_cast<int>(t.sizes.size()); ++d)
+          if (constant || std::find(order.begin(), order.end(), d) == order.end()) order_.push_back(d);
+        if (constant)
+          std::stable_sort(order_.begin(), order_.end(), [&](int a, int b) { return t.strides[a].value > t.strides[b].value; });
+        else
+          order_.insert(order_.end(), order.begin(), order.end());
+      }
+    }
   }
 
   std::string describe() const override {
@@ -356,6 +374,11 @@ class FusedCpuKernel final : public Kernel {
     }
     std::vector<at::Tensor> outs;
     outs.reserve(p_.outputs.size());
+    if (order_.size() == full.size() && !full.empty()) {
+      run_permuted(views, scalars, outs, full, numel);
+      for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
+      return;
+    }
     for (size_t o = 0; o < p_.outputs.size(); ++o)
       outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction, p_.outer), at::TensorOptions().dtype(out_dtypes_[o])));
 
@@ -369,6 +392,35 @@ class FusedCpuKernel final : public Kernel {
   }
 
  private:
+  // A flat group in order_ (see the constructor): the iteration space and every input's strides permuted so
+  // that the outputs' memory order is row-major in it, then the flat path; an input in the outputs' layout is
+  // dense there.
+  void run_permuted(std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
+                    const std::vector<int64_t>& full, int64_t numel) const {
+    const size_t rank = full.size();
+    std::vector<int64_t> shape(rank), strides(rank);
+    for (size_t i = 0; i < rank; ++i) shape[i] = full[static_cast<size_t>(order_[i])];
+    int64_t step = 1;
+    for (size_t i = rank; i-- > 0;) {
+      strides[static_cast<size_t>(order_[i])] = step;
+      step *= shape[i];
+    }
+    for (size_t o = 0; o < p_.outputs.size(); ++o)
+      outs.push_back(at::empty_strided(full, strides, at::TensorOptions().dtype(out_dtypes_[o])));
+    for (View& v : views) {
+      int64_t permuted[kMaxRank];
+      for (size_t i = 0; i < rank; ++i) permuted[i] = v.strides[order_[i]];
+      std::copy(permuted, permuted + rank, v.strides);
+      bool dense = true;
+      for (size_t i = rank, expect = 1; i-- > 0 && dense;) {
+        dense = shape[i] == 1 || v.strides[i] == static_cast<int64_t>(expect);
+        expect *= static_cast<size_t>(shape[i]);
+      }
+      v.dense = dense;
+    }
+    if (numel > 0) run_flat(views, scalars, outs, shape, numel);
+  }
+
   // Aligns `t` to `space` (trailing dimensions; a keepdim [..., 1] row input drops its last dim).
   static View make_view(const at::Tensor& t, const std::vector<int64_t>& space, int64_t full_numel, bool trailing) {
     View v;
@@ -929,6 +981,7 @@ class FusedCpuKernel final : public Kernel {
   }
 
   Program p_;
+  std::vector<int> order_;  // flat groups with permuted outputs: the dims in iteration order (constructor)
   std::vector<c10::ScalarType> out_dtypes_;
   std::vector<int> slot_;  // scratch slot of each register
   int num_slots_ = 1;

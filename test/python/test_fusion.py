@@ -87,6 +87,41 @@ def test_hard_activations_fuse_with_their_neighbours(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_channels_last_pointwise_groups_keep_eager_layout(device, dtype):
+    """A pointwise chain over channels_last tensors, with a per-channel broadcast and an input in NCHW beside
+    them, runs as one kernel in memory order on the CPU as on CUDA: eager's values and strides, forward and
+    backward, and under a symbolic batch one kernel serves every size."""
+
+    def fn(x, y, s):
+        return torch.relu(x * s + y) * 0.5, (x - y).sigmoid()
+
+    def inputs(n, c=16, h=7, w=9, y_layout=torch.channels_last):
+        x = torch.randn(n, c, h, w, device=device).to(dtype=dtype, memory_format=torch.channels_last)
+        y = torch.randn(n, c, h, w, device=device).to(dtype=dtype, memory_format=y_layout)
+        return x, y, torch.randn(c, 1, 1, device=device, dtype=dtype)
+
+    tol = {} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    for y_layout in (torch.channels_last, torch.contiguous_format):
+        torch._dynamo.reset()
+        eager, compiled = check(fn, *inputs(3, y_layout=y_layout), **tol)
+        assert [t.stride() for t in compiled] == [t.stride() for t in eager]
+    expect_fused(device, "forward")
+    expect_fused(device, "backward")
+    torch._dynamo.reset()
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        for n in (2, 5, 8, 1):
+            x, y, s = inputs(n)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(y, 0)
+            for got, want in zip(compiled(x, y, s), fn(x, y, s)):
+                assert_tensor_close(got, want, **tol)
+                if n > 1:
+                    assert got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_batch_norm_after_a_linear_fuses_in_inference(device):
     """LeViT's Linear -> BatchNorm1d over the flattened rows -> reshape -> hardswish, in eval mode: the norm
     becomes a per-channel multiply-add (scale and shift computed once from the cached parameters) and the
