@@ -8,7 +8,8 @@
 //     with the per-channel tensors viewed as [C, 1, ..., 1] so they broadcast over dimension 1. 16-bit
 //     inputs are computed in float32 and rounded once at the end, as ATen's kernel does (its result may
 //     differ from eager's in the last bit: ATen folds the scale and shift first).
-//  3. On CUDA, for static sizes and float tensors dense in some order (NCHW or channels_last). On the CPU only
+//  3. On CUDA, for static sizes and float tensors dense in some order (NCHW or channels_last), and for an [N, C]
+//     input with N symbolic in rule 4's form (LeViT's norms after a Linear under dynamic shapes). On the CPU only
 //     for a float32 [N, C] input whose per-channel tensors stay put (rule 4): a norm after a Linear (LeViT's 60
 //     per call ran as ATen calls, 0.67 ms of 7.5 on the 2-core host), where the multiply-add broadcast along
 //     rows is the interpreter's fast case; CPU convolutions' norms stay whole (fold_batchnorm folds f32 ones
@@ -66,9 +67,10 @@ void batchnorm_pointwise(Graph& graph, PassContext& ctx) {
     const TensorType& xt = x->type.tensor;
     bool static_sizes = true;
     for (const Dim& d : xt.sizes) static_sizes = static_sizes && d.is_constant();
-    // (the rows may be a symbol: rule 4's form needs only the channels' count)
-    const bool cpu_rows = xt.device.is_cpu() && xt.sizes.size() == 2 && xt.dtype == c10::kFloat && xt.sizes[1].is_constant();
-    if (!(xt.device.is_cuda() || cpu_rows) || xt.sizes.size() < 2 || !(static_sizes || cpu_rows) ||
+    // (the rows of an [N, C] input may be a symbol: rule 4's form needs only the channels' count)
+    const bool rows = xt.sizes.size() == 2 && xt.sizes[1].is_constant();
+    const bool cpu_rows = xt.device.is_cpu() && rows && xt.dtype == c10::kFloat;
+    if (!(xt.device.is_cuda() || cpu_rows) || xt.sizes.size() < 2 || !(static_sizes || rows) ||
         (xt.dtype != c10::kFloat && !is_16bit(xt.dtype)) || !(out->type.tensor == xt))
       continue;
     // Dense in some order (row-major or channels_last): the fuse pass keeps all of it in one kernel (its
@@ -86,7 +88,7 @@ void batchnorm_pointwise(Graph& graph, PassContext& ctx) {
     }
     if (!ok) continue;
     const bool all_stay = stays(params[0]) && stays(params[1]) && stays(params[2]) && stays(params[3]);
-    if (cpu_rows && !all_stay) continue;  // rule 3
+    if ((cpu_rows || !static_sizes) && !all_stay) continue;  // rule 3; symbolic rows take rule 4's form only
     const double eps = bn->args[6].f;
     const std::string base = out->name + "_bn" + std::to_string(fresh++);
     size_t added = 0;

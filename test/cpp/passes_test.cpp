@@ -370,6 +370,24 @@ TEST(BatchnormPointwise, CpuRowsWithCachedParametersBecomeAMultiplyAdd) {
   EXPECT_EQ(print(conv_out), image);
 }
 
+TEST(BatchnormPointwise, CudaSymbolicRowsWithCachedParametersBecomeAMultiplyAdd) {
+  // The same norm on CUDA under a symbolic batch: rule 4's form, whose per-channel part needs only C. Not cached,
+  // the symbolic norm stays whole (the general form is for static sizes).
+  const std::string c = "f32[8]{1}@cuda:0", x = "f32[s0, 8]{8, 1}@cuda:0";
+  const std::string rows = "graph(%x: " + x + ", %w: " + c + ", %b: " + c + ", %m: " + c + ", %v: " + c + "):\n"
+                           "  %y: " + x + ", %s1: f32[0]{1}@cuda:0, %s2: f32[0]{1}@cuda:0 = aten::_native_batch_norm_legit_no_training(%x, %w, %b, %m, %v, 0.1, 1e-05)\n"
+                           "  return (%y)\n";
+  CompileOptions options;
+  options.cached_inputs = {false, true, true, true, true};
+  PassContext ctx{options};
+  Graph g = parse(rows);
+  bn_pointwise_then_dce(g, ctx);
+  const std::string after = print(g);
+  EXPECT_EQ(after.find("_native_batch_norm"), std::string::npos) << after;
+  EXPECT_NE(after.find("f32[8]{1}@cuda:0 = aten::rsqrt"), std::string::npos) << after;
+  EXPECT_EQ(run_pass(batchnorm_pointwise, rows), rows);  // nothing cached
+}
+
 TEST(PassManager, UnknownDisabledPassIsAnError) {
   CompileOptions options;
   options.disabled_passes = {"no_such_pass"};
