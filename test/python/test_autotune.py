@@ -414,7 +414,7 @@ def test_explain_lists_each_launch_timed(case, settings):
 
 
 @cuda
-def test_symbolic_sizes_are_tuned_per_size(settings):
+def test_symbolic_sizes_get_launches_tuned_per_size(settings):
     torch.manual_seed(0)
     fn = lambda x: torch.softmax(x * 0.125, -1)  # noqa: E731
     compiled = torch.compile(fn, backend="ember", options={"autotune": True}, dynamic=True)
