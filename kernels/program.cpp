@@ -355,7 +355,7 @@ class Lowering {
       return out(emit(OpCode::Mul, x(0, "grad_output"), emit(OpCode::Sub, Operand::constant(1.f), emit(OpCode::Mul, y, y))));
     }
     if (op == "aten::_to_copy") return out(x(0, "self"));  // define() rounds to the output dtype
-    // A copy into the layout the fuse pass checked (row-major, or a permuted CUDA group's order): alone it stays
+    // A copy into the layout the fuse pass checked (row-major, or a permuted group's order): alone it stays
     // ATen's (a group of one dissolves); with what reads it, the kernel reads the strided source once. LeViT's
     // attention output, clone(permute(bmm)) -> reshape -> hardswish, was a copy and a hardswish apart.
     if (op == "aten::clone") return out(x(0, "self"));

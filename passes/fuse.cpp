@@ -255,13 +255,13 @@ class Fuser {
     std::unordered_set<const Node*> dropped;
     std::unordered_map<const Value*, Value*> now;  // values replaced so far (the rewrite chains)
     std::vector<const Node*> views;                 // the reshapes lifted over
-    auto current = [&](const Value* v) {
+    auto current = [&](Value* v) {
       auto it = now.find(v);
-      return it == now.end() ? const_cast<Value*>(v) : it->second;
+      return it == now.end() ? v : it->second;
     };
     for (Node* n : order) {
       if (n->group >= 0 || n->outputs.size() != 1 || !eligible(*n) || is_reduction(*n)) continue;
-      const Value* v = nullptr;
+      Value* v = nullptr;
       bool one = true;
       for (const Arg& a : n->args) {
         if (a.kind == Arg::Kind::List) a.for_each_value([&](const Value*) { one = false; });

@@ -376,17 +376,15 @@ class FusedCpuKernel final : public Kernel {
     outs.reserve(p_.outputs.size());
     if (order_.size() == full.size() && !full.empty()) {
       run_permuted(views, scalars, outs, full, numel);
-      for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
-      return;
-    }
-    for (size_t o = 0; o < p_.outputs.size(); ++o)
-      outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction, p_.outer), at::TensorOptions().dtype(out_dtypes_[o])));
-
-    if (p_.outer > 0) {
-      if (rows > 0) run_columns(views, scalars, outs, full, row_shape, cols, rows);
-    } else if (numel > 0 || (p_.has_reduction && rows > 0)) {
-      if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
-      else run_flat(views, scalars, outs, full, numel);
+    } else {
+      for (size_t o = 0; o < p_.outputs.size(); ++o)
+        outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction, p_.outer), at::TensorOptions().dtype(out_dtypes_[o])));
+      if (p_.outer > 0) {
+        if (rows > 0) run_columns(views, scalars, outs, full, row_shape, cols, rows);
+      } else if (numel > 0 || (p_.has_reduction && rows > 0)) {
+        if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
+        else run_flat(views, scalars, outs, full, numel);
+      }
     }
     for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
   }
