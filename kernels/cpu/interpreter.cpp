@@ -34,6 +34,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kTile = 512;  // floats per register per tile: a few live registers stay in L1
 constexpr int64_t kMaxRank = 12;
+constexpr int64_t kMaxBlockColumns = 4096;  // column groups up to this many columns run in blocks of rows
 
 // n rounded up to whole vectors: the room every scratch slot has (see map_n).
 constexpr int64_t padded(int64_t n) { return (n + Vec::size() - 1) / Vec::size() * Vec::size(); }
@@ -214,6 +215,18 @@ void apply_rows(OpCode op, const Reg (&in)[3], const bool (&row_operand)[3], flo
     default: break;
   }
   throw Error("internal: row op in apply_rows()");
+}
+
+// into[0, n) = op(into, x) for a reduction's op, storing nothing past n: a block accumulator's later rows
+// hold earlier blocks' values where a short block ends (run_columns).
+void accumulate(OpCode op, float* into, const Reg& x, int64_t n) {
+  const Reg a{into, 0.f}, none{};
+  auto max = [](const Vec& p, const Vec& q, const Vec&) { return at::vec::maximum(p, q); };
+  auto min = [](const Vec& p, const Vec& q, const Vec&) { return at::vec::minimum(p, q); };
+  auto add = [](const Vec& p, const Vec& q, const Vec&) { return p + q; };
+  if (op == OpCode::RowMax) map_n(max, a, x, none, into, n, true);
+  else if (op == OpCode::RowMin) map_n(min, a, x, none, into, n, true);
+  else map_n(add, a, x, none, into, n, true);
 }
 
 float apply_scalar(OpCode op, float a, float b, float c) {
@@ -791,14 +804,6 @@ class FusedCpuKernel final : public Kernel {
     const int64_t k = static_cast<int64_t>(p_.outer);
     const int64_t threads = at::get_num_threads();
     const int64_t vec = Vec::size();
-    int64_t w = (C + 2 * threads - 1) / (2 * threads);
-    w = std::min<int64_t>(kTile, std::max<int64_t>(4 * vec, (w + vec - 1) / vec * vec));
-    const int64_t chunks = (C + w - 1) / w;
-    int64_t parts = 1;
-    if (chunks < 2 * threads && R >= 512) parts = std::min<int64_t>((2 * threads + chunks - 1) / chunks, R / 256);
-    const int64_t rows_per_part = (R + parts - 1) / parts;
-    parts = R > 0 ? (R + rows_per_part - 1) / rows_per_part : 1;
-
     std::vector<int> reductions;  // instruction indices
     for (size_t i = 0; i < p_.code.size(); ++i)
       if (p_.code[i].op >= OpCode::RowSum) reductions.push_back(static_cast<int>(i));
@@ -823,6 +828,37 @@ class FusedCpuKernel final : public Kernel {
         expect = st[d] * kept[d];
       }
     }
+    // Up to kMaxBlockColumns columns (a channels-last batch norm's backward: [N * H * W, C] with C from 8 to
+    // 2048), tiles hold blocks of whole rows (one row where a row fills a tile), so that an instruction runs
+    // over hundreds of values, where chunks of a row over all rows ran it over a few vectors at a time; each
+    // reduction folds a block into a block-sized accumulator that is summed into the columns every ~128 rows.
+    // Every full input is then dense (a block is one run) or the same row for every row (copied block-wide
+    // once). 2-core host, a ReLU and batch-norm backward group (3 inputs, 8 instructions), before / after:
+    // [12544, 48] 2262 / 367 us, [3136, 104] 515 / 188 us, [784, 208] 313 / 81 us.
+    const int64_t tile = std::max(kTile, padded(C));
+    const int64_t block_rows = C > 0 && C <= kMaxBlockColumns ? tile / C : 0;
+    std::vector<char> repeated(views.size(), 0);
+    bool blocked = block_rows >= 1 && R >= 2 * block_rows;
+    for (size_t i = 0; i < views.size() && blocked; ++i) {
+      if (p_.inputs[i].row || views[i].dense) continue;
+      bool lead_zero = true;
+      for (int64_t d = 0; d < k; ++d) lead_zero = lead_zero && (full[d] == 1 || views[i].strides[d] == 0);
+      repeated[i] = lead_zero && linear[i];
+      blocked = repeated[i];
+    }
+    // Otherwise chunks of w columns, each over all rows (a part of them where the chunks alone are too few).
+    int64_t w = padded(C), chunks = 1, parts = 1;
+    if (blocked) {
+      parts = std::max<int64_t>(1, std::min<int64_t>(2 * threads, R * C / 16384));
+    } else {
+      w = (C + 2 * threads - 1) / (2 * threads);
+      w = std::min<int64_t>(kTile, std::max<int64_t>(4 * vec, (w + vec - 1) / vec * vec));
+      chunks = (C + w - 1) / w;
+      if (chunks < 2 * threads && R >= 512) parts = std::min<int64_t>((2 * threads + chunks - 1) / chunks, R / 256);
+    }
+    const int64_t rows_per_part = (R + parts - 1) / parts;
+    parts = R > 0 ? (R + rows_per_part - 1) / rows_per_part : 1;
+
     auto load_chunk = [&](size_t i, Reg& r, float* buf, int64_t c0, int64_t n, int64_t base) {
       const View& v = views[i];
       if (linear[i]) return load_input(v, r, buf, n, base + c0 * kept_stride[i], n == 1 ? 0 : kept_stride[i]);
@@ -854,6 +890,69 @@ class FusedCpuKernel final : public Kernel {
       }
     };
 
+    if (blocked) {
+      const int64_t flush_every = std::max<int64_t>(1, 128 / block_rows);
+      at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+        Scratch& s = scratch(tile);
+        thread_local std::vector<float> sums, rows;
+        sums.resize(static_cast<size_t>(nred * (w + tile)));
+        rows.resize(static_cast<size_t>(views.size() * tile));
+        float* acc = sums.data();
+        float* block = acc + nred * w;
+        const int64_t span = block_rows * C;
+        for (size_t i = 0; i < views.size(); ++i) {
+          if (!repeated[i]) continue;
+          Reg one;
+          load_chunk(i, one, rows.data() + i * tile, 0, C, 0);
+          float* dst = rows.data() + i * tile;
+          if (!one.p) std::fill_n(dst, C, one.s);
+          else if (one.p != dst) std::copy_n(one.p, C, dst);
+          for (int64_t rr = 1; rr < block_rows; ++rr) std::copy_n(dst, C, dst + rr * C);
+        }
+        for (int64_t part = begin; part < end; ++part) {
+          const int64_t r0 = part * rows_per_part, r1 = std::min(R, r0 + rows_per_part);
+          for (int64_t j = 0; j < nred; ++j) {
+            const float id = identity(p_.code[reductions[j]].op);
+            std::fill_n(acc + j * w, C, id);
+            std::fill_n(block + j * tile, span, id);
+          }
+          auto fold_block = [&] {
+            for (int64_t j = 0; j < nred; ++j) {
+              const OpCode op = p_.code[reductions[j]].op;
+              float* b = block + j * tile;
+              for (int64_t rr = 0; rr < block_rows; ++rr) combine(op, acc + j * w, b + rr * C, C);
+              std::fill_n(b, span, identity(op));
+            }
+          };
+          int64_t blocks = 0;
+          for (int64_t r = r0; r < r1; r += block_rows) {
+            const int64_t n = std::min(block_rows, r1 - r) * C;
+            for (size_t i = 0; i < views.size(); ++i) {
+              if (p_.inputs[i].row) continue;
+              Reg& reg = s.regs[p_.inputs[i].reg];
+              if (repeated[i]) reg = Reg{rows.data() + i * tile, 0.f, 1};
+              else load_input(views[i], reg, s.data.data() + static_cast<int64_t>(slot_[p_.inputs[i].reg]) * tile, n, r * C, 1);
+            }
+            execute_phase(s.regs, s.data.data(), tile, n, scalars, false, [&](size_t at, const Reg& x) {
+              const int64_t j = std::find(reductions.begin(), reductions.end(), static_cast<int>(at)) - reductions.begin();
+              accumulate(p_.code[at].op, block + j * tile, x, n);
+            });
+            for (size_t o = 0; o < outs.size(); ++o) {
+              if (p_.outputs[o].row) continue;
+              const Reg& reg = s.regs[p_.outputs[o].reg];
+              char* dst = static_cast<char*>(outs[o].data_ptr()) + r * C * outs[o].element_size();
+              store_n(reg.p, reg, n, out_dtypes_[o], dst);
+            }
+            if (++blocks % flush_every == 0 || r + block_rows >= r1) fold_block();
+          }
+          if (parts == 1) {
+            finish(s, acc, 0, C);
+          } else {
+            for (int64_t j = 0; j < nred; ++j) std::copy_n(acc + j * w, C, partial.data() + (part * nred + j) * C);
+          }
+        }
+      });
+    } else {
     at::parallel_for(0, chunks * parts, 1, [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(w);
       thread_local std::vector<float> sums;
@@ -903,6 +1002,7 @@ class FusedCpuKernel final : public Kernel {
         }
       }
     });
+    }
     if (parts == 1) return;
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(w);
