@@ -9,11 +9,11 @@
 //     inputs are computed in float32 and rounded once at the end, as ATen's kernel does (its result may
 //     differ from eager's in the last bit: ATen folds the scale and shift first).
 //  3. On CUDA, for static sizes and float tensors dense in some order (NCHW or channels_last), and for an [N, C]
-//     input with N symbolic in rule 4's form (LeViT's norms after a Linear under dynamic shapes). On the CPU only
+//     input with N symbolic in rule 4's form (LeViT's norms after a Linear under dynamic shapes). On the CPU
 //     for a float32 [N, C] input whose per-channel tensors stay put (rule 4): a norm after a Linear (LeViT's 60
 //     per call ran as ATen calls, 0.67 ms of 7.5 on the 2-core host), where the multiply-add broadcast along
-//     rows is the interpreter's fast case; CPU convolutions' norms stay whole (fold_batchnorm folds f32 ones
-//     into the convolution).
+//     rows is the interpreter's fast case; and for channels_last ones (rule 5). Other CPU convolutions' norms
+//     stay whole (fold_batchnorm folds f32 ones of inference graphs into the convolution).
 //  4. Where the four per-channel tensors stay put between calls (constants, or inputs whose steps the
 //     runtime caches: CompileOptions::cached_inputs, an inference graph's parameters and buffers), the
 //     per-channel part becomes nodes of its own over [C]:
@@ -21,8 +21,15 @@
 //     so it runs once (cached or folded), and each element costs one multiply-add and two per-channel
 //     loads instead of the four loads, the rsqrt and four operations of the form above (resnet50 b64
 //     bf16 on the H100: its 53 fused batch norms took 1544 us per call that way, inductor's ~1100).
+//  5. On the CPU also for float32 [N, C, H, W] tensors of static sizes laid out channels_last, in rule 4's form
+//     whether or not the per-channel tensors stay (then its [C] part runs per call, a few hundred values):
+//     CPU training graphs run their convolutions so (python_bindings/ember/layout.py), and there the norm's
+//     backward no longer reads the saved statistics (decompositions.py), so the forward's norm and its
+//     ReLU become one pass over [N * H * W, C] rows, a per-channel multiply-add along each (timm
+//     regnetx_002's training step on the 2-core host: 44 norms and 40 ReLUs, 1.3 ms of ATen calls).
 #include "passes/passes.h"
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -70,12 +77,15 @@ void batchnorm_pointwise(Graph& graph, PassContext& ctx) {
     // (the rows of an [N, C] input may be a symbol: rule 4's form needs only the channels' count)
     const bool rows = xt.sizes.size() == 2 && xt.sizes[1].is_constant();
     const bool cpu_rows = xt.device.is_cpu() && rows && xt.dtype == c10::kFloat;
-    if (!(xt.device.is_cuda() || cpu_rows) || xt.sizes.size() < 2 || !(static_sizes || rows) ||
+    const std::vector<int> order = memory_order(xt);
+    const bool cpu_channels_last = xt.device.is_cpu() && xt.dtype == c10::kFloat && xt.sizes.size() == 4 && static_sizes &&
+                                   !order.empty() && !std::is_sorted(order.begin(), order.end());
+    if (!(xt.device.is_cuda() || cpu_rows || cpu_channels_last) || xt.sizes.size() < 2 || !(static_sizes || rows) ||
         (xt.dtype != c10::kFloat && !is_16bit(xt.dtype)) || !(out->type.tensor == xt))
       continue;
     // Dense in some order (row-major or channels_last): the fuse pass keeps all of it in one kernel (its
     // rule 6 takes the variance chain in).
-    if (memory_order(xt).empty()) continue;
+    if (order.empty()) continue;
     const int64_t channels = xt.sizes[1].value;
     Value* params[4];  // weight, bias, mean, var
     bool ok = bn->args[6].kind == Arg::Kind::Float;
@@ -89,6 +99,7 @@ void batchnorm_pointwise(Graph& graph, PassContext& ctx) {
     if (!ok) continue;
     const bool all_stay = stays(params[0]) && stays(params[1]) && stays(params[2]) && stays(params[3]);
     if ((cpu_rows || !static_sizes) && !all_stay) continue;  // rule 3; symbolic rows take rule 4's form only
+    const bool per_channel_first = all_stay || cpu_channels_last;  // rule 4's form (rule 5 on the CPU)
     const double eps = bn->args[6].f;
     const std::string base = out->name + "_bn" + std::to_string(fresh++);
     size_t added = 0;
@@ -104,7 +115,7 @@ void batchnorm_pointwise(Graph& graph, PassContext& ctx) {
     for (size_t d = 2; d < xt.sizes.size(); ++d) shape.push_back(Arg::of_int(1));
     const char* names[4] = {"w", "b", "mean", "var"};
     const TensorType full = like(xt, c10::kFloat);
-    if (all_stay) {
+    if (per_channel_first) {
       // Rule 4: scale and shift over [C] in float32, then one multiply-add per element.
       TensorType per_channel = params[0]->type.tensor;
       per_channel.dtype = c10::kFloat;

@@ -1,8 +1,8 @@
 // canonicalize
 //  1. Removes copies that change nothing a consumer can see: aten::clone and aten::alias whose result has
 //     the same dtype, device, sizes and strides as their input (AOTAutograd's functionalization leaves them
-//     where eager dropout in eval mode returns its input, and around saved activations), a permute
-//     of a permute that restores the original order with the same type, and an aten::index.Tensor whose
+//     where eager dropout in eval mode returns its input, and around saved activations), a chain of
+//     permutes and views that ends with its first value's type, and an aten::index.Tensor whose
 //     indices are aranges over whole dimensions laid out as their outer product (index j varying along
 //     dim j alone): it copies its input element for element. vmap writes a buffer read as bias[h, q, k]
 //     (flex_attention's score_mod over all positions) so.
@@ -45,21 +45,21 @@ std::vector<int64_t> int_list(const Arg& a) {
   return out;
 }
 
-// permute(permute(x, p), q) == x when q undoes p.
-const Value* undone_permute(const Node& n) {
-  if (n.op != "aten::permute" || n.args.size() < 2) return nullptr;
-  const Value* mid = first_value(n);
-  if (!mid || !mid->producer || mid->producer->op != "aten::permute" || mid->producer->args.size() < 2) return nullptr;
-  std::vector<int64_t> q = int_list(n.args[1]), p = int_list(mid->producer->args[1]);
-  if (p.empty() || p.size() != q.size()) return nullptr;
-  int64_t rank = static_cast<int64_t>(p.size());
-  for (int64_t i = 0; i < rank; ++i) {
-    int64_t qi = q[i] < 0 ? q[i] + rank : q[i];
-    if (qi < 0 || qi >= rank) return nullptr;
-    int64_t pi = p[qi] < 0 ? p[qi] + rank : p[qi];
-    if (pi != i) return nullptr;
-  }
-  return first_value(*mid->producer);
+// Views that keep the storage offset and only rename the elements' positions: a chain of them that ends where
+// it started (same sizes and strides) is its first value.
+bool offset_keeping_view(const Node& n) {
+  return n.op == "aten::permute" || n.op == "aten::view" || n.op == "aten::_unsafe_view" || n.op == "aten::alias";
+}
+
+// The earliest value of a chain of such views ending in n's result with n's type: permute(permute(x, p), q)
+// where q undoes p, and view(permute(view(permute(x)))), which the CPU's channels-last batch-norm and ReLU
+// backwards (decompositions.py) make when one computes over [N*H*W, C] what the other hands on as [N, C, H, W].
+const Value* undone_views(const Node& n) {
+  if (!offset_keeping_view(n) || n.outputs.size() != 1) return nullptr;
+  const Value* found = nullptr;
+  for (const Value* v = first_value(n); v; v = v->producer && offset_keeping_view(*v->producer) ? first_value(*v->producer) : nullptr)
+    if (same_type(v, n.outputs[0])) found = v;
+  return found;
 }
 
 // Whether `v` is arange(0, n) (start 0, step 1), possibly through views (the caller's type check allows only
@@ -119,7 +119,7 @@ void canonicalize(Graph& graph, PassContext&) {
   for (const auto& n : graph.nodes()) {
     if (n->outputs.size() != 1 || outputs.count(n->outputs[0])) continue;
     if ((n->op == "aten::clone" || n->op == "aten::index.Tensor") && seen_by_caller.count(n->outputs[0])) continue;
-    const Value* source = is_plain_copy(*n) ? first_value(*n) : n->op == "aten::index.Tensor" ? identity_index(*n) : undone_permute(*n);
+    const Value* source = is_plain_copy(*n) ? first_value(*n) : n->op == "aten::index.Tensor" ? identity_index(*n) : undone_views(*n);
     if (source && same_type(source, n->outputs[0])) replace.emplace_back(n->outputs[0], const_cast<Value*>(source));
   }
   graph.replace_uses(replace);

@@ -22,14 +22,18 @@
 //  5. Siblings: a pointwise node that no producer's group takes joins a pointwise group that already reads
 //     one of its inputs (same space, rule 2 permitting), so one kernel reads the shared input once. GPT-2's
 //     gelu_new is 0.5*x * (1 + tanh(c*(x + 0.044715*x^3))): 0.5*x and x^3 both start from x, and without
-//     this 0.5*x stayed a group of one, ran as its own ATen kernel and was read back by the rest.
+//     this 0.5*x stayed a group of one, ran as its own ATen kernel and was read back by the rest. On the
+//     CPU a column reduction joins a column group so too (a batch norm backward's sum of the gradient).
 //  6. A pointwise node reading nothing made in a group joins the latest group it fits if that group is
 //     permuted (channels_last), or is a CUDA pointwise group and the node only reads broadcasts, so the
-//     independent chains of one batch norm share its kernel.
+//     independent chains of one batch norm share its kernel. On the CPU it joins a group that makes or reads
+//     another input of a node reading its result, where the two chains meet (a batch norm backward's
+//     input - mean, multiplied with the gradient the ReLU backward's group makes).
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
 //     (reduce_through_reshapes), a pointwise node reading one reshaped value reads the value before the
 //     reshape, the reshape moving after it (lift_over_reshapes), pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers), and nodes that read no graph input move to the top (hoist_constant_nodes).
+//     (sink_into_consumers), nodes that read no graph input move to the top (hoist_constant_nodes), and views
+//     and per-channel math move up to what they read (hoist_views_and_channel_math).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -125,9 +129,11 @@ class Fuser {
     lift_over_reshapes();
     sink_into_consumers();
     hoist_constant_nodes();
+    hoist_views_and_channel_math();
     const auto& nodes = graph_.nodes();
     // Groups claimed by an earlier pass (matmul epilogues) stay as they are; this pass numbers after them.
     for (const auto& n : nodes) base_ = std::max(base_, n->group + 1);
+    for (const auto& n : nodes) n->for_each_input([&](const Value* v) { users_[v].push_back(n.get()); });
     for (size_t i = 0; i < nodes.size(); ++i) {
       Node& n = *nodes[i];
       for (const Value* v : n.outputs) position_[v] = i;
@@ -201,6 +207,9 @@ class Fuser {
           view->group >= 0 || view->args.empty() || !view->args[0].is_value() || !view->args[0].value->type.is_tensor())
         continue;
       Value* x = view->args[0].value;
+      // Only where x is made by a node that fuses: the reduction then joins its group; else it stays with the
+      // other readers of the reshape (a channels-last batch norm's backward over [N * H * W, C] rows).
+      if (!x->producer || x->producer->group >= 0 || !eligible(*x->producer)) continue;
       const TensorType &xt = x->type.tensor, &vt = v->type.tensor, &ot = n->outputs[0]->type.tensor;
       const size_t k = reduced_leading_dims(*n), kept = vt.sizes.size() - k;
       if (xt.dtype != vt.dtype || xt.device != vt.device || xt.sizes.size() <= kept || !row_major(xt) || !row_major(vt) ||
@@ -380,6 +389,66 @@ class Fuser {
     graph_.reorder(first);
   }
 
+  // Rule 7: views (no work, no memory) and pointwise nodes with a small 1-D CPU result that read only graph
+  // inputs (per-channel math on parameters: a batch norm's rsqrt(var + eps) * weight) move up to just after
+  // the last value they read, where
+  // the graph writes nothing in place. Made where the trace put them, inside the span of a group that reads
+  // them, rule 2 kept that group's later members out: the CPU's channels-last batch-norm backward
+  // (decompositions.py) views its input as [N * H * W, C] rows and computes its per-channel scale after the
+  // ReLU backward before it began the group.
+  void hoist_views_and_channel_math() {
+    const auto& nodes = graph_.nodes();
+    for (const auto& n : nodes)
+      if (mutates(*n)) return;
+    // A view anywhere; per-channel math only where all it reads are graph inputs, directly or through other
+    // moved nodes (it then goes to the top): rule 8 moved other small pointwise nodes down on purpose.
+    auto cheap = [&](const Node& n, int64_t anchor) {
+      if (n.outputs.size() != 1 || !n.outputs[0]->type.is_tensor()) return false;
+      const OpInfo* info = nullptr;
+      try {
+        info = &op_info(n.op);
+      } catch (const std::exception&) {
+        return false;
+      }
+      if (info->has(kRandom) || info->has(kSubgraphs)) return false;
+      if (info->has(kView)) return true;
+      const TensorType& t = n.outputs[0]->type.tensor;
+      return anchor < 0 && t.device.is_cpu() && t.sizes.size() == 1 && t.sizes[0].is_constant() && t.sizes[0].value <= 65536 &&
+             eligible(n) && !is_reduction(n);
+    };
+    // Each moved node hangs after an anchor: the node (index in the original order, -1: the top) after which
+    // its last input is made; a moved input's anchor is its own, and the node follows it there.
+    std::unordered_map<const Value*, int64_t> anchor_of;
+    std::vector<std::vector<const Node*>> after(nodes.size() + 1);  // after[i + 1]: moved behind node i
+    std::vector<bool> moved(nodes.size(), false);
+    bool any = false;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      const Node& n = *nodes[i];
+      int64_t anchor = -1;
+      n.for_each_input([&](const Value* v) {
+        auto it = anchor_of.find(v);
+        if (it != anchor_of.end()) anchor = std::max(anchor, it->second);
+      });
+      const bool move = cheap(n, anchor) && anchor + 1 < static_cast<int64_t>(i);
+      if (move) {
+        after[static_cast<size_t>(anchor + 1)].push_back(&n);
+        moved[i] = true;
+        any = true;
+      } else {
+        anchor = static_cast<int64_t>(i);
+      }
+      for (const Value* v : n.outputs) anchor_of[v] = anchor;
+    }
+    if (!any) return;
+    std::vector<const Node*> order(after[0].begin(), after[0].end());
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (moved[i]) continue;
+      order.push_back(nodes[i].get());
+      order.insert(order.end(), after[i + 1].begin(), after[i + 1].end());
+    }
+    graph_.reorder(order);
+  }
+
   // Dense in an order other than row-major (channels_last): pointwise groups iterate in that order and write
   // their outputs so (kernels/cuda/call_plan.cpp, kernels/cpu/interpreter.cpp), as eager lays them out.
   static bool permuted_layout(const TensorType& t) {
@@ -388,6 +457,10 @@ class Fuser {
   }
 
   bool is_reduction(const Node& n) const { return op_info(n.op).has(kReduction); }
+
+  static c10::Device device_of(const Node& n) {
+    return !n.outputs.empty() && n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
+  }
 
   // The shape a node iterates over: its reduced input for reductions, else its output.
   static const std::vector<Dim>& space_of(const Node& n, bool reduction) {
@@ -404,13 +477,34 @@ class Fuser {
       if (!best || g->first > best->first)
         if (fits(n, *g, reduction)) best = g;
     });
-    if (best || reduction) return best;
-    n.for_each_input([&](const Value* v) {  // rule 5
+    if (best) return best;
+    // Rule 5; on the CPU also a column reduction, into a column group reducing the same dims.
+    const bool cpu_column = reduction && device_of(n).is_cpu() && !reduces_last_dim(n);
+    if (reduction && !cpu_column) return best;
+    n.for_each_input([&](const Value* v) {
       auto it = reader_of_.find(v);
       if (it == reader_of_.end()) return;
       Group* g = &groups_[it->second - base_];
-      if (!g->has_reduction && (!best || g->first > best->first) && fits(n, *g, false)) best = g;
+      if ((cpu_column || !g->has_reduction) && (!best || g->first > best->first) && fits(n, *g, reduction)) best = g;
     });
+    if (best || reduction) return best;
+    // Rule 6 on the CPU: where the chains meet.
+    if (device_of(n).is_cpu() && !n.outputs.empty()) {
+      bool reads_group = false;
+      n.for_each_input([&](const Value* v) { reads_group = reads_group || group_of_.count(v); });
+      auto users = users_.find(n.outputs[0]);
+      if (!reads_group && users != users_.end())
+        for (const Node* u : users->second)
+          u->for_each_input([&](const Value* v) {
+            for (const auto* of : {&group_of_, &reader_of_}) {
+              auto it = of->find(v);
+              if (it == of->end()) continue;
+              Group* g = &groups_[it->second - base_];
+              if ((!best || g->first > best->first) && fits(n, *g, false)) best = g;
+            }
+          });
+      if (best) return best;
+    }
     // Rule 6: in a permuted group, a pointwise node reading nothing made in a group joins the latest such
     // group it fits (its inputs all exist where the group runs): bn_pointwise's variance chain starts from
     // the expanded parameter alone, and would otherwise be a kernel writing a full-size intermediate.
@@ -537,6 +631,7 @@ class Fuser {
   std::unordered_map<const Value*, bool> row_values_;
   std::unordered_map<const Value*, int> reader_of_;  // the latest group reading each value (rule 5)
   int64_t last_write_ = -1;  // index of the last node that writes a tensor in place
+  std::unordered_map<const Value*, std::vector<const Node*>> users_;  // the nodes reading each value
   std::unordered_map<const Value*, size_t> position_;
 };
 

@@ -131,6 +131,8 @@ def _table(for_export, embedding_grad_setting):
         op = getattr(getattr(torch.ops.aten, name, None), "default", None)
         if op in table:
             table[op] = _with_input_strides(table[op])
+    table[torch.ops.aten.threshold_backward.default] = threshold_backward_rows
+    table[torch.ops.aten.native_batch_norm_backward.default] = batch_norm_backward_rows
     return table
 
 
@@ -167,3 +169,70 @@ def embedding_grad(grad_output, indices, num_weights, padding_idx, scale_grad_by
     from . import _C  # noqa: F401  (registers the ember:: ops)
 
     return torch.ops.ember.embedding_grad(grad_output, indices, num_weights, padding_idx)
+
+
+def _cpu_channels_last(t):
+    """A float32 CPU tensor [N, C, H, W] of static sizes laid out channels_last (and not also NCHW-contiguous):
+    its memory is the row-major [N * H * W, C] matrix."""
+    import torch
+
+    return (t.dim() == 4 and t.device.type == "cpu" and t.dtype == torch.float32
+            and all(isinstance(s, int) for s in t.shape) and all(isinstance(s, int) for s in t.stride())
+            and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous())
+
+
+def _rows(t):
+    """[N, C, H, W] channels_last as the [N * H * W, C] matrix it is in memory (a view)."""
+    n, c, h, w = t.shape
+    return t.permute(0, 2, 3, 1).reshape(n * h * w, c)
+
+
+def _as_channels_last(rows, like):
+    n, c, h, w = like.shape
+    return rows.view(n, h, w, c).permute(0, 3, 1, 2)
+
+
+def threshold_backward_rows(grad_output, self, threshold):
+    """ReLU's backward over channels_last CPU tensors, computed over their [N * H * W, C] rows (the same
+    elements in the same order, so the same result), where the eval-mode batch norm's backward below reads
+    them: canonicalize drops the views between the two, and the fuse pass puts both in one column group.
+    NotImplemented keeps the op for any other tensor."""
+    import torch
+
+    if not (_cpu_channels_last(grad_output) and _cpu_channels_last(self) and grad_output.shape == self.shape):
+        return NotImplemented
+    out = torch.ops.aten.threshold_backward.default(_rows(grad_output), _rows(self), threshold)
+    return _as_channels_last(out, grad_output)
+
+
+def batch_norm_backward_rows(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                             output_mask):
+    """An eval-mode batch norm's backward over channels_last CPU tensors (CPU training graphs run their
+    convolutions so, backend.py and layout.py) as ops ember fuses, where ATen's channels-last kernel is slow
+    (timm regnetx_002's training step on the 2-core host: its 44 calls took 3.4 ms of 22). In the [N * H * W, C]
+    rows, with invstd = rsqrt(running_var + eps):
+        grad_input  = grad_out * (invstd * weight)              (per-channel scale along the rows)
+        grad_weight = sum over rows of grad_out * (input - running_mean), times invstd
+        grad_bias   = sum over rows of grad_out
+    as ATen computes it in eval mode; the sums are column reductions. The saved statistics are not read, so
+    the forward's batch norm no longer hands them on and becomes a multiply-add (passes/batchnorm_pointwise.cpp).
+    NotImplemented keeps the op: training mode, other devices, dtypes or layouts."""
+    import torch
+
+    if train or running_mean is None or running_var is None:
+        return NotImplemented
+    if not (_cpu_channels_last(grad_out) and _cpu_channels_last(input) and grad_out.shape == input.shape):
+        return NotImplemented
+    params = [t for t in (weight, running_mean, running_var) if t is not None]
+    if any(t.dtype != torch.float32 or t.dim() != 1 for t in params):
+        return NotImplemented
+    invstd = torch.rsqrt(running_var + eps)
+    g = _rows(grad_out)
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = _as_channels_last(g * (invstd if weight is None else invstd * weight), grad_out)
+    if output_mask[1] and weight is not None:
+        grad_weight = (g * (_rows(input) - running_mean)).sum(0) * invstd
+    if output_mask[2]:
+        grad_bias = g.sum(0)
+    return grad_input, grad_weight, grad_bias

@@ -1,4 +1,4 @@
-"""Convolutions in channels_last (CUDA, and CPU inference), chosen on the Dynamo graph before AOTAutograd
+"""Convolutions in channels_last (CUDA; CPU inference and training), chosen on the Dynamo graph before AOTAutograd
 traces it.
 
 cuDNN runs 2-D convolutions in NHWC: given NCHW tensors it converts each input to NHWC and each result
@@ -16,12 +16,17 @@ Only where a graph has at least two CUDA 2-D convolutions over floating NCHW ten
 model, as inductor decides), and not where an in-place write would show that a `contiguous()` or
 `reshape` which shared memory in the trace now copies; ember.config.conv_channels_last = False turns it off.
 
-On the CPU the same holds for inference graphs, with the weights left as they are: ember's convolution
+On the CPU the same holds for inference graphs and training graphs, with the weights left as they are: ember's convolution
 kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's blocked layout for a
 channels-last source whatever their own layout, where a channels_last copy in the graph would be made per
 call and would hide the parameter from that packing and from batch-norm folding. oneDNN's convolutions
 are faster on channels-last activations (torchvision resnet18 b2 on the 2-core host: eager 60 ms in NCHW,
-33-41 ms in channels_last).
+33-41 ms in channels_last). In training graphs the eval-mode batch norms and ReLUs between the convolutions then
+fuse forward and backward (decompositions.py, passes/batchnorm_pointwise.cpp); timm regnetx_002's training step,
+2-core host: 27.2 ms NCHW, 22.1 ms channels-last with ATen's norms, whose channels-last backward is slow, 21.6 ms
+fused. Not where at least one convolution in three reads a concatenation along the channels
+(concatenates_channels_often): densenet121's training step was 0.93-0.99x eager so against 1.05-1.08x in NCHW
+(a channels-last concatenation copies strided rows, and ember writes no input in place into it).
 """
 
 import torch
@@ -99,6 +104,22 @@ def _sharing_changes_show(graph, force):
             if any(j < i and group is written for j, group in changed):
                 return True
     return False
+
+
+def concatenates_channels_often(gm):
+    """Whether the graph concatenates along dim 1 at least once per three 2-D convolutions (densenet121: 62
+    concatenations, 120 convolutions; shufflenet_v2 16 and 56, googlenet 9 and 57)."""
+    convs = cats = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.conv2d:
+            convs += 1
+        elif node.target in (torch.cat, torch.concat, torch.concatenate):
+            dim = _arg(node, 1, "dim")
+            value = _tensor(node)
+            cats += int(value is not None and value.dim() == 4 and dim in (1, -3))
+    return convs > 0 and 3 * cats >= convs
 
 
 def channels_last_convolutions(gm, force=False, weights=True):

@@ -14,6 +14,7 @@
 #include <deque>
 #include <fstream>
 #include <map>
+#include <set>
 
 namespace ember {
 namespace {
@@ -155,15 +156,16 @@ TEST(FusePass, BoundariesAtViewsExternOpsAndLateInputs) {
       "  %e: f32[8, 4]{1, 8}@cpu = aten::exp(%t)\n"
       "  return (%s, %e)\n";
   // %b reads %m, made after group 0 (%a) starts: %b starts group 1 with %c. The sum over dim 0 joins
-  // it as a column reduction (on the CPU); the view stays out, and %e alone is no group.
+  // it as a column reduction (on the CPU); the view moves up to what it reads (rule 7) and stays out, and %e
+  // alone is no group.
   const std::string expected =
       "graph(%x: f32[4, 8]{8, 1}@cpu, %w: f32[8, 8]{8, 1}@cpu):\n"
       "  %a: f32[4, 8]{8, 1}@cpu = aten::sin(%x)\n"
       "  %m: f32[4, 8]{8, 1}@cpu = aten::mm(%a, %w)\n"
       "  %b: f32[4, 8]{8, 1}@cpu = aten::add.Tensor(%a, %m) #0\n"
       "  %c: f32[4, 8]{8, 1}@cpu = aten::relu(%b) #0\n"
-      "  %s: f32[8]{1}@cpu = aten::sum.dim_IntList(%c, [0]) #0\n"
       "  %t: f32[8, 4]{1, 8}@cpu = aten::t(%c)\n"
+      "  %s: f32[8]{1}@cpu = aten::sum.dim_IntList(%c, [0]) #0\n"
       "  %e: f32[8, 4]{1, 8}@cpu = aten::exp(%t)\n"
       "  return (%s, %e)\n";
   EXPECT_EQ(fuse_text(in), expected);
@@ -239,6 +241,59 @@ TEST(FusePass, ReductionsOverLeadingDimsMakeColumnGroups) {
     EXPECT_EQ(p->outer, 1u) << dev;
     EXPECT_NE(p->text().find("(columns: reduces the first 1 dims)"), std::string::npos) << p->text();
   }
+}
+
+TEST(FusePass, ChannelsLastBatchNormBackwardIsOneColumnGroupOnCpu) {
+  // decompositions.py's eval batch norm backward after a ReLU backward, over [N * H * W, C] rows, in the trace's
+  // order: the per-channel scale (%a, %i, %sc) and the input's rows (%xp, %xr) come after the ReLU backward
+  // began a group. They move up (rule 7); input - mean joins where it meets the gradient (rule 6), the gradient's
+  // sum joins the group reading the gradient (rule 5): every [16, 8] node and both sums in one column group.
+  auto graph = [](const std::string& grad) {
+    const std::string f = "f32[16, 8]{8, 1}@cpu", c = "f32[8]{1}@cpu";
+    return "graph(%gy: " + f + ", %y: " + f + ", %x4: f32[1, 8, 4, 4]{128, 1, 32, 8}@cpu, %var: " + c + ", %w: " + c +
+           ", %mean: " + c + "):\n" + grad +
+           "  %a: " + c + " = aten::add.Tensor(%var, 1e-05)\n"
+           "  %i: " + c + " = aten::rsqrt(%a)\n"
+           "  %sc: " + c + " = aten::mul.Tensor(%i, %w)\n"
+           "  %gi: " + f + " = aten::mul.Tensor(%t, %sc)\n"
+           "  %xp: f32[1, 4, 4, 8]{128, 32, 8, 1}@cpu = aten::permute(%x4, [0, 2, 3, 1])\n"
+           "  %xr: " + f + " = aten::view(%xp, [16, 8])\n"
+           "  %cx: " + f + " = aten::sub.Tensor(%xr, %mean)\n"
+           "  %d: " + f + " = aten::mul.Tensor(%t, %cx)\n"
+           "  %s1: " + c + " = aten::sum.dim_IntList(%d, [0])\n"
+           "  %gw: " + c + " = aten::mul.Tensor(%s1, %i)\n"
+           "  %gb: " + c + " = aten::sum.dim_IntList(%t, [0])\n"
+           "  return (%gi, %gw, %gb)\n";
+  };
+  // With the ReLU backward, and with the gradient as an input (the first batch norm of a backward).
+  for (const std::string grad : {"  %t: f32[16, 8]{8, 1}@cpu = aten::threshold_backward(%gy, %y, 0)\n",
+                                 "  %t: f32[16, 8]{8, 1}@cpu = aten::view(%gy, [16, 8])\n"}) {
+    Graph g = parse(fuse_text(graph(grad)));
+    g.verify();
+    std::set<int> groups;
+    size_t in_group = 0;
+    for (const auto& n : g.nodes()) {
+      const std::string& name = n->outputs[0]->name;
+      if (name == "gi" || name == "cx" || name == "d" || name == "s1" || name == "gw" || name == "gb" ||
+          (name == "t" && n->op != "aten::view")) {
+        groups.insert(n->group);
+        ++in_group;
+      }
+    }
+    EXPECT_EQ(groups.size(), 1u) << print(g);
+    EXPECT_EQ(groups.count(-1), 0u) << print(g);
+    std::string why;
+    std::optional<Program> p = lower_group(g, *groups.begin(), &why);
+    ASSERT_TRUE(p) << why;
+    EXPECT_EQ(p->outer, 1u);
+    EXPECT_GE(in_group, 6u);
+  }
+  // On CUDA the per-channel math stays where it is (rule 7 moves CPU ones only); the views move.
+  std::string cuda = graph("  %t: f32[16, 8]{8, 1}@cpu = aten::threshold_backward(%gy, %y, 0)\n");
+  for (size_t at; (at = cuda.find("@cpu")) != std::string::npos;) cuda.replace(at, 4, "@cuda:0");
+  const std::string out = fuse_text(cuda);
+  EXPECT_LT(out.find("%t: "), out.find("%a: ")) << out;
+  EXPECT_GT(out.find("%t: "), out.find("%xr: ")) << out;
 }
 
 TEST(FusePass, ColumnGroupsAtAnySizeAndLoneOnesOnCuda) {

@@ -165,6 +165,37 @@ TEST(Canonicalize, DropsNoOpClonesAliasesAndPermutePairs) {
   EXPECT_EQ(run_pass(canonicalize, returned_view), returned_view);
 }
 
+TEST(Canonicalize, ViewChainsBackToAnEarlierTypeReadThatValue) {
+  // The CPU's channels-last ReLU and batch-norm backwards (decompositions.py) compute over [N * H * W, C] rows and
+  // hand on [N, C, H, W]: the next one's rows are view(permute(view(permute(t)))), t itself. %p2 is %u again;
+  // %b, a graph output, stays; %f, a view to a type the chain never had, stays.
+  const std::string in =
+      "graph(%x: f32[2, 3, 4, 5]{60, 1, 15, 3}@cpu):\n"
+      "  %p: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::permute(%x, [0, 2, 3, 1])\n"
+      "  %r: f32[40, 3]{3, 1}@cpu = aten::view(%p, [40, 3])\n"
+      "  %t: f32[40, 3]{3, 1}@cpu = aten::threshold_backward(%r, %r, 0)\n"
+      "  %u: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::view(%t, [2, 4, 5, 3])\n"
+      "  %b: f32[2, 3, 4, 5]{60, 1, 15, 3}@cpu = aten::permute(%u, [0, 3, 1, 2])\n"
+      "  %p2: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::permute(%b, [0, 2, 3, 1])\n"
+      "  %r2: f32[40, 3]{3, 1}@cpu = aten::view(%p2, [40, 3])\n"
+      "  %s: f32[3]{1}@cpu = aten::sum.dim_IntList(%r2, [0])\n"
+      "  %f: f32[6, 20]{20, 1}@cpu = aten::view(%r2, [6, 20])\n"
+      "  return (%s, %b, %f)\n";
+  const std::string expected =
+      "graph(%x: f32[2, 3, 4, 5]{60, 1, 15, 3}@cpu):\n"
+      "  %p: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::permute(%x, [0, 2, 3, 1])\n"
+      "  %r: f32[40, 3]{3, 1}@cpu = aten::view(%p, [40, 3])\n"
+      "  %t: f32[40, 3]{3, 1}@cpu = aten::threshold_backward(%r, %r, 0)\n"
+      "  %u: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::view(%t, [2, 4, 5, 3])\n"
+      "  %b: f32[2, 3, 4, 5]{60, 1, 15, 3}@cpu = aten::permute(%u, [0, 3, 1, 2])\n"
+      "  %p2: f32[2, 4, 5, 3]{60, 15, 3, 1}@cpu = aten::permute(%b, [0, 2, 3, 1])\n"
+      "  %r2: f32[40, 3]{3, 1}@cpu = aten::view(%u, [40, 3])\n"
+      "  %s: f32[3]{1}@cpu = aten::sum.dim_IntList(%t, [0])\n"
+      "  %f: f32[6, 20]{20, 1}@cpu = aten::view(%t, [6, 20])\n"
+      "  return (%s, %b, %f)\n";
+  EXPECT_EQ(run_pass(canonicalize, in), expected);
+}
+
 TEST(Canonicalize, IndexByWholeAranges) {
   // bias[h, q, k] over every position (vmap's form of a flex_attention score_mod reading a buffer): the index
   // copies %b element for element, and its reader reads %b. Kept: indices that do not each vary along their

@@ -543,6 +543,28 @@ def test_column_reductions_split_over_row_chunks(shape, dtype):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape", [(3001, 24), (1000, 8), (513, 200), (700, 3), (45, 7), (4, 3, 50, 16), (49, 1024),
+                                   (3, 5000)],
+                         ids=["bn_rows", "c8", "c200", "c3", "few_rows", "rank4", "row_per_block", "wider_than_blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_column_reductions_over_few_columns_in_row_blocks(shape, dtype):
+    """The CPU runs column groups of up to 4096 columns in blocks of whole rows (kernels/cpu/interpreter.cpp,
+    run_columns): a short last block, several parts over the threads, every reduction kind, an input broadcast
+    along the rows, a full output; a batch norm backward's shape of group (ReLU backward, scale, two sums)."""
+    lead = tuple(range(len(shape) - 1))
+
+    def fn(g, y, x, mean, scale):
+        t = torch.ops.aten.threshold_backward(g, y, 0)
+        return (t * scale, (t * (x - mean)).sum(lead) * scale, t.sum(lead), (x * x).mean(lead), x.amax(lead),
+                (x - mean).amin(lead))
+
+    g, y, x = (torch.randn(shape, dtype=dtype) for _ in range(3))
+    mean, scale = torch.randn(shape[-1], dtype=dtype), torch.rand(shape[-1], dtype=dtype)
+    tol = dict(atol=5e-2, rtol=2e-2) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=1e-4)
+    check(fn, g, y, x, mean, scale, grad=False, **tol)
+    expect_columns("cpu")
+
+
 def test_lone_column_sums_run_as_cuda_kernels():
     """A bias gradient's sum over the rows of a matmul's result (nothing to fuse it with) is a column
     kernel of its own on CUDA, keepdim or not, over one leading dim or two."""

@@ -1,7 +1,7 @@
 """Convolutions in channels_last (python_bindings/ember/layout.py): the Dynamo-graph rewrite keeps every value
 and eager's output strides; through ember on a GPU, resnet-like blocks in f32 and bf16 match eager; on the
-CPU, inference graphs read channels-last activations with NCHW weights packed once, training graphs are
-left alone."""
+CPU, inference graphs read channels-last activations with NCHW weights packed once, training graphs read them
+too, their eval-mode batch norms fused forward and backward."""
 
 import pytest
 import torch
@@ -117,10 +117,32 @@ def test_cpu_inference_convolutions_read_channels_last_on_packed_weights():
     assert "aten::convolution" not in calls, calls
 
 
-def test_cpu_training_graphs_keep_their_layout():
-    # forward and gradients against eager on random inputs, and no layout copies in the compiled graphs
+def test_cpu_training_graphs_run_convolutions_channels_last():
+    # Batch norms in training mode: forward and gradients against eager on random inputs, the input converted to
+    # channels-last and the result back to NCHW (the two copies), and no other.
     helpers.check(net(8).train(), torch.randn(2, 3, 11, 9), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
-    assert "aten::clone" not in _steps()
+    assert _steps().count("aten::clone") == 2, _steps()
+
+
+def _graph_steps(kind):
+    return [what for k, g in helpers.EMBER_GRAPHS if k == kind for _, what in g.steps()]
+
+
+@pytest.mark.parametrize("c", [8, 24, 200])
+def test_cpu_training_of_eval_batch_norms_fuses_them_with_their_relus(c):
+    # The zoo's training step: batch norms in eval mode, their parameters trained. Channels-last, each norm and
+    # its ReLU are one multiply-add kernel forward, and the ReLU's and the norm's backwards one column-reduction
+    # kernel (decompositions.py): no ATen batch norm either way. Gradients of the input and every parameter
+    # against eager.
+    m = net(c)
+    for mod in m.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.weight.data.uniform_(0.5, 1.5)
+            mod.bias.data.uniform_(-0.5, 0.5)
+    helpers.check(m, torch.randn(2, 3, 11, 9), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
+    forward, backward = _graph_steps("forward"), _graph_steps("backward")
+    assert not any("batch_norm" in s for s in forward + backward), (forward, backward)
+    assert sum("column reductions" in s for s in backward) >= 4, backward
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
