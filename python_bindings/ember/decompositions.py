@@ -25,6 +25,11 @@ and one index_add_) without scale_grad_by_freq: on CUDA outside deterministic mo
 atomics), on the CPU for float32 and float64 gradients (its zero table costs only the pages written);
 ember.config.embedding_grad = "aten" keeps ATen's kernel.
 
+Replaced on the CPU for channels-last float32 tensors (CPU training graphs run their convolutions so, layout.py):
+threshold_backward and the eval-mode native_batch_norm_backward compute over the tensors' [N * H * W, C] rows,
+the batch norm's as the pointwise ops and column sums ember fuses (threshold_backward_rows,
+batch_norm_backward_rows). Elsewhere they stay whole.
+
 Wrapped: the scatter ops functionalization writes for an in-place write into a view (select_scatter,
 slice_scatter, diagonal_scatter, as_strided_scatter) return a tensor with their input's strides, and the core
 table's decompositions (a `where`) a contiguous one where the input is not dense. A later reshape in the same

@@ -452,7 +452,8 @@ def test_one_pass_trace_plans_views_as_aot_autograd(monkeypatch, tmp_path):
             torch.testing.assert_close(compiled(x, w), fn(x, w))
         (plan,) = (tmp_path / trace).glob("*plan.txt")
         plans[trace] = plan.read_text()
-    assert plans["1"].count("fast path: view") == plans["0"].count("fast path: view") == 6
+    # 5: the attention result's view to its own shape is the result itself (canonicalize)
+    assert plans["1"].count("fast path: view") == plans["0"].count("fast path: view") == 5
 
 
 def test_one_pass_trace_functionalizes_in_place_intermediates(monkeypatch):
