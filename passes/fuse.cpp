@@ -32,8 +32,8 @@
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
 //     (reduce_through_reshapes), a pointwise node reading one reshaped value reads the value before the
 //     reshape, the reshape moving after it (lift_over_reshapes), pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers), nodes that read no graph input move to the top (hoist_constant_nodes), and views
-//     and per-channel math move up to what they read (hoist_views_and_channel_math).
+//     (sink_into_consumers), nodes that read no graph input move to the top (hoist_constant_nodes), and on the
+//     CPU views and per-channel math move up to what they read (hoist_views_and_channel_math).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -207,9 +207,12 @@ class Fuser {
           view->group >= 0 || view->args.empty() || !view->args[0].is_value() || !view->args[0].value->type.is_tensor())
         continue;
       Value* x = view->args[0].value;
-      // Only where x is made by a node that fuses: the reduction then joins its group; else it stays with the
-      // other readers of the reshape (a channels-last batch norm's backward over [N * H * W, C] rows).
-      if (!x->producer || x->producer->group >= 0 || !eligible(*x->producer)) continue;
+      // On the CPU only where x is made by a node that fuses: the reduction then joins its group; else it stays
+      // with the other readers of the reshape (a channels-last batch norm's backward over [N * H * W, C] rows).
+      // (CUDA keeps the rewrite for any x: its lone column sums are kernels either way, and its tests ran so.)
+      if (x->type.is_tensor() && x->type.tensor.device.is_cpu() &&
+          (!x->producer || x->producer->group >= 0 || !eligible(*x->producer)))
+        continue;
       const TensorType &xt = x->type.tensor, &vt = v->type.tensor, &ot = n->outputs[0]->type.tensor;
       const size_t k = reduced_leading_dims(*n), kept = vt.sizes.size() - k;
       if (xt.dtype != vt.dtype || xt.device != vt.device || xt.sizes.size() <= kept || !row_major(xt) || !row_major(vt) ||
@@ -389,7 +392,7 @@ class Fuser {
     graph_.reorder(first);
   }
 
-  // Rule 7: views (no work, no memory) and pointwise nodes with a small 1-D CPU result that read only graph
+  // Rule 7 (CPU): views (no work, no memory) and pointwise nodes with a small 1-D result that read only graph
   // inputs (per-channel math on parameters: a batch norm's rsqrt(var + eps) * weight) move up to just after
   // the last value they read, where
   // the graph writes nothing in place. Made where the trace put them, inside the span of a group that reads
@@ -410,11 +413,11 @@ class Fuser {
       } catch (const std::exception&) {
         return false;
       }
-      if (info->has(kRandom) || info->has(kSubgraphs)) return false;
-      if (info->has(kView)) return true;
       const TensorType& t = n.outputs[0]->type.tensor;
-      return anchor < 0 && t.device.is_cpu() && t.sizes.size() == 1 && t.sizes[0].is_constant() && t.sizes[0].value <= 65536 &&
-             eligible(n) && !is_reduction(n);
+      if (info->has(kRandom) || info->has(kSubgraphs) || !t.device.is_cpu()) return false;
+      if (info->has(kView)) return true;
+      return anchor < 0 && t.sizes.size() == 1 && t.sizes[0].is_constant() && t.sizes[0].value <= 65536 && eligible(n) &&
+             !is_reduction(n);
     };
     // Each moved node hangs after an anchor: the node (index in the original order, -1: the top) after which
     // its last input is made; a moved input's anchor is its own, and the node follows it there.

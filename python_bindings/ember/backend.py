@@ -885,13 +885,13 @@ def _compile_graph(gm, example_inputs, config, built=None):
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
     if ember_config.conv_channels_last:
-        from .layout import channels_last_convolutions, concatenates_channels_often
+        from .layout import channels_last_convolutions, pays_in_cpu_training
 
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
             channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
         elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
             channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
-        elif not concatenates_channels_often(gm):
+        elif pays_in_cpu_training(gm):
             channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, NCHW weights (see layout.py)
     stored = {}  # what the DirectCall returned is built from: the compile cache's entry
     direct = _traced_call(gm, example_inputs, config, stored) if direct_ok else None

@@ -24,9 +24,10 @@ are faster on channels-last activations (torchvision resnet18 b2 on the 2-core h
 33-41 ms in channels_last). In training graphs the eval-mode batch norms and ReLUs between the convolutions then
 fuse forward and backward (decompositions.py, passes/batchnorm_pointwise.cpp); timm regnetx_002's training step,
 2-core host: 27.2 ms NCHW, 22.1 ms channels-last with ATen's norms, whose channels-last backward is slow, 21.6 ms
-fused. Not where at least one convolution in three reads a concatenation along the channels
-(concatenates_channels_often): densenet121's training step was 0.93-0.99x eager so against 1.05-1.08x in NCHW
-(a channels-last concatenation copies strided rows, and ember writes no input in place into it).
+fused. Not where that loses (pays_in_cpu_training): where concatenations along the channels are frequent
+(densenet121's training step was 0.93-0.99x eager so against 1.05-1.08x in NCHW: a channels-last concatenation
+copies strided rows, and ember writes no input in place into it), or where the weights outweigh the activations
+(each weight is reordered per call).
 """
 
 import torch
@@ -106,20 +107,28 @@ def _sharing_changes_show(graph, force):
     return False
 
 
-def concatenates_channels_often(gm):
-    """Whether the graph concatenates along dim 1 at least once per three 2-D convolutions (densenet121: 62
-    concatenations, 120 convolutions; shufflenet_v2 16 and 56, googlenet 9 and 57)."""
-    convs = cats = 0
+def pays_in_cpu_training(gm):
+    """Whether a CPU training graph gains from channels-last convolutions (the module's docstring): not where at
+    least one convolution in three reads a concatenation along dim 1 (densenet121: 62 concatenations, 120
+    convolutions; shufflenet_v2 16 and 56, googlenet 9 and 57), nor where the convolutions' weights hold at least
+    twice as many values as their inputs (oneDNN reorders each NCHW weight for a channels-last source per call, and
+    its gradient back: timm resnet50d at batch 1, 23.5M weights against 10.4M, was 0.94-0.96x eager so against
+    1.01-1.02x in NCHW; efficientnet_v2_s, 20.0M against 12.3M, gains)."""
+    convs = cats = weights = inputs = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         if node.target is torch.conv2d:
             convs += 1
+            x, w = _tensor(_arg(node, 0, "input")), _tensor(_arg(node, 1, "weight"))
+            if x is None or w is None or not isinstance(x.numel(), int) or not isinstance(w.numel(), int):
+                return False  # symbolic sizes: comparing them would guard on them (NCHW, as before)
+            weights += w.numel()
+            inputs += x.numel()
         elif node.target in (torch.cat, torch.concat, torch.concatenate):
-            dim = _arg(node, 1, "dim")
             value = _tensor(node)
-            cats += int(value is not None and value.dim() == 4 and dim in (1, -3))
-    return convs > 0 and 3 * cats >= convs
+            cats += int(value is not None and value.dim() == 4 and _arg(node, 1, "dim") in (1, -3))
+    return convs > 0 and 3 * cats < convs and weights < 2 * inputs
 
 
 def channels_last_convolutions(gm, force=False, weights=True):

@@ -128,8 +128,8 @@ def _graph_steps(kind):
     return [what for k, g in helpers.EMBER_GRAPHS if k == kind for _, what in g.steps()]
 
 
-@pytest.mark.parametrize("c", [8, 24, 200])
-def test_cpu_training_of_eval_batch_norms_fuses_them_with_their_relus(c):
+@pytest.mark.parametrize("c, size", [(8, 11), (24, 9), (200, 40)])
+def test_cpu_training_of_eval_batch_norms_fuses_them_with_their_relus(c, size):
     # The zoo's training step: batch norms in eval mode, their parameters trained. Channels-last, each norm and
     # its ReLU are one multiply-add kernel forward, and the ReLU's and the norm's backwards one column-reduction
     # kernel (decompositions.py): no ATen batch norm either way. Gradients of the input and every parameter
@@ -139,7 +139,7 @@ def test_cpu_training_of_eval_batch_norms_fuses_them_with_their_relus(c):
         if isinstance(mod, nn.BatchNorm2d):
             mod.weight.data.uniform_(0.5, 1.5)
             mod.bias.data.uniform_(-0.5, 0.5)
-    helpers.check(m, torch.randn(2, 3, 11, 9), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
+    helpers.check(m, torch.randn(2, 3, size, size - 2), atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
     forward, backward = _graph_steps("forward"), _graph_steps("backward")
     assert not any("batch_norm" in s for s in forward + backward), (forward, backward)
     assert sum("column reductions" in s for s in backward) >= 4, backward
@@ -194,3 +194,35 @@ def test_writes_through_memory_the_rewrite_would_unshare_keep_eager_layouts(devi
         for got in (rewritten, actual):
             for a, e in zip(got if isinstance(got, tuple) else (got,), expected if isinstance(expected, tuple) else (expected,)):
                 assert_same(a, e, atol=1e-4, rtol=1e-3)
+
+
+class DenseBlock(nn.Module):
+    """densenet's pattern: every convolution reads the concatenation of all earlier features."""
+
+    def __init__(self, c, layers):
+        super().__init__()
+        self.convs = nn.ModuleList(nn.Conv2d(c * (i + 1), c, 3, padding=1) for i in range(layers))
+
+    def forward(self, x):
+        features = [x]
+        for conv in self.convs:
+            features.append(conv(torch.cat(features, 1)))
+        return torch.cat(features, 1)
+
+
+@pytest.mark.parametrize("model, channels, size, pays", [
+    (lambda: net(8), 3, 16, True),
+    (lambda: net(64), 3, 4, False),  # 64 x 64 x 9 weights against 2 x 64 x 16 activations per convolution
+    (lambda: DenseBlock(8, 4), 8, 16, False),
+], ids=["resnet_blocks", "weights_outweigh_activations", "concatenations"])
+def test_which_cpu_training_graphs_run_channels_last(model, channels, size, pays):
+    from ember.layout import pays_in_cpu_training
+
+    decisions = []
+
+    def backend(gm, example_inputs):
+        decisions.append(pays_in_cpu_training(gm))
+        return gm.forward
+
+    torch.compile(model(), backend=backend)(torch.randn(2, channels, size, size))
+    assert decisions == [pays]
