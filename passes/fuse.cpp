@@ -394,11 +394,10 @@ class Fuser {
 
   // Rule 7 (CPU): views (no work, no memory) and pointwise nodes with a small 1-D result that read only graph
   // inputs (per-channel math on parameters: a batch norm's rsqrt(var + eps) * weight) move up to just after
-  // the last value they read, where
-  // the graph writes nothing in place. Made where the trace put them, inside the span of a group that reads
-  // them, rule 2 kept that group's later members out: the CPU's channels-last batch-norm backward
-  // (decompositions.py) views its input as [N * H * W, C] rows and computes its per-channel scale after the
-  // ReLU backward before it began the group.
+  // the last value they read, where the graph writes nothing in place. Made where the trace put them, inside
+  // the span of a group that reads them, rule 2 kept that group's later members out: the CPU's channels-last
+  // batch-norm backward (decompositions.py) views its input as [N * H * W, C] rows and computes its
+  // per-channel scale after the ReLU backward before it began the group.
   void hoist_views_and_channel_math() {
     const auto& nodes = graph_.nodes();
     for (const auto& n : nodes)
