@@ -834,7 +834,8 @@ class FusedCpuKernel final : public Kernel {
     // reduction folds a block into a block-sized accumulator that is summed into the columns every ~128 rows.
     // Every full input is then dense (a block is one run) or the same row for every row (copied block-wide
     // once). 2-core host, a ReLU and batch-norm backward group (3 inputs, 8 instructions), before / after:
-    // [12544, 48] 2262 / 367 us, [3136, 104] 515 / 188 us, [784, 208] 313 / 81 us.
+    // [3136, 104] 515 / 188 us, [784, 208] 313 / 81 us; in regnet_y_400mf's training step the column groups took
+    // 7.5 ms with blocks for up to 64 columns only, 4.8 ms for up to 256.
     const int64_t tile = std::max(kTile, padded(C));
     const int64_t block_rows = C > 0 && C <= kMaxBlockColumns ? tile / C : 0;
     std::vector<char> repeated(views.size(), 0);
