@@ -35,16 +35,6 @@ bool is_plain_copy(const Node& n) {
   return n.args.size() < 2 || n.args[1].kind == Arg::Kind::None;
 }
 
-std::vector<int64_t> int_list(const Arg& a) {
-  std::vector<int64_t> out;
-  if (a.kind != Arg::Kind::List) return {};
-  for (const Arg& i : a.list) {
-    if (i.kind != Arg::Kind::Int) return {};
-    out.push_back(i.i);
-  }
-  return out;
-}
-
 // Views that keep the storage offset and only rename the elements' positions: a chain of them that ends where
 // it started (same sizes and strides) is its first value.
 bool offset_keeping_view(const Node& n) {

@@ -156,7 +156,7 @@ class Fuser {
       return false;  // unknown ops fail later, in build_plan, with a clear error
     }
     if (!info->has(kFusible)) return false;
-    c10::Device device = n.outputs[0]->type.is_tensor() ? n.outputs[0]->type.tensor.device : c10::Device(c10::kCPU);
+    const c10::Device device = device_of(n);
     if (device.is_cpu() && info->has(kCpuKeepAten)) return false;
     // ember's programs compute in float registers: bitwise ops only on bool values (0 or 1)
     if (n.op.rfind("aten::bitwise_", 0) == 0) {

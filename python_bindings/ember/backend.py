@@ -889,10 +889,10 @@ def _compile_graph(gm, example_inputs, config, built=None):
 
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
             channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
-        elif not (torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)):
-            channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, on weights packed once
-        elif pays_in_cpu_training(gm):
-            channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, NCHW weights (see layout.py)
+        else:
+            needs_grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
+            if not needs_grad or pays_in_cpu_training(gm):
+                channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, NCHW weights (see layout.py)
     stored = {}  # what the DirectCall returned is built from: the compile cache's entry
     direct = _traced_call(gm, example_inputs, config, stored) if direct_ok else None
     if direct is None and direct_ok:

@@ -16,10 +16,11 @@ Only where a graph has at least two CUDA 2-D convolutions over floating NCHW ten
 model, as inductor decides), and not where an in-place write would show that a `contiguous()` or
 `reshape` which shared memory in the trace now copies; ember.config.conv_channels_last = False turns it off.
 
-On the CPU the same holds for inference graphs and training graphs, with the weights left as they are: ember's convolution
-kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's blocked layout for a
-channels-last source whatever their own layout, where a channels_last copy in the graph would be made per
-call and would hide the parameter from that packing and from batch-norm folding. oneDNN's convolutions
+On the CPU the same holds for inference and training graphs, with the weights left as they are. In inference
+graphs ember's convolution kernel (kernels/cpu/conv_kernel.cpp) reorders a parameter's weights once into oneDNN's
+blocked layout for a channels-last source whatever their own layout, where a channels_last copy in the graph would
+be made per call and would hide the parameter from that packing and from batch-norm folding; in training graphs
+the convolutions are ATen's, and oneDNN reorders the weights per call. oneDNN's convolutions
 are faster on channels-last activations (torchvision resnet18 b2 on the 2-core host: eager 60 ms in NCHW,
 33-41 ms in channels_last). In training graphs the eval-mode batch norms and ReLUs between the convolutions then
 fuse forward and backward (decompositions.py, passes/batchnorm_pointwise.cpp); timm regnetx_002's training step,
