@@ -273,7 +273,7 @@ void run_step(const Step& step, std::vector<c10::IValue>& buffers, std::vector<c
       if (step.stand_in && step.kernel->compiling()) {
         for (const Step& s : *step.stand_in) run_step(s, buffers, stack);
       } else {
-        step.kernel->run(buffers, step.reads, step.writes);
+        step.kernel->run_then_free(buffers, step.reads, step.writes, step.frees);
       }
       for (uint32_t b : step.frees) buffers[b] = c10::IValue();
       return;

@@ -26,6 +26,11 @@
 //     (epilogue_support.h, library_exact_ops). ember's loop applies the whole epilogue itself. It takes weights in nn.Linear's
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
+//  8. A float32 matmul plus a full-size addend that dies at this step, held by nothing else, against weights not
+//     packed, of at least kTimedMacs: one ATen addmm_ into the addend (MKL's GEMM with beta 1). A backward summing
+//     the gradients of a weight shared by several layers (ALBERT's) does this. A new result of that size is a
+//     fresh mmap that faults in every page: [4096, 64]^T @ [64, 4096] into a [4096, 4096] sum took 26 ms as a
+//     matmul with a new result and 10.6 ms as addmm_ on the 2-core host; oneDNN's with its add post-op, 29 ms.
 #include "kernels/cpu/cpu_kernel.h"
 #include "ember/config.h"
 #include "kernels/cpu/epilogue_support.h"
@@ -138,12 +143,39 @@ class MatmulKernel final : public Kernel {
         bias_(m.bias != nullptr), ops_(m.ops),
         addend_is_row_(m.addend_is_row), pack_(m.weights_input != nullptr), text_(m.text()),
         where_("%" + m.members.front()->outputs[0]->name + " = " + m.members.front()->op), forced_(forced_library()),
-        torch_(torch_linear(m)) {
+        torch_(torch_linear(m)),
+        accumulates_(!bias_ && ops_.size() == 1 && ops_[0].kind == EpilogueOp::Kind::Add && !addend_is_row_[0] &&
+                     dtype_ == c10::kFloat) {
     for (const auto& [constant, value] : m.out_shape) out_shape_.emplace_back(constant, value != nullptr);
   }
 
   void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
            const std::vector<uint32_t>& writes) const override {
+    run_step(buffers, reads, writes, nullptr);
+  }
+
+  void run_then_free(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                     const std::vector<uint32_t>& writes, const std::vector<uint32_t>& frees) const override {
+    run_step(buffers, reads, writes, &frees);
+  }
+
+  std::string describe() const override { return "onednn " + text_; }
+
+ private:
+  // Whether the addend (point 8) dies at this step and nothing but its buffer holds it or its storage.
+  bool addend_dies(const std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                   const std::vector<uint32_t>* frees) const {
+    if (!accumulates_ || !frees) return false;
+    const uint32_t b = reads[2];  // src, weights, then the addend (no bias)
+    if (std::find(frees->begin(), frees->end(), b) == frees->end()) return false;
+    const at::Tensor* a = buffer_tensor(buffers, b);
+    return a && a->use_count() == 1 && a->has_storage() && a->storage().use_count() == 1 && !a->requires_grad() &&
+           !a->is_conj() && !a->is_neg();
+  }
+
+  void run_step(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                const std::vector<uint32_t>& writes, const std::vector<uint32_t>* frees) const {
+    const bool dying = addend_dies(buffers, reads, frees);
     size_t r = 0;
     GroupOperands g = read_operands(buffers, reads, bias_, addend_is_row_.size(), &r);
     const at::Tensor &src = *g.src, &weights = *g.weights, &bias = g.bias;
@@ -153,7 +185,7 @@ class MatmulKernel final : public Kernel {
     const at::Tensor* weights_input = pack_ ? &buffers[reads[r++]].toTensor() : nullptr;
 
     at::Tensor out;
-    if (!run_onednn(src, weights, weights_input, bias, addends, &out)) {
+    if (!run_onednn(src, weights, weights_input, bias, addends, dying, &out)) {
       try {
         out = run_aten(src, weights, bias, addends);
       } catch (const c10::Error& e) {
@@ -163,11 +195,8 @@ class MatmulKernel final : public Kernel {
     buffers[writes[0]] = shape.empty() ? std::move(out) : out.view(shape);
   }
 
-  std::string describe() const override { return "onednn " + text_; }
-
- private:
   bool run_onednn(const at::Tensor& src, const at::Tensor& weights, const at::Tensor* weights_input, const at::Tensor& bias,
-                  const std::vector<at::Tensor>& addends, at::Tensor* out) const {
+                  const std::vector<at::Tensor>& addends, bool addend_dies, at::Tensor* out) const {
     if (src.dim() != 2 || weights.dim() != 2 || src.size(1) != weights.size(0)) return false;
     if (src.scalar_type() != dtype_ || weights.scalar_type() != dtype_) return false;
     onednn::MatmulCall call;
@@ -205,6 +234,12 @@ class MatmulKernel final : public Kernel {
       return true;
     }
     if (first) return false;
+    if (addend_dies && double(call.M) * double(call.N) * double(call.K) >= kTimedMacs) {
+      at::Tensor sum = addends[0].view({call.M, call.N});  // point 8
+      sum.addmm_(src, weights);
+      *out = std::move(sum);
+      return true;
+    }
     const bool timed = forced_ || exhaustive_ || double(call.M) * double(call.N) * double(call.K) >= kTimedMacs;
     const std::optional<Library> library = timed ? library_for(call, packing != 0) : std::nullopt;
     if (library == Library::Aten) return false;
@@ -362,6 +397,7 @@ class MatmulKernel final : public Kernel {
   std::optional<Library> forced_;  // forced_library() when the kernel was made
   std::optional<TorchLinear> torch_;
   mutable std::atomic<bool> torch_failed_{false};  // torch's call raised (bf16 on a host without bf16 support)
+  bool accumulates_;  // f32, no bias, the epilogue one full-size add: a candidate for point 8
 
   WeightsPacking packing_;
 

@@ -660,3 +660,53 @@ def test_avx2_build_of_the_cpu_kernels():
                         "test_onednn.py", "test_pointwise.py", "test_reductions.py"],
                        capture_output=True, text=True, timeout=900, env=env, cwd=here)
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _addmm_in_place_calls(fn, *inputs):
+    """How many aten::addmm_ calls a call of fn makes, under torch.profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*inputs)
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::addmm_")
+
+
+@needs_onednn
+def test_shared_weight_gradients_accumulate_in_place():
+    """A weight used by three layers (ALBERT's sharing) gets the sum of three matmuls as its gradient. Each
+    matmul whose addend (the sum so far) dies there is written into the addend by one addmm_ (kernels/cpu/
+    matmul_kernel.cpp, point 8) instead of a new result; gradients match eager over calls on fresh inputs."""
+    torch.manual_seed(0)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(256, 256, bias=False)
+
+        def forward(self, x):
+            for _ in range(3):
+                x = torch.tanh(self.lin(x))
+            return x
+
+    model = Shared()
+    x = torch.randn(96, 256)  # 96 x 256 x 256: 6.3M multiply-adds per weight-gradient matmul
+    check_calls(model, x, **MATMUL_TOL)
+    compiled = compile_ember(copy.deepcopy(model))
+    for _ in range(2):
+        compiled(torch.randn(96, 256)).sum().backward()
+    assert _addmm_in_place_calls(lambda t: compiled(t).sum().backward(), torch.randn(96, 256)) >= 2
+
+
+@needs_onednn
+def test_matmul_addend_read_later_is_not_overwritten():
+    """The same sum where the addend lives on (an output reads it, or a later op): the matmul writes a new
+    result, and every output matches eager."""
+    def fn(x1, y1, x2, y2, x3, y3):
+        a = x1.t() @ y1
+        s = a + x2.t() @ y2
+        t = s + x3.t() @ y3
+        return t, a * 2, s.sum()
+
+    inputs = [torch.randn(96, 256) for _ in range(6)]
+    compiled = compile_ember(fn)
+    for _ in range(3):
+        inputs = [torch.randn(96, 256) for _ in range(6)]
+        check(fn, *inputs, grad=False, compiled=compiled, min_graphs=0, **MATMUL_TOL)

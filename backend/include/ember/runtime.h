@@ -51,6 +51,14 @@ class Kernel {
   virtual ~Kernel() = default;
   virtual void run(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
                    const std::vector<uint32_t>& writes) const = 0;
+  // run() for a step that frees the buffers `frees` right after it: a kernel may then write its result into the
+  // tensor of a read among them that nothing else holds (kernels/cpu/matmul_kernel.cpp: a matmul accumulating
+  // into a sum of gradients). The executor calls this one.
+  virtual void run_then_free(std::vector<c10::IValue>& buffers, const std::vector<uint32_t>& reads,
+                             const std::vector<uint32_t>& writes, const std::vector<uint32_t>& frees) const {
+    (void)frees;
+    run(buffers, reads, writes);
+  }
   virtual std::string describe() const = 0;
   // Why reduce-overhead mode must run this kernel's step outside CUDA graphs; empty: it may be captured.
   virtual std::string why_not_captured() const { return {}; }
