@@ -272,9 +272,10 @@ def main(argv=None):
                 results.append(run_child(args, name, backend, mode))
                 print_rows(results[-1])
                 sys.stdout.flush()
+                if args.out:  # after each process: a run cut short keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump({"machine": harness.machine_info(args.device), "results": results}, f, indent=1)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": harness.machine_info(args.device), "results": results}, f, indent=1)
         print(f"wrote {args.out}")
     if args.chart:
         machine = harness.machine_info(args.device)
