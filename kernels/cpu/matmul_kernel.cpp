@@ -26,8 +26,8 @@
 //     (epilogue_support.h, library_exact_ops). ember's loop applies the whole epilogue itself. It takes weights in nn.Linear's
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
-//  8. A float32 matmul plus a full-size addend that dies at this step, held by nothing else, against weights not
-//     packed, of at least kTimedMacs: one ATen addmm_ into the addend (MKL's GEMM with beta 1). A backward summing
+//  8. A float32 matmul plus a full-size addend that dies at this step, held by nothing else, of at least
+//     kTimedMacs: one ATen addmm_ into the addend (MKL's GEMM with beta 1), untimed. A backward summing
 //     the gradients of a weight shared by several layers (ALBERT's) does this. A new result of that size is a
 //     fresh mmap that faults in every page: [4096, 64]^T @ [64, 4096] into a [4096, 4096] sum took 26 ms as a
 //     matmul with a new result and 10.6 ms as addmm_ on the 2-core host; oneDNN's with its add post-op, 29 ms.
@@ -236,7 +236,11 @@ class MatmulKernel final : public Kernel {
     if (first) return false;
     if (addend_dies && double(call.M) * double(call.N) * double(call.K) >= kTimedMacs) {
       at::Tensor sum = addends[0].view({call.M, call.N});  // point 8
-      sum.addmm_(src, weights);
+      try {
+        sum.addmm_(src, weights);
+      } catch (const c10::Error& e) {
+        rethrow_naming(e, where_);  // (ATen checks the operands before it writes)
+      }
       *out = std::move(sum);
       return true;
     }
