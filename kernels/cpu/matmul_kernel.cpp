@@ -26,11 +26,13 @@
 //     (epilogue_support.h, library_exact_ops). ember's loop applies the whole epilogue itself. It takes weights in nn.Linear's
 //     layout ([N, K] rows contiguous, read where they lie: nothing to repack when they change) and a
 //     contiguous source. torch's CPU wheel exports no oneDNN C API, so this op is the way to that copy.
-//  8. A float32 matmul plus a full-size addend that dies at this step, held by nothing else, of at least
-//     kTimedMacs: one ATen addmm_ into the addend (MKL's GEMM with beta 1), untimed. A backward summing
-//     the gradients of a weight shared by several layers (ALBERT's) does this. A new result of that size is a
-//     fresh mmap that faults in every page: [4096, 64]^T @ [64, 4096] into a [4096, 4096] sum took 26 ms as a
-//     matmul with a new result and 10.6 ms as addmm_ on the 2-core host; oneDNN's with its add post-op, 29 ms.
+//  8. A float32 matmul plus a full-size addend of at least kInPlaceBytes that dies at this step, held by nothing
+//     else, against weights not packed (packed ones, a parameter's, keep the library chosen): one ATen addmm_
+//     into the addend (MKL's GEMM with beta 1), untimed. A backward summing the gradients of a weight several
+//     layers share (ALBERT's) does this. A new result that size comes from a fresh mmap whose pages all fault in.
+//     2-core host, [64, N]^T @ [64, M] into an [N, M] sum, addmm_ in place against ATen's addmm to a new result:
+//     4 MiB 1.04 / 1.83 ms, 16 MiB 3.3 / 5.0, 64 MiB 16 / 38 (oneDNN with its add post-op: 29 ms at 64 MiB).
+//     Below 1 MiB the two are within noise of each other ([49, 768] rows: 0.79 / 0.71 ms).
 #include "kernels/cpu/cpu_kernel.h"
 #include "ember/config.h"
 #include "kernels/cpu/epilogue_support.h"
@@ -234,7 +236,7 @@ class MatmulKernel final : public Kernel {
       return true;
     }
     if (first) return false;
-    if (addend_dies && double(call.M) * double(call.N) * double(call.K) >= kTimedMacs) {
+    if (addend_dies && packing == 0 && call.M * call.N * int64_t{sizeof(float)} >= kInPlaceBytes) {
       at::Tensor sum = addends[0].view({call.M, call.N});  // point 8
       try {
         sum.addmm_(src, weights);
@@ -386,6 +388,7 @@ class MatmulKernel final : public Kernel {
   }
 
   static constexpr int64_t kFewRows = 8;
+  static constexpr int64_t kInPlaceBytes = int64_t{1} << 20;  // point 8
   bool exhaustive_;  // max-autotune: every problem timed (point 5)
   std::unique_ptr<onednn::Matmul> dnnl_;
   onednn::MatmulConfig config_;  // all of the epilogue as post-ops, for gemv() (it keeps NaN through relu)
