@@ -19,6 +19,13 @@ namespace ember::cpu {
 // "Same" is the same TensorImpl and version counter (an in-place write moves it), the weights view at the
 // same data pointer, sizes and strides. The input is kept alive so that no other tensor can take its
 // address while its packing is trusted. Inference tensors have no version counter: never packed.
+// Generation numbers are process-wide (weights_generation): kernels that read the same weights through the same
+// view name them alike, so they share one packed copy (kernels/cpu/onednn.cpp).
+// The process-wide number of (input, its version, the weights view's data pointer, sizes and strides), the same
+// for every caller while the input lives (kernels/cpu/matmul_kernel.cpp). Called when a kernel's packing changes,
+// not per call.
+uint64_t weights_generation(const at::Tensor& input, uint32_t version, const at::Tensor& w);
+
 class WeightsPacking {
  public:
   bool first_sight() const {
@@ -46,7 +53,7 @@ class WeightsPacking {
       generation_ = 0;
       return 0;
     }
-    if (generation_ == 0) generation_ = ++next_generation_;
+    if (generation_ == 0) generation_ = weights_generation(input, version, w);
     return generation_;
   }
 
@@ -56,7 +63,7 @@ class WeightsPacking {
   mutable uint32_t version_ = 0;
   mutable const void* data_ = nullptr;
   mutable std::vector<int64_t> strides_, sizes_;
-  mutable uint64_t generation_ = 0, next_generation_ = 0;
+  mutable uint64_t generation_ = 0;
   mutable bool seen_ = false;
 };
 

@@ -9,6 +9,8 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <unordered_map>
@@ -87,12 +89,45 @@ struct ShapeKey {
   }
 };
 
-// Weights packed into one layout, shared by every shape whose primitive prefers that layout (batch sizes
-// mostly do): under dynamic shapes, one copy of the weights per layout rather than per batch size.
+// Weights packed into one layout: one copy per weights generation and layout in the process, shared by every
+// shape whose primitive prefers that layout (batch sizes mostly do) and by every kernel reading those weights
+// (ALBERT's layers run one weight four times; a recompile for new sizes reads the same parameters). Each kernel
+// kept its own copy before: ALBERT-xxlarge's training forward held 3 GB of them, for 0.77 GB of weights.
 struct PackedWeights {
   memory mem;
-  uint64_t generation = 0;  // what mem holds
+  uint64_t generation = 0;  // what mem holds; never changes once made
 };
+
+// The copy of `plain` (weights of `generation`) in `layout`, made here (a reorder on `stream`, under the lock,
+// so no one reads it half made) where no live copy has them. *made: whether this call made it.
+std::shared_ptr<const PackedWeights> packed_copy(uint64_t generation, const memory& plain, const memory::desc& layout,
+                                                 dnnl::stream& stream, bool* made) {
+  struct Known {
+    uint64_t generation;
+    memory::desc layout;
+    std::weak_ptr<const PackedWeights> copy;
+  };
+  static std::mutex mu;
+  static auto* known = new std::vector<Known>();  // never freed: outlives every kernel
+  std::lock_guard<std::mutex> lock(mu);
+  known->erase(std::remove_if(known->begin(), known->end(), [](const Known& k) { return k.copy.expired(); }),
+               known->end());
+  for (const Known& k : *known)
+    if (k.generation == generation && k.layout == layout)
+      if (auto copy = k.copy.lock()) {
+        *made = false;
+        return copy;
+      }
+  auto copy = std::make_shared<PackedWeights>();
+  copy->mem = memory(layout, cpu_engine());  // owned by oneDNN
+  memory src = plain;  // (a handle: execute() takes it non-const)
+  dnnl::reorder(src, copy->mem).execute(stream, src, copy->mem);
+  stream.wait();
+  copy->generation = generation;
+  known->push_back({generation, layout, copy});
+  *made = true;
+  return copy;
+}
 
 // The primitives for one shape: reading plain (strided) weights, and, once asked for, packed weights.
 struct Entry {
@@ -100,9 +135,10 @@ struct Entry {
   dnnl::matmul plain;
   memory src, weights, bias, dst;
   std::vector<memory> addends;
-  // Packed weights: created on the first call with a nonzero generation.
+  // Packed weights: the primitive created on the first call with a nonzero generation; the copy it reads.
   dnnl::matmul packed;
-  std::shared_ptr<PackedWeights> packed_weights;
+  memory::desc packed_layout;
+  std::shared_ptr<const PackedWeights> packed_weights;
   bool packed_is_plain = false;  // the preferred layout is the plain one: nothing to reorder
 };
 
@@ -136,14 +172,13 @@ class MatmulImpl final : public Matmul {
       if (e.packed_is_plain) {
         // plain already is the preferred layout
       } else {
-        PackedWeights& packed = *e.packed_weights;
-        if (packed.generation != generation) {
-          dnnl::reorder(e.weights, packed.mem).execute(stream_, e.weights, packed.mem);
-          packed.generation = generation;
-          ++packings_;
+        if (!e.packed_weights || e.packed_weights->generation != generation) {
+          bool made = false;
+          e.packed_weights = packed_copy(generation, e.weights, e.packed_layout, stream_, &made);
+          packings_ += made;
         }
         prim = &e.packed;
-        w = &packed.mem;
+        w = &e.packed_weights->mem;
       }
     }
     std::unordered_map<int, memory> args = {{DNNL_ARG_SRC, e.src}, {DNNL_ARG_WEIGHTS, *w}, {DNNL_ARG_DST, e.dst}};
@@ -207,18 +242,8 @@ class MatmulImpl final : public Matmul {
   void make_packed(Entry& e) {
     auto pd = descriptor(call_shape_of(e), true);
     e.packed = dnnl::matmul(pd);
-    if (pd.weights_desc() == e.weights.get_desc()) {
-      e.packed_is_plain = true;
-      return;
-    }
-    for (const auto& p : packed_layouts_)
-      if (p->mem.get_desc() == pd.weights_desc()) {
-        e.packed_weights = p;
-        return;
-      }
-    e.packed_weights = std::make_shared<PackedWeights>();
-    e.packed_weights->mem = memory(pd.weights_desc(), cpu_engine());  // owned by oneDNN
-    packed_layouts_.push_back(e.packed_weights);
+    e.packed_layout = pd.weights_desc();
+    e.packed_is_plain = e.packed_layout == e.weights.get_desc();
   }
 
   static MatmulCall call_shape_of(const Entry& e) {
@@ -236,8 +261,7 @@ class MatmulImpl final : public Matmul {
   dnnl::stream stream_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_;
-  std::vector<std::shared_ptr<PackedWeights>> packed_layouts_;
-  size_t packings_ = 0;
+  size_t packings_ = 0;  // packed copies this Matmul made (others' copies it reads are not counted)
 };
 
 // A 2-D convolution's primitives for one shape and layout, as Entry is for a matmul.

@@ -51,8 +51,9 @@ struct MatmulCall {
 // dst = post_ops(src @ weights + bias), one oneDNN matmul primitive per distinct shape and stride pattern,
 // created on first sight and kept. Weights can be packed once into oneDNN's blocked layout: a call with
 // weights_generation != 0 promises that the weights are the same as in every other call with that
-// generation, so they are reordered once per generation (and primitive) and reused; generation 0 means
-// "may change": the primitive reads them where they are.
+// generation, in this Matmul or any other (generations are process-wide: weights_generation() in
+// epilogue_support.h), so they are reordered once per generation and layout, into a copy every Matmul reading
+// them shares; generation 0 means "may change": the primitive reads them where they are.
 class Matmul {
  public:
   // Null, with the reason in *why_not, when oneDNN is missing or rejects the configuration.

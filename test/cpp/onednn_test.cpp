@@ -361,6 +361,42 @@ TEST(OneDnnMatmul, PackedWeightsFollowBatchSizesAndInPlaceWrites) {
   }
 }
 
+// Two matmuls reading the same weights under one generation (ALBERT's layers share a weight; a recompile reads
+// the same parameters) share one packed copy: the second makes none. A new generation makes a new copy, and both
+// read it right; the stale one goes when neither holds it.
+TEST(OneDnnMatmul, KernelsReadingTheSameWeightsShareOnePackedCopy) {
+  if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
+  onednn::MatmulConfig config;
+  std::string why;
+  auto first = onednn::Matmul::create(config, &why), second = onednn::Matmul::create(config, &why);
+  ASSERT_TRUE(first && second) << why;
+  at::Tensor w = at::randn({96, 80});  // [K, N]
+  static uint64_t generation = uint64_t{1} << 60;  // far from weights_generation()'s numbers
+  auto run = [&](onednn::Matmul& m, int64_t rows, uint64_t gen) {
+    at::Tensor x = at::randn({rows, 96}), y = at::empty({rows, 80});
+    onednn::MatmulCall c;
+    c.M = rows, c.N = 80, c.K = 96;
+    c.src = x.data_ptr(), c.src_stride[0] = 96, c.src_stride[1] = 1;
+    c.weights = w.data_ptr(), c.weights_stride[0] = 80, c.weights_stride[1] = 1;
+    c.dst = y.data_ptr(), c.dst_stride = 80;
+    m.run(c, gen);
+    EXPECT_TRUE(at::allclose(y, at::mm(x, w), 1e-4, 1e-5)) << rows;
+  };
+  const uint64_t g1 = ++generation;
+  run(*first, 32, g1);
+  const size_t packed = first->packings();
+  if (packed == 0) GTEST_SKIP() << "this CPU's primitive reads the weights as they lie: nothing is packed";
+  run(*second, 32, g1);
+  run(*second, 17, g1);  // another shape, the same layout
+  EXPECT_EQ(second->packings(), 0u) << "first made " << packed;
+  w.mul_(-1.0);
+  const uint64_t g2 = ++generation;
+  run(*second, 32, g2);
+  run(*first, 32, g2);
+  EXPECT_EQ(first->packings(), packed) << "the second made the new copy, the first reads it";
+  EXPECT_EQ(second->packings(), packed);
+}
+
 TEST(OneDnnMatmul, BFloat16) {
   if (!onednn::available()) GTEST_SKIP() << "built without oneDNN";
   const std::string text =
