@@ -433,10 +433,16 @@ uint64_t weights_generation(const at::Tensor& input, uint32_t version, const at:
   static auto* known = new std::vector<Known>();  // never freed: outlives every kernel
   static uint64_t next = 0;
   std::lock_guard<std::mutex> lock(mu);
-  known->erase(std::remove_if(known->begin(), known->end(), [](const Known& k) { return k.input.expired(); }),
+  // Gone: inputs no longer alive, and this input's earlier versions (a version counter only moves forward; under
+  // gradient accumulation every optimizer step brings a new one).
+  const c10::TensorImpl* impl = input.unsafeGetTensorImpl();
+  known->erase(std::remove_if(known->begin(), known->end(),
+                              [&](const Known& k) {
+                                return k.input.expired() || (k.input._unsafe_get_target() == impl && k.version != version);
+                              }),
                known->end());
   for (const Known& k : *known)
-    if (k.input._unsafe_get_target() == input.unsafeGetTensorImpl() && k.version == version && k.data == w.data_ptr() &&
+    if (k.input._unsafe_get_target() == impl && k.version == version && k.data == w.data_ptr() &&
         w.sizes().equals(k.sizes) && w.strides().equals(k.strides))
       return k.generation;
   known->push_back({c10::weak_intrusive_ptr<c10::TensorImpl>(input.getIntrusivePtr()), version, w.data_ptr(),
