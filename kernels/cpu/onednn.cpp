@@ -176,6 +176,9 @@ class MatmulImpl final : public Matmul {
           bool made = false;
           e.packed_weights = packed_copy(generation, e.weights, e.packed_layout, stream_, &made);
           packings_ += made;
+          // This Matmul's other shapes of the layout take it too: none keeps a stale copy alive.
+          for (auto& other : entries_)
+            if (other->packed_weights && other->packed_layout == e.packed_layout) other->packed_weights = e.packed_weights;
         }
         prim = &e.packed;
         w = &e.packed_weights->mem;
