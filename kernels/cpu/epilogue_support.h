@@ -12,6 +12,11 @@
 
 namespace ember::cpu {
 
+// The process-wide number of (input, its version, the weights view's data pointer, sizes and strides), the same
+// for every caller while the input lives (kernels/cpu/matmul_kernel.cpp). Called when a kernel's packing changes,
+// not per call.
+uint64_t weights_generation(const at::Tensor& input, uint32_t version, const at::Tensor& w);
+
 // Which packing of the weights a call may use: 0 (read them where they lie) until the same unmodified graph
 // input comes a second time, seen through the same view; then one generation number until it changes.
 // first_sight() is true until the first call: it runs through ATen, so that an inference graph makes only
@@ -21,11 +26,6 @@ namespace ember::cpu {
 // address while its packing is trusted. Inference tensors have no version counter: never packed.
 // Generation numbers are process-wide (weights_generation): kernels that read the same weights through the same
 // view name them alike, so they share one packed copy (kernels/cpu/onednn.cpp).
-// The process-wide number of (input, its version, the weights view's data pointer, sizes and strides), the same
-// for every caller while the input lives (kernels/cpu/matmul_kernel.cpp). Called when a kernel's packing changes,
-// not per call.
-uint64_t weights_generation(const at::Tensor& input, uint32_t version, const at::Tensor& w);
-
 class WeightsPacking {
  public:
   bool first_sight() const {
