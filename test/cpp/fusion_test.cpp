@@ -640,7 +640,7 @@ TEST(FusedCpuKernel, SymIntScalarsAndDynamicSizes) {
 }
 
 // Group marks in IR text reach the kernel generator even with the fuse pass off, so opcodes the CPU
-// pass never groups (gelu, tanh, gelu_backward) are still checked against ATen.
+// pass never groups (gelu, tanh) are still checked against ATen.
 TEST(FusedCpuKernel, PreMarkedGroupsWithFusePassOff) {
   const std::string body =
       "graph(%x: f32[9, 130]{130, 1}@cpu, %g: f32[9, 130]{130, 1}@cpu):\n"
