@@ -885,7 +885,9 @@ def _compile_graph(gm, example_inputs, config, built=None):
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
     if ember_config.conv_channels_last:
-        from .layout import channels_last_convolutions, pays_in_cpu_training
+        from .layout import channels_last_convolutions, global_pools_as_means, pays_in_cpu_training
+
+        global_pools_as_means(gm)  # no as_strided_ restride after a 1x1 average pool (see layout.py)
 
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
             channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)

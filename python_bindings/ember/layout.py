@@ -132,6 +132,32 @@ def pays_in_cpu_training(gm):
     return convs > 0 and 3 * cats < convs and weights < 2 * inputs
 
 
+def global_pools_as_means(gm):
+    """Rewrites `adaptive_avg_pool2d(x, 1)` of a 4-D x in `gm` (a Dynamo graph) as `x.mean((-1, -2), keepdim=True)`;
+    returns how many. They are the same op: ATen's adaptive_avg_pool2d is that mean, after which a channels_last x
+    gives the [N, C, 1, 1] result channels_last strides with `as_strided_`, the same memory order, since H and W
+    are 1. Traced for training, that `as_strided_` makes the mean's backward an `as_strided_scatter` into zeros,
+    a copy and an `as_strided` view before the expand and divide, ATen calls the fuse pass cannot join (torchvision
+    regnet_y_400mf's training step has 17 squeeze-excitation blocks, each such a pool). Pools whose result is a
+    graph output keep eager's strides."""
+    rewritten = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch.nn.functional.adaptive_avg_pool2d,
+                                                             torch._C._nn.adaptive_avg_pool2d):
+            continue
+        x, size = _arg(node, 0, "input"), _arg(node, 1, "output_size")
+        value = _tensor(x)
+        if value is None or value.dim() != 4 or size not in (1, (1, 1), [1, 1]):
+            continue
+        if any(user.op == "output" for user in node.users):
+            continue
+        node.target, node.args, node.kwargs = torch.mean, (x, (-1, -2)), {"keepdim": True}
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
 def channels_last_convolutions(gm, force=False, weights=True):
     """Rewrites `gm` (a Dynamo graph) in place; returns the number of convolutions now reading
     channels_last tensors. `force` applies it to CPU tensors too. `weights=False` leaves the weights as

@@ -147,6 +147,38 @@ def test_cpu_training_of_eval_batch_norms_fuses_them_with_their_relus(c, size):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("size", [1, (1, 1)])
+def test_global_average_pools_train_without_restriding(device, size):
+    # adaptive_avg_pool2d(x, 1) of a channels-last x: ATen's mean is restrided by as_strided_, whose backward is an
+    # as_strided_scatter into zeros. Rewritten as the mean itself (layout.py), the backward is an expand and a
+    # divide. Gradients against eager; a pooled result the graph returns is left alone, with eager's strides.
+    torch.manual_seed(0)
+
+    class Pooled(nn.Module):
+        def __init__(self, returns_pool):
+            super().__init__()
+            self.conv1, self.conv2, self.fc = nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 3), nn.Conv2d(8, 8, 1)
+            self.returns_pool = returns_pool
+
+        def forward(self, x):
+            y = torch.relu(self.conv2(torch.relu(self.conv1(x))))
+            pooled = nn.functional.adaptive_avg_pool2d(y, size)
+            out = y * torch.sigmoid(self.fc(pooled))
+            return (out, pooled) if self.returns_pool else out
+
+    x = torch.randn(2, 4, 9, 10, device=device)
+    helpers.check(Pooled(False).to(device).eval(), x, atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
+    backward = _graph_steps("backward")
+    assert backward and not any("as_strided" in s for s in backward), backward
+    model = Pooled(True).to(device).eval()
+    helpers.check(model, x, atol=1e-4, rtol=1e-3, grad_atol=1e-3, grad_rtol=1e-2)
+    x = x.contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        assert compile_ember(model)(x)[1].stride() == model(x)[1].stride()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 def test_views_of_rewritten_convolutions_see_the_traced_layout(device):
     # `view(-1)` of a convolution's NCHW result fails on a channels_last tensor, and as_strided would read other
     # elements: the rewrite gives both their traced layout back (found by the graph fuzzer, seed 60872).
