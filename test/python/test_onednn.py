@@ -407,6 +407,37 @@ def test_conv2d_training_matches_eager():
     check_calls(model, torch.randn(2, 3, 10, 10), **MATMUL_TOL)
 
 
+class SqueezeExcitation(nn.Module):
+    def __init__(self, c, squeezed):
+        super().__init__()
+        self.conv, self.fc1, self.fc2 = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, squeezed, 1), nn.Conv2d(squeezed, c, 1)
+
+    def forward(self, x):
+        y = torch.relu(self.conv(x))
+        w = torch.sigmoid(self.fc2(torch.relu(self.fc1(F.adaptive_avg_pool2d(y, 1)))))
+        return torch.relu(y * w + x)
+
+
+@pytest.mark.parametrize("train", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_pointwise_convolutions_run_as_matmuls(train, batch):
+    """Squeeze-excitation's 1x1 convolutions over a 1x1 image are ATen's matmul of [N, C] rows (kernels/cpu/
+    conv_kernel.cpp, item 3), not torch's oneDNN call; the 3x3 one stays there. Results and gradients against
+    eager over calls on fresh inputs."""
+    model = SqueezeExcitation(24, 6).eval()
+    check_calls(model, torch.randn(batch, 24, 6, 5, requires_grad=train), **MATMUL_TOL)
+    compiled = compile_ember(model)
+    x = torch.randn(batch, 24, 6, 5, requires_grad=train)
+    with torch.set_grad_enabled(train):
+        compiled(x), compiled(x)  # the compile, then packed weights
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                compiled(x)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get("aten::addmm", 0) >= 6, counts
+    assert counts.get("mkldnn::_convolution_pointwise", 0) + counts.get("aten::convolution", 0) == 3, counts
+
+
 def test_clone_of_input_returned_through_a_view_stays_a_copy():
     def fn(x):
         return x.clone().view(-1), (x.clone() * 2).t()
