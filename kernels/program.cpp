@@ -342,6 +342,12 @@ class Lowering {
       if (arg_string(n, 2, "approximate", "none") != "none") throw Unsupported("tanh gelu_backward");
       return out(emit(OpCode::GeluBackward, x(0, "grad_output"), x(1, "self")));
     }
+    if (op == "aten::silu_backward") {  // ATen's formula: grad * sigmoid(x) * (1 + x * (1 - sigmoid(x)))
+      Operand v = x(1, "self");
+      Operand s = emit(OpCode::Sigmoid, v);
+      Operand slope = emit(OpCode::Add, Operand::constant(1.f), emit(OpCode::Mul, v, emit(OpCode::Sub, Operand::constant(1.f), s)));
+      return out(emit(OpCode::Mul, emit(OpCode::Mul, x(0, "grad_output"), s), slope));
+    }
     if (op == "aten::threshold_backward") {
       Operand mask = emit(OpCode::Le, x(1, "self"), x(2, "threshold"));
       return out(emit(OpCode::Where, mask, Operand::constant(0.f), x(0, "grad_output")));

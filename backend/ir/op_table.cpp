@@ -45,7 +45,7 @@ constexpr const char* kFusibleOps[] = {
     "aten::relu", "aten::gelu", "aten::silu", "aten::sqrt", "aten::rsqrt", "aten::abs", "aten::reciprocal",
     "aten::pow.Tensor_Scalar", "aten::clamp", "aten::clamp_min", "aten::clamp_max", "aten::maximum",
     "aten::minimum", "aten::where.self", "aten::erf", "aten::leaky_relu", "aten::threshold_backward",
-    "aten::sigmoid_backward", "aten::tanh_backward", "aten::gelu_backward", "aten::gt.Scalar", "aten::gt.Tensor",
+    "aten::sigmoid_backward", "aten::tanh_backward", "aten::gelu_backward", "aten::silu_backward", "aten::gt.Scalar", "aten::gt.Tensor",
     "aten::lt.Scalar", "aten::lt.Tensor", "aten::ge.Scalar", "aten::ge.Tensor", "aten::le.Scalar",
     "aten::le.Tensor", "aten::eq.Scalar", "aten::eq.Tensor", "aten::ne.Scalar", "aten::ne.Tensor",
     "aten::_to_copy", "aten::clone", "aten::hardtanh", "aten::hardswish", "aten::hardsigmoid", "aten::logical_not", "aten::logical_and", "aten::logical_or",

@@ -11,7 +11,8 @@ Kept whole, and why:
   it can generate kernels that beat ATen's. (threshold_backward decomposes to le + scalar_tensor + where,
   and ATen's CPU where is not vectorized: 245 vs 27 us for the 64x1024 ReLU gradient of the MLP step.)
 - Activations (silu, hardswish, mish), logsumexp, var/std(_mean), upsampling and pooling: the same
-  reason. silu and hardswish then fuse whole: the fuse pass lowers them into its kernels (kernels/program.cpp).
+  reason. silu, hardswish and the backwards of gelu and silu then fuse whole: the fuse pass lowers them into its
+  kernels (kernels/program.cpp).
 - _weight_norm_interface (weight_norm's forward; its backward is not in the table): the decomposition's norm
   over all dimensions but one is a strided reduction ATen runs slowly. For wav2vec2's positional convolution
   (weight [768, 48, 128], dim=2) on the 2-core host, forward and backward took 24.6 ms against eager's 12.1,

@@ -458,7 +458,8 @@ TEST(FusedCpuKernel, ComparisonsWhereMasksAndBackwardOps) {
       "  %tb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::threshold_backward(%g, %w, 0)\n"
       "  %sb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::sigmoid_backward(%tb, %x)\n"
       "  %gb: f32[3, 5, 70]{350, 70, 1}@cpu = aten::gelu_backward(%sb, %x)\n"
-      "  %lr: f32[3, 5, 70]{350, 70, 1}@cpu = aten::leaky_relu(%gb, 0.2)\n"
+      "  %sl: f32[3, 5, 70]{350, 70, 1}@cpu = aten::silu_backward(%gb, %g)\n"
+      "  %lr: f32[3, 5, 70]{350, 70, 1}@cpu = aten::leaky_relu(%sl, 0.2)\n"
       "  %mx: f32[3, 5, 70]{350, 70, 1}@cpu = aten::maximum(%lr, %g)\n"
       "  return (%gt, %mx)\n";
   expect_fused_matches(text, {at::randn({3, 5, 70}), at::randn({3, 5, 70}), at::rand({5, 1}) > 0.5});

@@ -621,3 +621,15 @@ def test_bias_gradients_of_3d_linears_fuse_through_the_reshape(device):
     if device == "cuda":
         assert backward[0].describe().count("column reductions") >= 5, backward[0].describe()
         assert not any(what == "aten::sum.dim_IntList" for kind, what in steps), steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_backward_fuses(device):
+    """SiLU's backward (kept whole by the decompositions) is lowered into the fused kernel with its neighbours
+    (kernels/program.cpp), as gelu's is; gradients against eager."""
+    model = nn.Sequential(nn.Linear(48, 96), nn.SiLU(), nn.Linear(96, 48), nn.SiLU()).to(device)
+    check(model, torch.randn(6, 20, 48, device=device), **MATMUL_TOL)
+    backward = [g for k, g in EMBER_GRAPHS if k == "backward"]
+    assert backward, [k for k, _ in EMBER_GRAPHS]
+    steps = backward[0].steps()
+    assert not any(what == "aten::silu_backward" for kind, what in steps), steps
