@@ -228,7 +228,7 @@ SETTINGS = {s.name: s for s in (
             "ember's flex_attention kernel takes its products from wgmma on Hopper; off: m16n8k16 MMAs everywhere",
             DEBUG, cpp=True),
     Setting("conv_channels_last", bool, True,
-            "convolutions run channels-last where that pays (layout.py)", DEBUG),
+            "convolutions run channels-last where that pays, and 1x1 average pools trace as their mean (layout.py)", DEBUG),
     Setting("embedding_grad", ("ember", "aten"), "ember",
             "embedding_dense_backward as ember::embedding_grad (decompositions.py), or ATen's kernel", DEBUG),
     Setting("cublaslt", bool, True,

@@ -29,6 +29,9 @@ fused. Not where that loses (pays_in_cpu_training): where concatenations along t
 (densenet121's training step was 0.93-0.99x eager so against 1.05-1.08x in NCHW: a channels-last concatenation
 copies strided rows, and ember writes no input in place into it), or where the weights outweigh the activations
 (each weight is reordered per call).
+
+With the rewrite on, a 1x1 average pool is traced as the mean it is (global_pools_as_means): channels-last, ATen
+restrides that mean, and a training graph's backward paid for the restride.
 """
 
 import torch
