@@ -32,7 +32,7 @@
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
 //     (reduce_through_reshapes), a pointwise node reading one reshaped value reads the value before the
 //     reshape, the reshape moving after it (lift_over_reshapes), pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers), nodes that read no graph input move to the top (hoist_constant_nodes), and on the
+//     (sink_into_consumers), nodes that read no graph input, and scalar reads of graph inputs, move to the top (hoist_constant_nodes), and on the
 //     CPU views and per-channel math move up to what they read (hoist_views_and_channel_math).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
@@ -369,9 +369,15 @@ class Fuser {
   // where(mask, score, -inf) and zeroes fully masked rows with where(row_max != -inf, softmax,
   // scalar_tensor(0)), and those wheres ran apart from the softmax's kernel, each one more pass over the
   // scores. Random, writing and control-flow ops stay where they are.
+  // So do the scalar reads of graph inputs before any write in place: under dynamic=True Dynamo passes a
+  // module's floats (a norm's eps, a rotary scaling) as 0-dim tensors that the graph reads with
+  // _local_scalar_dense where it uses them, and rule 2 then kept the rest of an RMSNorm out of the group its
+  // mean began (LLaMA's 4 layers: 32 fused kernels against 14 static). At the top they are a kernel's runtime
+  // scalars like any other.
   void hoist_constant_nodes() {
     std::unordered_set<const Value*> constant;
     std::vector<const Node*> first, rest;
+    bool written = false;
     for (const auto& n : graph_.nodes()) {
       bool hoist = !n->outputs.empty();
       try {
@@ -380,10 +386,13 @@ class Fuser {
       } catch (const std::exception&) {
         hoist = false;
       }
+      const bool scalar_read = !written && n->op == "aten::_local_scalar_dense" && n->args.size() == 1 &&
+                               n->args[0].is_value() && !n->args[0].value->producer;
       n->for_each_input([&](const Value* v) { hoist = hoist && constant.count(v) > 0; });
       if (hoist)
         for (const Value* v : n->outputs) constant.insert(v);
-      (hoist ? first : rest).push_back(n.get());
+      written = written || mutates(*n);
+      (hoist || scalar_read ? first : rest).push_back(n.get());
     }
     size_t lead = 0;  // nothing moves where the hoisted nodes already lead
     while (lead < first.size() && graph_.nodes()[lead].get() == first[lead]) ++lead;

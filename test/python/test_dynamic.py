@@ -312,6 +312,37 @@ def test_dynamic_symbolic_floats_and_sizes_in_tensor_arguments(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_true_module_floats_stay_in_the_fused_kernel(device):
+    """Under dynamic=True Dynamo passes a module's floats (an RMSNorm's eps, a scaling) as 0-dim tensors the graph
+    reads with _local_scalar_dense where it uses them: the norm after a matmul is still one fused kernel, the
+    floats its runtime scalars, and a new eps reaches it without a recompile being wrong."""
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.weight = nn.Linear(32, 32), nn.Parameter(torch.randn(32))
+            self.eps, self.scale = 1e-6, 0.7
+
+        def forward(self, x):
+            h = self.proj(x)
+            return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight * self.scale
+
+    model = Norm().to(device)
+    copied = copy.deepcopy(model)
+    compiled = compile_ember(copied, dynamic=True)
+    with torch.no_grad():
+        for b in BATCHES:
+            x = torch.randn(b, 32, device=device)
+            torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+        for m in (model, copied):
+            m.eps, m.scale = 1e-2, 1.3
+        x = torch.randn(5, 32, device=device)
+        torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
+    described = "".join(g.describe() for _, g in EMBER_GRAPHS)
+    assert described.count("fused group") == 1 and "aten::mul" not in described, described
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_captured_item_unbacked_symbol(device):
     def fn(x):
         k = x.abs().sum().item()
