@@ -5,16 +5,19 @@
     python bench/dynamic.py --device cuda --only bert --backends ember --serve 200 --out bert.json
 
 Workloads (`--list`): BERT-base and a LLaMA-style decoder over prompt lengths, a small convnet and an MLP over batch
-sizes. For each workload, backend (inductor, ember) and mode (default, reduce-overhead), three phases, each in a
+sizes. For each workload, backend (inductor, ember) and mode (default, reduce-overhead), two phases, each in a
 fresh process whose compile caches start empty:
 
 1. **serving**: `--serve` calls (500) at sizes drawn from the workload's list with a fixed seed, from a fresh
    torch.compile: the wall time, every compile included, and the compiles Dynamo made;
 2. **dynamic**: a fresh torch.compile fed the sizes in turn, as Dynamo's automatic dynamic sees them (the first size
    static, a recompile with a symbolic size at the second): each first call's seconds, then each size's steady
-   latency (median of `--repeat` calls), and its error against eager at that size;
-3. **static** (`--static`: which backends; all by default): per size, a fresh torch.compile(dynamic=False) at that
-   size alone, its first call and steady latency: what the dynamic graph is compared with.
+   latency (median of `--repeat` calls), and its error against eager at that size. Then (`--static`: which
+   backends; all by default) a torch.compile(dynamic=False) per size in the same process, its first call, and its
+   steady latency measured alternating with the symbolic graph's at that size (`static_s`, `dynamic_alt_s`):
+   what the dynamic graph is compared with. The two stay live side by side (Dynamo keeps a cache entry per
+   backend object), and alternating blocks of calls keep the host's drift out of their ratio: on the GPU these
+   calls are mostly host time, which moved by 30-50% between processes and within one.
 
 Eager's latency per size comes from the same process as each compiled row (eager's speed varies between
 processes), and the table prints each compiled latency as a speedup over that. Nothing here asserts a speed.
@@ -121,12 +124,25 @@ def _settle(backend):
         harness.settle()
 
 
-PHASES = ("serve", "dynamic", "static")
+PHASES = ("serve", "dynamic")
 
 
-def child(name, backend, mode, phase, device, serve, repeat):
+def _alternating(fa, fb, inputs, device, mode, repeat, block=5):
+    """Medians of fa's and fb's latencies, measured in alternating blocks of `block` calls."""
+    ta, tb = [], []
+    for f in (fa, fb):
+        for _ in range(3):
+            _call(f, inputs, device, mode)
+    while len(ta) < repeat:
+        ta += [_call(fa, inputs, device, mode)[0] for _ in range(block)]
+        tb += [_call(fb, inputs, device, mode)[0] for _ in range(block)]
+    return statistics.median(ta), statistics.median(tb)
+
+
+def child(name, backend, mode, phase, device, serve, repeat, static=True):
     """One phase of one run, in a process whose compile caches start empty (so each phase's compiles are cold)."""
     torch._dynamo.reset()
+    torch._dynamo.config.recompile_limit = 64  # the symbolic graph and a static one per size, side by side
     torch.manual_seed(0)
     model, sizes, make = WORKLOADS[name][1](device)
     inputs = {n: make(n) for n in sizes}
@@ -146,25 +162,24 @@ def child(name, backend, mode, phase, device, serve, repeat):
             return result
 
         eager = {n: harness.snapshot(model(*inputs[n])) for n in sizes}
-        eager_s = [_steady(model, inputs[n], device, "default", repeat) for n in sizes]
-        if phase == "dynamic":  # the sizes in turn, then each one's steady latency and error
-            fn, before = _compile(model, backend, mode), _graphs()
-            result["first_call_s"] = [_call(fn, inputs[n], device, mode)[0] for n in sizes]
-            result["compiles"] = _graphs() - before
-            _settle(backend)
-            result["dynamic_s"] = [_steady(fn, inputs[n], device, mode, repeat) for n in sizes]
-            result["error"] = [harness.max_rel_error(harness.snapshot(_call(fn, inputs[n], device, mode)[1]),
-                                                     eager[n]) for n in sizes]
-            result["eager_s"] = eager_s
-        else:  # static: each size compiled alone
-            result["static_s"], result["static_first_call_s"] = [], []
+        result["eager_s"] = [_steady(model, inputs[n], device, "default", repeat) for n in sizes]
+        # the sizes in turn, then each one's steady latency and error
+        fn, before = _compile(model, backend, mode), _graphs()
+        result["first_call_s"] = [_call(fn, inputs[n], device, mode)[0] for n in sizes]
+        result["compiles"] = _graphs() - before
+        _settle(backend)
+        result["dynamic_s"] = [_steady(fn, inputs[n], device, mode, repeat) for n in sizes]
+        result["error"] = [harness.max_rel_error(harness.snapshot(_call(fn, inputs[n], device, mode)[1]), eager[n])
+                           for n in sizes]
+        if static:  # each size compiled alone, beside the symbolic graph, timed alternating with it
+            result["static_s"], result["dynamic_alt_s"], result["static_first_call_s"] = [], [], []
             for n in sizes:
-                torch._dynamo.reset()
-                fn = _compile(model, backend, mode, dynamic=False)
-                result["static_first_call_s"].append(_call(fn, inputs[n], device, mode)[0])
+                fs = _compile(model, backend, mode, dynamic=False)
+                result["static_first_call_s"].append(_call(fs, inputs[n], device, mode)[0])
                 _settle(backend)
-                result["static_s"].append(_steady(fn, inputs[n], device, mode, repeat))
-            result["static_eager_s"] = eager_s
+                d, s = _alternating(fn, fs, inputs[n], device, mode, repeat)
+                result["dynamic_alt_s"].append(d)
+                result["static_s"].append(s)
     return result
 
 
@@ -176,6 +191,8 @@ def child(name, backend, mode, phase, device, serve, repeat):
 def run_phase(args, name, backend, mode, phase):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, backend, mode, phase, "--device", args.device,
            "--serve", str(args.serve), "--repeat", str(args.repeat)]
+    if args.static is not None and backend not in args.static.split(","):
+        cmd.append("--no-static")
     env = dict(os.environ)
     caches = tempfile.mkdtemp(prefix="ember-dynamic-")  # every process starts with empty compile caches
     for key in harness.CACHE_ENV:
@@ -196,8 +213,7 @@ def run_phase(args, name, backend, mode, phase):
 def run_child(args, name, backend, mode):
     """The run's phases, each in a fresh process, merged into one record."""
     result = {"workload": name, "backend": backend, "mode": mode}
-    static = args.static is None or backend in args.static.split(",")
-    for phase in [p for p in PHASES if p != "static" or static]:
+    for phase in PHASES:
         part = run_phase(args, name, backend, mode, phase)
         if "failed" in part:
             return {**result, **part}
@@ -214,7 +230,9 @@ def print_rows(r):
     print(f"{label} sizes        {' '.join(f'{n:>6}' for n in r['sizes'])}")
     print(f"{label} dynamic      {speed(r['eager_s'], r['dynamic_s'])}")
     if r.get("static_s"):
-        print(f"{label} static       {speed(r['static_eager_s'], r['static_s'])}")
+        print(f"{label} static       {speed(r['eager_s'], r['static_s'])}")
+        ratios = " ".join(f"{s / d:6.2f}" for s, d in zip(r["static_s"], r["dynamic_alt_s"]))
+        print(f"{label} sym/static   {ratios}  (static latency / symbolic, alternating)")
         print(f"{label} static s     {' '.join(f'{t:6.2f}' for t in r['static_first_call_s'])}  (first calls)")
     print(f"{label} first call s {' '.join(f'{t:6.2f}' for t in r['first_call_s'])}  compiles {r['compiles']}")
     print(f"{label} max error    {max(r['error']):.2e}   serving: {r['serve_s']:.2f} s, {r['serve_compiles']} compiles")
@@ -232,7 +250,7 @@ def to_chart(results, machine, command, date, suite):
             row = rows.setdefault((r["workload"], n), {})
             row[r["backend"] + tag] = r["eager_s"][i] / r["dynamic_s"][i]
             if r.get("static_s"):
-                row[f"{r['backend']}{tag} static"] = r["static_eager_s"][i] / r["static_s"][i]
+                row[f"{r['backend']}{tag} static"] = r["eager_s"][i] / r["static_s"][i]
     import chart
 
     return {**chart.header(machine, command, date, suite),
@@ -248,7 +266,8 @@ def main(argv=None):
     ap.add_argument("--serve", type=int, default=500, help="calls in the serving run")
     ap.add_argument("--repeat", type=int, default=20, help="timed calls per size (median reported)")
     ap.add_argument("--static", default=None, help="backends that also get a static compile per size (default: all; "
-                    "'none': no static phase)")
+                    "'none': none)")
+    ap.add_argument("--no-static", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per process")
     ap.add_argument("--out", default=None, help="JSON path for the results")
     ap.add_argument("--chart", default=None, help="also a results file for bench/chart.py (its schema) at this path")
@@ -260,7 +279,7 @@ def main(argv=None):
             print(f"{name:8} {text}")
         return 0
     if args.child:
-        print("RESULT " + json.dumps(child(*args.child, args.device, args.serve, args.repeat)))
+        print("RESULT " + json.dumps(child(*args.child, args.device, args.serve, args.repeat, static=not args.no_static)))
         return 0
     names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
     modes = (args.modes or ("default,reduce-overhead" if args.device == "cuda" else "default")).split(",")
