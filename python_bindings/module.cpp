@@ -328,8 +328,9 @@ PYBIND11_MODULE(_native, m) {
            },
            py::arg("pinned"), py::arg("warmup"), py::arg("max_graphs"),
            "Captures the plan's capturable parts into CUDA graphs after warm-up; returns '' or why not.")
-      .def("cache_parameter_steps", &CompiledGraph::cache_parameter_steps, py::arg("pinned"),
-           "Runs the steps over parameters alone once, and again only when a parameter changes; returns their count.")
+      .def("cache_parameter_steps", &CompiledGraph::cache_parameter_steps, py::arg("pinned"), py::arg("sizes") = false,
+           "Runs the steps over parameters alone once, and again only when a parameter changes; returns their count. "
+           "sizes: over the int inputs too, kept per value (not for graphs replayed as CUDA graphs).")
       .def("set_size_buckets",
            [](CompiledGraph& g, std::vector<int64_t> sizes,
               const std::vector<std::tuple<std::string, uint32_t, int32_t>>& symbols,

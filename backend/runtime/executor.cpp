@@ -15,6 +15,7 @@
 #include <ATen/record_function.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -161,70 +162,129 @@ std::vector<c10::IValue> CompiledGraph::start(std::vector<c10::IValue> inputs) c
   return buffers;
 }
 
+// The cached results per generation of the parameters and, for a symbolic graph that caches steps over its sizes
+// too (cache_parameter_steps' `sizes`), per value of the int inputs they read: one entry each, the most recently
+// used first, at most kSizeEntries (LLaMA's rotary cos/sin computed from the length, per length seen).
 struct CompiledGraph::ParameterCache {
   struct Seen {
     at::Tensor tensor;  // kept alive, so no other tensor takes its address while the cache trusts it
     uint32_t version = 0;
     const void* data = nullptr;
+    int64_t value = 0;  // an int key
   };
+  struct Entry {
+    std::vector<Seen> seen;            // per key, when every key could be checked; else empty
+    std::vector<c10::IValue> results;  // per cached result; empty before the first run
+  };
+  static constexpr size_t kSizeEntries = 8;
   std::mutex mu;
-  std::vector<Seen> seen;            // per key, when every key could be checked; else empty
-  std::vector<c10::IValue> results;  // per cached result; empty before the first run
+  std::vector<bool> int_key;  // per key: an int input (compared by value) rather than a tensor
+  std::vector<Entry> entries;  // most recently used first; one unless int keys
 };
 
-size_t CompiledGraph::cache_parameter_steps(const std::vector<bool>& pinned) {
+size_t CompiledGraph::cache_parameter_steps(const std::vector<bool>& pinned, bool sizes) {
   if (runner_ || cache_) return 0;
-  const size_t moved = hoist_parameter_steps(plan_, pinned);
-  if (moved) cache_ = std::make_shared<ParameterCache>();
+  std::vector<bool> seed = pinned;
+  if (sizes)  // an int input (a symbolic size) is as fixed as a parameter, per value
+    for (size_t i = 0; i < graph_.inputs().size() && i < plan_.num_inputs; ++i)
+      if (graph_.inputs()[i]->type.kind == Type::Kind::Int) {
+        if (seed.size() <= i) seed.resize(i + 1, false);
+        seed[i] = true;
+      }
+  const size_t moved = hoist_parameter_steps(plan_, seed);
+  if (!moved) return 0;
+  cache_ = std::make_shared<ParameterCache>();
+  for (uint32_t b : plan_.cached_keys)
+    cache_->int_key.push_back(b < graph_.inputs().size() && graph_.inputs()[b]->type.kind == Type::Kind::Int);
   return moved;
 }
 
 namespace {
 
-// Whether the cache's results were computed from the parameters in `buffers` (or the inputs: the keys
-// are input buffers): the same TensorImpls, version counters and data pointers. Under c.mu.
-template <class Cache>
-bool same_parameters(const Cache& c, const std::vector<uint32_t>& keys, const std::vector<c10::IValue>& buffers) {
-  bool same = !c.results.empty() && c.seen.size() == keys.size();
-  for (size_t i = 0; same && i < keys.size(); ++i) {
+// Whether `e`'s int keys have the values in `buffers`.
+template <class Cache, class Entry>
+bool same_sizes(const Cache& c, const Entry& e, const std::vector<uint32_t>& keys,
+                const std::vector<c10::IValue>& buffers) {
+  if (e.seen.size() != keys.size()) return false;
+  for (size_t i = 0; i < keys.size(); ++i)
+    if (c.int_key[i] && !(buffers[keys[i]].isInt() && buffers[keys[i]].toInt() == e.seen[i].value)) return false;
+  return true;
+}
+
+// Whether `e`'s results were computed from the parameters in `buffers` (or the inputs: the keys are input
+// buffers): the same TensorImpls, version counters and data pointers, and the same int values. Under c.mu.
+template <class Cache, class Entry>
+bool same_parameters(const Cache& c, const Entry& e, const std::vector<uint32_t>& keys,
+                     const std::vector<c10::IValue>& buffers) {
+  if (e.results.empty() || !same_sizes(c, e, keys, buffers)) return false;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (c.int_key[i]) continue;
     const c10::IValue& v = buffers[keys[i]];
-    const auto& s = c.seen[i];
-    same = v.isTensor() && v.toTensor().unsafeGetTensorImpl() == s.tensor.unsafeGetTensorImpl() &&
-           v.toTensor()._version() == s.version && v.toTensor().data_ptr() == s.data;
+    const auto& s = e.seen[i];
+    if (!(v.isTensor() && v.toTensor().unsafeGetTensorImpl() == s.tensor.unsafeGetTensorImpl() &&
+          v.toTensor()._version() == s.version && v.toTensor().data_ptr() == s.data))
+      return false;
   }
-  return same;
+  return true;
 }
 
 }  // namespace
 
+void CompiledGraph::set_runner(std::unique_ptr<PlanRunner> runner) {
+  if (runner && cache_ && std::find(cache_->int_key.begin(), cache_->int_key.end(), true) != cache_->int_key.end())
+    throw Error("internal: a graph whose cached steps are kept per size cannot be replayed as CUDA graphs");
+  runner_ = std::move(runner);
+}
+
 bool CompiledGraph::cache_current(const std::vector<c10::IValue>& inputs) const {
   if (!cache_) return true;
   std::lock_guard<std::mutex> lock(cache_->mu);
-  return same_parameters(*cache_, plan_.cached_keys, inputs);
+  return !cache_->entries.empty() && same_parameters(*cache_, cache_->entries.front(), plan_.cached_keys, inputs);
 }
 
 void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
   ParameterCache& c = *cache_;
   std::lock_guard<std::mutex> lock(c.mu);
-  if (!same_parameters(c, plan_.cached_keys, buffers)) {
-    c.seen.clear();
-    for (uint32_t b : plan_.cached_keys) {
-      const c10::IValue& v = buffers[b];
+  // The entry for these int values (the only one where there are none), moved to the front.
+  const bool sized = std::find(c.int_key.begin(), c.int_key.end(), true) != c.int_key.end();
+  size_t at = 0;
+  if (sized)
+    while (at < c.entries.size() && !same_sizes(c, c.entries[at], plan_.cached_keys, buffers)) ++at;
+  if (at == c.entries.size()) {
+    if (c.entries.size() >= ParameterCache::kSizeEntries) c.entries.pop_back();  // (no CUDA graph reads them)
+    c.entries.insert(c.entries.begin(), ParameterCache::Entry{});
+  } else if (at > 0) {
+    std::rotate(c.entries.begin(), c.entries.begin() + static_cast<std::ptrdiff_t>(at),
+                c.entries.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  }
+  ParameterCache::Entry& e = c.entries.front();
+  if (!same_parameters(c, e, plan_.cached_keys, buffers)) {
+    e.seen.clear();
+    for (size_t i = 0; i < plan_.cached_keys.size(); ++i) {
+      const c10::IValue& v = buffers[plan_.cached_keys[i]];
+      if (c.int_key[i]) {
+        if (!v.isInt()) {
+          e.seen.clear();
+          break;
+        }
+        e.seen.push_back({at::Tensor(), 0, nullptr, v.toInt()});
+        continue;
+      }
       if (!v.isTensor() || !v.toTensor().defined() || v.toTensor().is_inference()) {
-        c.seen.clear();  // unchecked: run again next time
+        e.seen.clear();  // unchecked: run again next time
         break;
       }
       const at::Tensor& t = v.toTensor();
-      c.seen.push_back({t, t._version(), t.data_ptr()});
+      e.seen.push_back({t, t._version(), t.data_ptr(), 0});
     }
     std::vector<c10::IValue> stack;
     for (const Step& st : plan_.cached_steps) run_step(st, buffers, stack);
-    if (c.results.empty()) {
-      for (uint32_t b : plan_.cached_results) c.results.push_back(buffers[b]);
+    if (e.results.empty()) {
+      for (uint32_t b : plan_.cached_results) e.results.push_back(buffers[b]);
     } else {
       // In place: captured CUDA graphs read these tensors where they are.
       for (size_t j = 0; j < plan_.cached_results.size(); ++j) {
-        c10::IValue& held = c.results[j];
+        c10::IValue& held = e.results[j];
         const c10::IValue& fresh = buffers[plan_.cached_results[j]];
         if (held.isTensor() && fresh.isTensor() && held.toTensor().sizes().equals(fresh.toTensor().sizes()) &&
             held.toTensor().strides().equals(fresh.toTensor().strides()) &&
@@ -241,7 +301,7 @@ void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
       }
     }
   }
-  for (size_t j = 0; j < plan_.cached_results.size(); ++j) buffers[plan_.cached_results[j]] = c.results[j];
+  for (size_t j = 0; j < plan_.cached_results.size(); ++j) buffers[plan_.cached_results[j]] = e.results[j];
 }
 
 void CompiledGraph::execute(std::vector<c10::IValue>& buffers, size_t first, size_t last) const {

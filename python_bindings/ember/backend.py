@@ -178,8 +178,8 @@ def _compile_ir(ir, constants, subgraphs, config, kind, graph_name, pinned, fx_n
         compiled = _C.compile(ir, constants, config.disabled_passes, config.debug_dir, graph_name, cached, subgraphs,
                               config.autotune, config.autotune_budget_s, list(unversioned))
     compiled._boxed_call = True
-    if cached:
-        compiled.cache_parameter_steps(cached)
+    if cached:  # and over a symbolic graph's sizes, kept per size, where no CUDA graph replays it (runtime.h)
+        compiled.cache_parameter_steps(cached, sizes=not config.cudagraphs)
     plan, unpadded = padding
     if plan is not None:  # before the CUDA graphs: they then see the padded sizes alone
         compiled.set_size_buckets(*plan)

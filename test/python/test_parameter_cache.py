@@ -1,6 +1,7 @@
 """Steps over parameters alone (a weight scaled, transposed and copied) run once in inference graphs and
 again only when a parameter changes (CompiledGraph::cache_parameter_steps, runtime.h)."""
 import os
+import re
 
 import pytest
 import torch
@@ -142,3 +143,40 @@ def check_now_padded(m, f):
     with torch.no_grad():
         for a, b in zip(f(x), m(x)):
             assert_tensor_close(a, b)
+
+
+class Rotary(torch.nn.Module):
+    """A rotary embedding's cos/sin: made from the length and a buffer alone, then applied to the input."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim)), persistent=False)
+
+    def forward(self, x):
+        t = torch.arange(x.shape[1], device=x.device).float()
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return x * emb.cos() + x.flip(-1) * emb.sin()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_steps_over_sizes_and_parameters_are_cached_per_size(device):
+    """In a symbolic graph the steps over the sizes and the parameters alone (the cos/sin above, which a
+    static compile folds) are cached per size: more sizes than entries, each seen again after eviction, and a
+    changed buffer, all give eager's results."""
+    torch.manual_seed(0)
+    m = Rotary().to(device)
+    f = compile_ember(m, dynamic=True)
+    lengths = [3, 5, 9, 3, 12, 17, 20, 23, 30, 33, 41, 5, 3, 12]  # ten sizes: more than a cache keeps
+    with torch.no_grad():
+        for n in lengths:
+            x = torch.randn(2, n, 16, device=device)
+            assert_tensor_close(f(x), m(x))
+        m.inv_freq.mul_(0.5)  # in place: a new version, every size's entry stale
+        for n in (3, 41, 3):
+            x = torch.randn(2, n, 16, device=device)
+            assert_tensor_close(f(x), m(x))
+    text = listing()
+    per_call = [line for line in text.splitlines() if re.match(r"\s+\d+: ", line)]
+    assert "cached over parameters" in text and "aten::arange" in text, text
+    assert not any("aten::arange" in line or "aten::cos" in line for line in per_call), text

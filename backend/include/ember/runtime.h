@@ -242,12 +242,16 @@ class CompiledGraph {
   // ember.config.parameter_cache = False (backend.py) for models changed that way. Inference tensors carry no
   // version counter, so with one among the parameters the steps run on every call. Call before
   // set_runner. Returns the number of steps moved.
-  size_t cache_parameter_steps(const std::vector<bool>& pinned);
+  // `sizes`: the int inputs (a symbolic graph's sizes) count as pinned too, and the results are kept per value
+  // of those the steps read, for the most recent few: a symbolic LLaMA's rotary cos/sin, made from the length
+  // by ten steps per call where a static compile folds them. Not for graphs a runner replays as CUDA graphs
+  // (set_runner refuses): an evicted entry's tensors would be freed under a captured graph.
+  size_t cache_parameter_steps(const std::vector<bool>& pinned, bool sizes = false);
   // Whether the cached results are those of `inputs`' parameters, so a call may skip start() and its
   // check (true where nothing is cached).
   bool cache_current(const std::vector<c10::IValue>& inputs) const;
 
-  void set_runner(std::unique_ptr<PlanRunner> runner) { runner_ = std::move(runner); }
+  void set_runner(std::unique_ptr<PlanRunner> runner);
   const PlanRunner* runner() const { return runner_.get(); }
 
   // Symbolic sizes padded up to buckets around every call, before the runner sees the inputs, and outputs sliced
