@@ -22,6 +22,9 @@
 //     56x56 took 60 us alone and 73 us with bias and ReLU fused). 16-bit folded weights are rounded once to
 //     their dtype: the result differs from eager's (which rounds the convolution's result before the batch
 //     norm) by about as much as eager's own rounding. Other CUDA batch norms stay for bn_pointwise.
+//  6. Uses are counted over the nodes whose results something reads: canonicalize leaves the copies it bypasses
+//     for dead code elimination, which runs after this pass, and such a dead clone of a convolution's result
+//     kept its batch norm unfolded.
 #include "passes/passes.h"
 
 #include "ember/op_table.h"
@@ -120,13 +123,30 @@ void fold_batchnorm(Graph& graph, PassContext& ctx) {
   const auto& nodes = graph.nodes();
   for (const auto& n : nodes)
     if (op_info(n->op).has(kMutates)) return;  // in-place writes below autograd move no version counter
+  // Point 6: the nodes whose results something reads (the graph's outputs, through the nodes that make them).
+  std::unordered_set<const Value*> read;
+  for (const Arg& a : graph.outputs()) a.for_each_value([&](const Value* v) { read.insert(v); });
+  std::unordered_set<const Node*> live;
+  for (auto it = nodes.rbegin(); it != nodes.rend(); ++it) {
+    bool used = (*it)->outputs.empty() || op_info((*it)->op).has(kRandom);  // (asserts, random state)
+    for (const Value* v : (*it)->outputs) used = used || read.count(v) > 0;
+    if (!used) continue;
+    live.insert(it->get());
+    (*it)->for_each_input([&](const Value* v) { read.insert(v); });
+  }
+  std::vector<const Node*> dead;
   std::unordered_map<const Value*, int> uses;
   std::unordered_map<const Value*, std::vector<const Node*>> readers;
-  for (const auto& n : nodes)
+  for (const auto& n : nodes) {
+    if (!live.count(n.get())) {
+      dead.push_back(n.get());
+      continue;
+    }
     n->for_each_input([&](const Value* v) {
       ++uses[v];
       readers[v].push_back(n.get());
     });
+  }
   for (const Arg& a : graph.outputs())
     a.for_each_value([&](const Value* v) {
       uses[v] += 2;
@@ -221,6 +241,7 @@ void fold_batchnorm(Graph& graph, PassContext& ctx) {
     removed.insert(conv);
   }
   if (replaced.empty()) return;
+  for (const Node* n : dead) removed.insert(n);  // they may read a removed convolution (point 6)
   graph.replace_uses(replaced);
   graph.remove_nodes_if([&](const Node& n) { return removed.count(&n) > 0; });
 }
