@@ -151,6 +151,7 @@ def simplify_masks(gm):
     if config.keep_masks:
         return 0, 0
     dropped = causal = 0
+    proven = {}  # (mask node, scores' sizes) -> what_mask_is: a decoder's layers share one mask
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not _SDPA:
             continue
@@ -165,7 +166,10 @@ def simplify_masks(gm):
         if nodes is None:  # built from a size Dynamo made symbolic: proven for every size, or left
             from .mask_algebra import what_mask_is
 
-            what = what_mask_is(mask, scores)
+            key = (mask, tuple(str(s) for s in scores))
+            if key not in proven:  # sympy's proof takes 0.2 s for LLaMA's causal mask
+                proven[key] = what_mask_is(mask, scores)
+            what = proven[key]
         else:
             try:
                 value = _evaluate(nodes)
