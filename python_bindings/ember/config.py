@@ -172,8 +172,9 @@ SETTINGS = {s.name: s for s in (
             "in <cache_dir>/launch",
             USER, option=True, minimum=0),
     Setting("parameter_cache", bool, True,
-            "inference graphs run their steps over parameters alone (weight layouts, folded batch norms) again only "
-            "when a parameter changes; off where parameters change through `.data`, which ember cannot see",
+            "inference graphs run their steps over parameters alone (weight layouts, folded batch norms; without CUDA "
+            "graphs, a symbolic graph's steps over its sizes and parameters, per size) again only when a parameter "
+            "changes; off where parameters change through `.data`, which ember cannot see",
             USER, option=True),
     Setting("pad_to_buckets", "buckets", None,
             "inference graphs over a symbolic size (dynamic=True, automatic dynamic, mark_dynamic) run it padded with "
