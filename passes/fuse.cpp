@@ -31,9 +31,11 @@
 //     input - mean, multiplied with the gradient the ReLU backward's group makes).
 //  7. Before grouping: a reduction over the leading dims of a reshape reads the reshape's input
 //     (reduce_through_reshapes), a pointwise node reading one reshaped value reads the value before the
-//     reshape, the reshape moving after it (lift_over_reshapes), pointwise nodes move down to consumers that could not join them
-//     (sink_into_consumers), nodes that read no graph input, and scalar reads of graph inputs, move to the top (hoist_constant_nodes), and on the
-//     CPU views and per-channel math move up to what they read (hoist_views_and_channel_math).
+//     reshape, the reshape moving after it (lift_over_reshapes), a pointwise node whose readers all write one other
+//     dense order takes it (adopt_consumer_layouts), pointwise nodes move down to consumers that could not join
+//     them (sink_into_consumers), nodes that read no graph input, and scalar reads of graph inputs, move to the
+//     top (hoist_constant_nodes), and on the CPU views and per-channel math move up to what they read
+//     (hoist_views_and_channel_math).
 // The group marks are advice: a kernel generator that declines a group leaves its nodes to ATen.
 // Nodes already in a group (claimed by passes/matmul_epilogue.cpp) are left as they are.
 #include "passes/passes.h"
@@ -42,6 +44,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <functional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -127,6 +130,7 @@ class Fuser {
   void run() {
     reduce_through_reshapes();
     lift_over_reshapes();
+    adopt_consumer_layouts();
     sink_into_consumers();
     hoist_constant_nodes();
     hoist_views_and_channel_math();
@@ -319,9 +323,42 @@ class Fuser {
     graph_.remove_nodes_if([&](const Node& n) { return unread.count(&n) > 0; });
   }
 
+  // Rule 10: a pointwise node whose result only pointwise nodes read, all writing one other dense order of the
+  // same sizes, takes that order: what it writes is then the layout its readers' group iterates in, and the node
+  // can join that group (rule 4 keeps one layout per group). LLaMA's rotary embedding adds q * cos, laid out as
+  // the permuted projection it reads, and rotate_half(q) * sin, row-major behind the cat: the two multiplies and
+  // the add were three ATen calls per q and k. A node ATen runs instead still writes its own layout, which only
+  // pointwise readers see, through their strides.
+  void adopt_consumer_layouts() {
+    std::unordered_map<const Value*, std::vector<Node*>> readers;
+    std::unordered_set<const Value*> outputs;
+    for (const auto& n : graph_.nodes()) n->for_each_input([&](const Value* v) { readers[v].push_back(n.get()); });
+    for (const Arg& a : graph_.outputs()) a.for_each_value([&](const Value* v) { outputs.insert(v); });
+    auto pointwise = [&](const Node& n) {
+      return n.group < 0 && n.outputs.size() == 1 && n.outputs[0]->type.is_tensor() && eligible(n) && !is_reduction(n);
+    };
+    for (const auto& n : graph_.nodes()) {
+      if (!pointwise(*n) || outputs.count(n->outputs[0])) continue;
+      TensorType& t = n->outputs[0]->type.tensor;
+      auto r = readers.find(n->outputs[0]);
+      if (r == readers.end() || !row_major(t)) continue;
+      const TensorType* layout = nullptr;
+      bool ok = true;
+      for (const Node* u : r->second) {
+        if (!pointwise(*u)) ok = false;
+        if (!ok) break;
+        const TensorType& ut = u->outputs[0]->type.tensor;
+        if (!(ut.sizes == t.sizes) || !permuted_layout(ut) || (layout && !(layout->strides == ut.strides))) ok = false;
+        layout = &ut;
+      }
+      if (ok && layout) t.strides = layout->strides;
+    }
+  }
+
   // Rule 8: a pointwise node moves down to just before its first consumer where that consumer, fusible
-  // too, also reads a value that an unfusible node (a matmul, a view) made after the node: rule 2 kept
-  // them apart, and no group could hold that node. Not across a write in place. Backward graphs sum a residual's gradient terms as each matmul makes one:
+  // too, also reads a value that an unfusible node (a matmul, a view) made after the node, directly or through
+  // up to two fusible nodes: rule 2 kept them apart, and no group could hold that node. Not across a write in
+  // place. Backward graphs sum a residual's gradient terms as each matmul makes one:
   // add(add(add(g, mm1), mm2), mm3) with the matmuls between the adds; moved, the three adds are one
   // kernel. Walking from the end moves a whole chain.
   void sink_into_consumers() {
@@ -346,10 +383,17 @@ class Fuser {
         if (!first || pos[user] < pos[first]) first = user;
       const size_t from = pos[x], to = pos[first];
       if (to <= from + 1 || first->group >= 0 || !eligible(*first)) continue;
+      // Made after x by a node that fuses but reads what an unfusible node made after x (the rotary
+      // embedding's rotate_half(q) * sin behind its cat): rule 2 keeps that node out of a group x starts too.
+      std::function<bool(const Value*, int)> after_unfusible = [&](const Value* v, int depth) {
+        if (v == x->outputs[0] || !v->producer || pos[v->producer] <= from) return false;
+        if (!eligible(*v->producer)) return true;
+        bool found = false;
+        if (depth > 0) v->producer->for_each_input([&](const Value* w) { found = found || after_unfusible(w, depth - 1); });
+        return found;
+      };
       bool blocked = false;
-      first->for_each_input([&](const Value* v) {
-        if (v != x->outputs[0] && v->producer && pos[v->producer] > from && !eligible(*v->producer)) blocked = true;
-      });
+      first->for_each_input([&](const Value* v) { blocked = blocked || after_unfusible(v, 2); });
       if (!blocked) continue;
       bool write = false;
       for (size_t j = from + 1; j < to && !write; ++j) write = mutates(*order[j]);

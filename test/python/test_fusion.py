@@ -633,3 +633,25 @@ def test_silu_backward_fuses(device):
     assert backward, [k for k, _ in EMBER_GRAPHS]
     steps = backward[0].steps()
     assert not any(what == "aten::silu_backward" for kind, what in steps), steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_embedding_multiplies_and_add_fuse(device):
+    """LLaMA's rotary embedding: q * cos + rotate_half(q) * sin, q a transposed projection and rotate_half a cat.
+    The second product is row-major behind the cat, the rest in q's layout: it takes its reader's layout and the
+    two multiplies and the add are one fused kernel (passes/fuse.cpp, rules 8 and 10); results against eager."""
+    proj = nn.Linear(64, 128, bias=False).to(device)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., 16:], x[..., :16]), dim=-1)
+
+    def fn(h, cos, sin):
+        q = proj(h).view(2, 12, 4, 32).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin
+
+    h = torch.randn(2, 12, 64, device=device)
+    cos, sin = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
+    with torch.no_grad():
+        check(fn, h, cos, sin, grad=False, **MATMUL_TOL)
+    steps = [what for _, g in EMBER_GRAPHS for _, what in g.steps()]
+    assert not any(what in ("aten::mul.Tensor", "aten::add.Tensor") for what in steps), steps
