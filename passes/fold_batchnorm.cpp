@@ -25,6 +25,8 @@
 //  6. Uses are counted over the nodes whose results something reads: canonicalize leaves the copies it bypasses
 //     for dead code elimination, which runs after this pass, and such a dead clone of a convolution's result
 //     kept its batch norm unfolded.
+//  7. A clone between the convolution and the batch norm whose result has the convolution's type (sizes and
+//     strides: a `.contiguous(memory_format=...)` that changes nothing, which canonicalize keeps) goes with them.
 #include "passes/passes.h"
 
 #include "ember/op_table.h"
@@ -117,6 +119,16 @@ CudaEpilogue cuda_epilogue(const Value* bn_out, const std::unordered_map<const V
   return e;
 }
 
+// A clone (in any memory format) whose result has its input's type, of a value made by a node and read by nothing
+// else (point 7).
+bool layout_copy_of_one_use(const Node& n, std::unordered_map<const Value*, int>& uses) {
+  if (n.op != "aten::clone" || n.args.size() != 1 || n.outputs.size() != 1 || !n.args[0].is_value()) return false;
+  for (const auto& kw : n.kwargs)
+    if (kw.first != "memory_format") return false;
+  const Value* x = n.args[0].value;
+  return x->producer && uses[x] == 1 && x->type.is_tensor() && n.outputs[0]->type.is_tensor() && x->type.tensor == n.outputs[0]->type.tensor;
+}
+
 }  // namespace
 
 void fold_batchnorm(Graph& graph, PassContext& ctx) {
@@ -171,6 +183,8 @@ void fold_batchnorm(Graph& graph, PassContext& ctx) {
     if (!in.is_value() || !in.value->producer || uses[in.value] != 1) continue;
     if (uses[bn->outputs[1]] != 0 || uses[bn->outputs[2]] != 0) continue;
     const Node* conv = in.value->producer;
+    const Node* copy = layout_copy_of_one_use(*conv, uses) ? conv : nullptr;  // point 7
+    if (copy) conv = copy->args[0].value->producer;
     if (conv->op != "aten::convolution" || conv->args.size() != 9 || !conv->kwargs.empty() ||
         conv->args[6].kind != Arg::Kind::Bool || conv->args[6].b || conv->group >= 0)
       continue;
@@ -226,7 +240,7 @@ void fold_batchnorm(Graph& graph, PassContext& ctx) {
                                    std::move(args), {}, {{base + "_conv_relu", relu_out->type}});
       graph.move_last_before(1, epilogue.relu);
       replaced.emplace_back(relu_out, fused->outputs[0]);
-      for (const Node* n : {bn, conv, epilogue.add, epilogue.relu})
+      for (const Node* n : {bn, conv, copy, epilogue.add, epilogue.relu})
         if (n) removed.insert(n);
       continue;
     }
@@ -239,6 +253,7 @@ void fold_batchnorm(Graph& graph, PassContext& ctx) {
     replaced.emplace_back(bn->outputs[0], folded->outputs[0]);
     removed.insert(bn);
     removed.insert(conv);
+    if (copy) removed.insert(copy);
   }
   if (replaced.empty()) return;
   for (const Node* n : dead) removed.insert(n);  // they may read a removed convolution (point 6)

@@ -351,7 +351,8 @@ def test_dynamic_true_module_floats_stay_in_the_fused_kernel(device):
 ])
 def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
     """Eval-mode conv -> batch norm -> ReLU blocks over a symbolic batch fold each batch norm into its convolution
-    as the static compile does (passes/fold_batchnorm.cpp), one of them past a clone that canonicalize bypasses."""
+    as the static compile does (passes/fold_batchnorm.cpp): one past a clone that canonicalize bypasses, one past a
+    channels_last clone of a channels_last result (layout.py makes the convolutions channels_last)."""
 
     def block(cin, cout):
         return [nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
@@ -359,12 +360,14 @@ def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
-            self.a, self.b = nn.Sequential(*block(3, 8)), nn.Sequential(*block(8, 16))
+            self.a, self.b, self.c = nn.Sequential(*block(3, 8)), nn.Sequential(*block(8, 16)), nn.Sequential(*block(16, 16))
 
         def forward(self, x):
             y = self.a(x)
             conv, bn, relu = self.b
-            return relu(bn(conv(y).clone())).mean((-1, -2))
+            y = relu(bn(conv(y).clone()))
+            conv, bn, relu = self.c
+            return relu(bn(conv(y).clone(memory_format=torch.channels_last))).mean((-1, -2))
 
     model = Net().to(device).eval()
     for m in model.modules():
@@ -378,7 +381,7 @@ def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
             torch.testing.assert_close(compiled(x), model(x), **MATMUL_TOL)
     symbolic = EMBER_GRAPHS[-1][1]
     steps = [what for _, what in symbolic.steps()]
-    assert steps.count("fold_batchnorm") == 2 and not any("batch_norm" in what for what in steps), steps
+    assert steps.count("fold_batchnorm") == 3 and not any("batch_norm" in what for what in steps), steps
 
 
 @pytest.mark.parametrize("device", DEVICES)
