@@ -179,6 +179,7 @@ struct CompiledGraph::ParameterCache {
   static constexpr size_t kSizeEntries = 8;
   std::mutex mu;
   std::vector<bool> int_key;  // per key: an int input (compared by value) rather than a tensor
+  bool sized = false;         // some key is an int: one entry per value of the ints
   std::vector<Entry> entries;  // most recently used first; one unless int keys
 };
 
@@ -194,8 +195,10 @@ size_t CompiledGraph::cache_parameter_steps(const std::vector<bool>& pinned, boo
   const size_t moved = hoist_parameter_steps(plan_, seed);
   if (!moved) return 0;
   cache_ = std::make_shared<ParameterCache>();
-  for (uint32_t b : plan_.cached_keys)
+  for (uint32_t b : plan_.cached_keys) {
     cache_->int_key.push_back(b < graph_.inputs().size() && graph_.inputs()[b]->type.kind == Type::Kind::Int);
+    cache_->sized = cache_->sized || cache_->int_key.back();
+  }
   return moved;
 }
 
@@ -231,7 +234,7 @@ bool same_parameters(const Cache& c, const Entry& e, const std::vector<uint32_t>
 }  // namespace
 
 void CompiledGraph::set_runner(std::unique_ptr<PlanRunner> runner) {
-  if (runner && cache_ && std::find(cache_->int_key.begin(), cache_->int_key.end(), true) != cache_->int_key.end())
+  if (runner && cache_ && cache_->sized)
     throw Error("internal: a graph whose cached steps are kept per size cannot be replayed as CUDA graphs");
   runner_ = std::move(runner);
 }
@@ -246,9 +249,8 @@ void CompiledGraph::refresh_cached(std::vector<c10::IValue>& buffers) const {
   ParameterCache& c = *cache_;
   std::lock_guard<std::mutex> lock(c.mu);
   // The entry for these int values (the only one where there are none), moved to the front.
-  const bool sized = std::find(c.int_key.begin(), c.int_key.end(), true) != c.int_key.end();
   size_t at = 0;
-  if (sized)
+  if (c.sized)
     while (at < c.entries.size() && !same_sizes(c, c.entries[at], plan_.cached_keys, buffers)) ++at;
   if (at == c.entries.size()) {
     if (c.entries.size() >= ParameterCache::kSizeEntries) c.entries.pop_back();  // (no CUDA graph reads them)

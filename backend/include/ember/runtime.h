@@ -244,7 +244,7 @@ class CompiledGraph {
   // set_runner. Returns the number of steps moved.
   // `sizes`: the int inputs (a symbolic graph's sizes) count as pinned too, and the results are kept per value
   // of those the steps read, for the most recent few: a symbolic LLaMA's rotary cos/sin, made from the length
-  // by ten steps per call where a static compile folds them. Not for graphs a runner replays as CUDA graphs
+  // by 15 steps per call where a static compile folds them. Not for graphs a runner replays as CUDA graphs
   // (set_runner refuses): an evicted entry's tensors would be freed under a captured graph.
   size_t cache_parameter_steps(const std::vector<bool>& pinned, bool sizes = false);
   // Whether the cached results are those of `inputs`' parameters, so a call may skip start() and its
