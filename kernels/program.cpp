@@ -45,6 +45,7 @@ class Lowering {
         outer_seen_ = true;
       }
       full_rank_ = std::max(full_rank_, sizes.size());
+      if (reduction && full_sizes_.empty()) full_sizes_ = sizes;
     }
     program_.rank = full_rank_;
     for (const Node* n : members_) lower(*n);
@@ -149,17 +150,26 @@ class Lowering {
   }
 
   // A node is a row node when its output has fewer elements per row than the full shape: it follows
-  // a reduction and works on reduced values only.
+  // a reduction and works on reduced values only. A keepdim-shaped output ([..., 1], or [1, ..., 1, kept...]
+  // for columns) is a row unless the full shape has that shape too; then it is one only where it reads rows.
+  // (A [1, 1] comparison of two [1, 1] inputs in a group over [1, 4] rows, reading no register, was lowered
+  // as a full node and stored [1, 4]: a minimum's gradient came back 4 times too large.)
   bool node_is_row(const Node& n) const {
     if (is_reduction(n) || !program_.has_reduction) return false;
     const auto& sizes = n.outputs[0]->type.tensor.sizes;
     if (sizes.size() < full_rank_) return true;
+    auto one = [](const Dim& d) { return d.is_constant() && d.value == 1; };
     if (program_.outer > 0) {  // keepdim columns: [1, ..., 1, kept...]
-      for (size_t d = 0; d < program_.outer; ++d)
-        if (!sizes[d].is_constant() || sizes[d].value != 1) return false;
-      return row_consumer(n);
+      bool full_is_keepdim = full_sizes_.size() == sizes.size();
+      for (size_t d = 0; d < program_.outer; ++d) {
+        if (!one(sizes[d])) return false;
+        full_is_keepdim = full_is_keepdim && one(full_sizes_[d]);
+      }
+      return !full_is_keepdim || row_consumer(n);
     }
-    return !sizes.empty() && sizes.back().is_constant() && sizes.back().value == 1 && row_consumer(n);
+    if (sizes.empty() || !one(sizes.back())) return false;
+    const bool full_is_keepdim = full_sizes_.size() == sizes.size() && one(full_sizes_.back());
+    return !full_is_keepdim || row_consumer(n);
   }
 
   // A keepdim-shaped ([..., 1]) pointwise node is a row node only when all its register inputs are rows.
@@ -430,6 +440,7 @@ class Lowering {
   Program program_;
   std::vector<const Node*> members_;
   size_t full_rank_ = 0;
+  std::vector<Dim> full_sizes_;  // the first reduction's input: the group's full shape
   bool outer_seen_ = false;  // a reduction has set program_.outer
   bool lowering_row_ = false;  // the node lower() is at is a row node (emit)
   std::unordered_map<const Value*, int> reg_of_;

@@ -83,3 +83,18 @@ def test_column_reduction_of_add_with_scalar_alpha(device, op):
     for x in (torch.randn(2, 1, 1, device=device), torch.randn(8, 3, 5, device=device)):
         check(lambda t: fns[op](torch.add(t, 3, alpha=2), dim=(0, 1), keepdim=True), x)
         check(lambda t: fns[op](torch.sub(t, 0.5, alpha=3), dim=0), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_keepdim_shaped_nodes_reading_no_register_are_rows(device):
+    """A minimum's backward over a [1, 1] and a [4] input: the group sums the [1, 4] gradient into [1, 1] rows,
+    and the comparisons of the two [1, 1] inputs that pick where it goes read no value the group makes. They
+    are rows all the same (kernels/program.cpp, node_is_row): lowered as full nodes, the result was stored
+    [1, 4] and the gradient came back 4 times too large (fuzz seed 812592)."""
+
+    def fn(a, b, c):
+        return torch.minimum(torch.minimum(a + c, a), b.reshape(-1))
+
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(s, generator=g).to(device) for s in ([1, 1], [1, 1, 4], [1, 1]))
+    check(fn, a, b, c, grad=[2])
