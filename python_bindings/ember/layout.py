@@ -161,6 +161,26 @@ def global_pools_as_means(gm):
     return rewritten
 
 
+def _views_past_views(graph, force):
+    """Whether a `view` or `as_strided` reads, through other views (a permute), a tensor NCHW-contiguous in the
+    trace: the rewrite gives that tensor channels_last strides, and the view then reads other ones than traced
+    (`conv(x).permute(3, 2, 0, 1).view(3, 2, -1)` could not be viewed so: fuzz seed 813074). Giving the view
+    its input's traced layout back (as below for views of the NCHW tensor itself) would need the whole chain
+    replayed; the rewrite is left out instead."""
+    for node in graph.nodes:
+        if _name(node) not in ("view", "as_strided") or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        source = node.args[0]
+        if _nchw(_tensor(source), force):
+            continue  # made contiguous first, below
+        while (_name(source) in _VIEWS and _name(source) not in _SHARES_BY_LAYOUT and source.args
+               and isinstance(source.args[0], torch.fx.Node)):
+            source = source.args[0]
+            if _nchw(_tensor(source), force):
+                return True
+    return False
+
+
 def channels_last_convolutions(gm, force=False, weights=True):
     """Rewrites `gm` (a Dynamo graph) in place; returns the number of convolutions now reading
     channels_last tensors. `force` applies it to CPU tensors too. `weights=False` leaves the weights as
@@ -178,7 +198,7 @@ def channels_last_convolutions(gm, force=False, weights=True):
         convs.append((node, x, w))
     if len(convs) < 2 or not any(_nchw(_tensor(x), force) for _, x, _ in convs):
         return 0
-    if _sharing_changes_show(gm.graph, force):
+    if _sharing_changes_show(gm.graph, force) or _views_past_views(gm.graph, force):
         return 0
     graph = gm.graph
     for node, x, w in convs:
