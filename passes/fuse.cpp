@@ -345,10 +345,11 @@ class Fuser {
       const TensorType* layout = nullptr;
       bool ok = true;
       for (const Node* u : r->second) {
-        if (!pointwise(*u)) ok = false;
+        ok = pointwise(*u);
         if (!ok) break;
         const TensorType& ut = u->outputs[0]->type.tensor;
-        if (!(ut.sizes == t.sizes) || !permuted_layout(ut) || (layout && !(layout->strides == ut.strides))) ok = false;
+        ok = ut.sizes == t.sizes && permuted_layout(ut) && (!layout || layout->strides == ut.strides);
+        if (!ok) break;
         layout = &ut;
       }
       if (ok && layout) t.strides = layout->strides;
