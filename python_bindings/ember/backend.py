@@ -885,14 +885,15 @@ def _compile_graph(gm, example_inputs, config, built=None):
 
         route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
     if ember_config.conv_channels_last:
-        from .layout import channels_last_convolutions, global_pools_as_means, pays_in_cpu_training
+        from .layout import (channels_last_convolutions, direct_eval_batch_norms, global_pools_as_means,
+                             pays_in_cpu_training)
 
         global_pools_as_means(gm)  # no as_strided_ restride after a 1x1 average pool (see layout.py)
-
+        needs_grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
-            channels_last_convolutions(gm)  # cuDNN's NHWC convolutions without per-call conversions (see layout.py)
+            if channels_last_convolutions(gm) and not needs_grad:  # cuDNN's NHWC convolutions without per-call
+                direct_eval_batch_norms(gm)  # conversions; a symbolic batch norm then copies nothing (see layout.py)
         else:
-            needs_grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
             if not needs_grad or pays_in_cpu_training(gm):
                 channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, NCHW weights (see layout.py)
     stored = {}  # what the DirectCall returned is built from: the compile cache's entry

@@ -30,6 +30,11 @@ fused. Not where that loses (pays_in_cpu_training): where concatenations along t
 copies strided rows, and ember writes no input in place into it), or where the weights outweigh the activations
 (each weight is reordered per call).
 
+With a symbolic size, a CUDA eval-mode batch norm is traced as the op it runs (direct_eval_batch_norms): ATen's
+batch_norm routes it to cuDNN's kernel through `input.contiguous(input.suggest_memory_format())`, which for a
+channels_last input of symbolic sizes copies it to NCHW; the copy then sat between each convolution and its batch
+norm, and no norm folded.
+
 With the rewrite on, a 1x1 average pool is traced as the mean it is (global_pools_as_means): channels-last, ATen
 restrides that mean, and a training graph's backward paid for the restride.
 """
@@ -237,3 +242,42 @@ def channels_last_convolutions(gm, force=False, weights=True):
     output.args = torch.fx.node.map_aggregate(output.args, restore)
     gm.recompile()
     return len(convs)
+
+
+def direct_eval_batch_norms(gm, force=False):
+    """Rewrites each eval-mode `F.batch_norm` of a CUDA tensor (any tensor with `force`) with a symbolic size in
+    `gm` (a Dynamo graph of an inference call) as `aten._native_batch_norm_legit_no_training`, the op its trace ends in anyway; returns how
+    many. Traced through ATen's batch_norm, the cuDNN route first makes its input
+    `contiguous(input.suggest_memory_format())`, and for a channels_last tensor of symbolic sizes that is a copy to
+    NCHW (bench/dynamic.py's convnet on the H100: a copy after each convolution, its batch norm unfolded, the
+    symbolic graph at half the static graph's speed). Static sizes keep the traced route, which copies nothing."""
+    import operator
+
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.nn.functional.batch_norm:
+            continue
+        names = ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps")
+        defaults = (None, None, None, None, None, False, 0.1, 1e-5)
+        x, mean, var, weight, bias, training, momentum, eps = (
+            _arg(node, i, name) if len(node.args) > i or name in node.kwargs else default
+            for i, (name, default) in enumerate(zip(names, defaults)))
+        value = _tensor(x)
+        if training is not False or mean is None or var is None or value is None or not (value.is_cuda or force):
+            continue
+        if all(isinstance(size, int) for size in value.shape):
+            continue
+        if not all(isinstance(a, (int, float)) for a in (momentum, eps)):
+            continue
+        with gm.graph.inserting_after(node):
+            norm = gm.graph.call_function(torch.ops.aten._native_batch_norm_legit_no_training.default,
+                                          (x, weight, bias, mean, var, momentum, eps))
+        with gm.graph.inserting_after(norm):
+            result = gm.graph.call_function(operator.getitem, (norm, 0))
+        result.meta.update(node.meta)
+        node.replace_all_uses_with(result)
+        gm.graph.erase_node(node)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten

@@ -384,6 +384,32 @@ def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
     assert steps.count("fold_batchnorm") == 3 and not any("batch_norm" in what for what in steps), steps
 
 
+def test_symbolic_eval_batch_norm_traced_as_its_op():
+    """layout.direct_eval_batch_norms (forced onto CPU tensors here; it applies to CUDA ones): an eval batch norm
+    over a symbolic batch becomes _native_batch_norm_legit_no_training with the same arguments, and one over static
+    sizes stays as Dynamo traced it; both compute what eager does."""
+    from ember.layout import direct_eval_batch_norms
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4)).eval()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            for t, (lo, hi) in ((m.running_mean, (-1, 1)), (m.running_var, (0.5, 2)), (m.weight, (0.5, 2)),
+                                (m.bias, (-1, 1))):
+                t.data.uniform_(lo, hi)
+    rewrites = []
+
+    def backend(gm, example_inputs):
+        rewrites.append(direct_eval_batch_norms(gm, force=True))
+        return gm
+
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for b in (2, 3, 5):
+            x = torch.randn(b, 3, 9, 7)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert rewrites == [0, 2], rewrites
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_captured_item_unbacked_symbol(device):
     def fn(x):
