@@ -342,17 +342,12 @@ def test_dynamic_true_module_floats_stay_in_the_fused_kernel(device):
     assert described.count("fused group") == 1 and "aten::mul" not in described, described
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[
-        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        pytest.mark.xfail(reason="known gap: on an H100 bench/dynamic.py's convnet traced with a symbolic batch had a "
-                          "copy between each convolution and its batch norm, and none was folded", strict=False)]),
-])
+@pytest.mark.parametrize("device", DEVICES)
 def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
     """Eval-mode conv -> batch norm -> ReLU blocks over a symbolic batch fold each batch norm into its convolution
     as the static compile does (passes/fold_batchnorm.cpp): one past a clone that canonicalize bypasses, one past a
-    channels_last clone of a channels_last result (layout.py makes the convolutions channels_last)."""
+    channels_last clone of a channels_last result (layout.py makes the convolutions channels_last). On CUDA the batch
+    norms are traced as their op (layout.direct_eval_batch_norms): through cuDNN's route each read an NCHW copy."""
 
     def block(cin, cout):
         return [nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
