@@ -347,7 +347,7 @@ def test_symbolic_batch_convolutions_fold_their_batch_norms(device):
     """Eval-mode conv -> batch norm -> ReLU blocks over a symbolic batch fold each batch norm into its convolution
     as the static compile does (passes/fold_batchnorm.cpp): one past a clone that canonicalize bypasses, one past a
     channels_last clone of a channels_last result (layout.py makes the convolutions channels_last). On CUDA the batch
-    norms are traced as their op (layout.direct_eval_batch_norms): through cuDNN's route each read an NCHW copy."""
+    norms are traced as their op (layout.direct_eval_batch_norms), without the clone cuDNN's route adds."""
 
     def block(cin, cout):
         return [nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
