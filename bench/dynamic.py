@@ -263,8 +263,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default="", help="comma-separated workloads (default: all)")
-    ap.add_argument("--backends", default="inductor,ember", help="comma-separated: inductor, ember, dynamo (Dynamo alone: backend='eager', "
-                    "default mode; its compile times are the floor under every backend's) (eager is always in)")
+    ap.add_argument("--backends", default="inductor,ember",
+                    help="comma-separated: inductor, ember, dynamo (Dynamo alone, backend='eager', default mode: the "
+                    "floor under every backend's compile times); eager is always in")
     ap.add_argument("--modes", default=None, help="comma-separated: default, reduce-overhead (default: both on CUDA)")
     ap.add_argument("--serve", type=int, default=500, help="calls in the serving run")
     ap.add_argument("--repeat", type=int, default=20, help="timed calls per size (median reported)")

@@ -891,8 +891,10 @@ def _compile_graph(gm, example_inputs, config, built=None):
         global_pools_as_means(gm)  # no as_strided_ restride after a 1x1 average pool (see layout.py)
         needs_grad = torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
         if any(getattr(x, "is_cuda", False) for x in example_inputs):
-            if channels_last_convolutions(gm) and not needs_grad:  # cuDNN's NHWC convolutions without per-call
-                direct_eval_batch_norms(gm)  # conversions; a symbolic batch norm then copies nothing (see layout.py)
+            # cuDNN's NHWC convolutions without per-call conversions, then symbolic eval batch norms traced without
+            # the copy ATen's cuDNN route adds (see layout.py)
+            if channels_last_convolutions(gm) and not needs_grad:
+                direct_eval_batch_norms(gm)
         else:
             if not needs_grad or pays_in_cpu_training(gm):
                 channels_last_convolutions(gm, force=True, weights=False)  # oneDNN's, NCHW weights (see layout.py)
