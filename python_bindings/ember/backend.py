@@ -849,14 +849,20 @@ def _compile_graph(gm, example_inputs, config, built=None):
     inference = []
     training = []  # (kind, compiled, facts) for the forward and the backward
     lowered = []  # what the compile cache stores of the graphs AOTAutograd hands over
+    # A tensor subclass among the inputs (a DTensor) reaches the graph only through AOTAutograd's wrapper, which
+    # unwraps it: its metadata does not always say so (torch 2.11 hands the compilers the unwrapped graph's, and a
+    # DTensor passed straight to the C++ graph crashed its first oneDNN call).
+    plain = not any(isinstance(x, torch.Tensor) and type(x) not in (torch.Tensor, torch.nn.Parameter)
+                    for x in example_inputs)
 
     def compiler(kind):
         def compile_one(g, inputs):
             compiled = compile_fx_graph(g, config, kind, lowered=lowered)
             if kind == "inference":
-                inference.append((compiled, _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind), _inference_facts()))
+                inference.append((compiled, plain and _wrapper_would_do_nothing(compiled), _pinned_inputs(g, kind),
+                                  _inference_facts()))
             elif kind == "forward":
-                training.append((kind, compiled, _forward_facts(g, compiled)))
+                training.append((kind, compiled, _forward_facts(g, compiled) if plain else None))
             else:
                 training.append((kind, compiled, _backward_facts(g)))
             return compiled

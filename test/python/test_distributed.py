@@ -271,7 +271,8 @@ def _tensor_parallel_program(make_model, plan, shape):
         _compare(eager_losses, ember_losses, eager_params, [p for _, p in ember_params])
         irs = [open(os.path.join(debug, f)).read() for f in os.listdir(debug) if f.endswith("0_input.ir")]
     carried = [ir for ir in irs if ": object" in ir]
-    assert len(carried) >= 2, f"no forward and backward carrying the mesh among {len(irs)} graphs"
+    if torch.torch_version.TorchVersion(torch.__version__) >= "2.13":  # (torch 2.11's graphs do not carry the mesh)
+        assert len(carried) >= 2, f"no forward and backward carrying the mesh among {len(irs)} graphs"
     assert any("_c10d_functional::all_reduce" in ir for ir in irs), "ember compiled no graph with the all-reduce"
 
 
