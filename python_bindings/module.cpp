@@ -61,8 +61,18 @@ struct CarriedObject final : c10::ivalue::PyObjectHolder {
 };
 
 // Argument `index` of a call, which is graph input `input`; an input of kind Object takes any object.
+// A tensor subclass (a DTensor) reaches a graph only unwrapped, through AOTAutograd's wrapper (backend.py): as
+// it is, the plan would read the wrapper as a plain tensor's memory.
+const at::Tensor& plain_tensor(PyObject* obj, size_t index) {
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.key_set().has(c10::DispatchKey::Python))
+    throw Error("input " + std::to_string(index) + " is a tensor subclass (" + Py_TYPE(obj)->tp_name +
+                "); the compiled graph takes plain tensors");
+  return t;
+}
+
 c10::IValue to_ivalue(PyObject* obj, size_t index, const CompiledGraph& graph, size_t input) {
-  if (THPVariable_Check(obj)) return c10::IValue(THPVariable_Unpack(obj));
+  if (THPVariable_Check(obj)) return c10::IValue(plain_tensor(obj, index));
   if (obj == Py_None) return c10::IValue();
   if (PyBool_Check(obj)) return c10::IValue(obj == Py_True);
   if (PyLong_Check(obj)) return c10::IValue(static_cast<int64_t>(PyLong_AsLongLong(obj)));
@@ -161,7 +171,8 @@ void read_arguments(const DirectCall& self, PyObject* const* args, Py_ssize_t n,
     c10::IValue& slot = out[base + at];
     if (at < self.keep.size() && self.keep[at] && THPVariable_Check(args[i])) {
       const at::Tensor& t = THPVariable_Unpack(args[i]);
-      if (!slot.isTensor() || slot.toTensor().unsafeGetTensorImpl() != t.unsafeGetTensorImpl()) slot = t;
+      if (!slot.isTensor() || slot.toTensor().unsafeGetTensorImpl() != t.unsafeGetTensorImpl())
+        slot = plain_tensor(args[i], at);
     } else {
       slot = to_ivalue(args[i], i, *self.graph, base + at);
     }

@@ -977,3 +977,24 @@ def test_collector_paused_while_compiling(monkeypatch, setting):
     else:
         assert all(seen) and after
     assert setting == "compile fails" or len(seen) == 2  # the training graph's forward and backward
+
+
+def test_direct_call_refuses_a_tensor_subclass_input():
+    """A graph compiled over plain tensors and called from C++ (a DirectCall) raises ember.EmberError, not a crash,
+    when handed a tensor subclass: subclasses reach a graph only unwrapped, through AOTAutograd's wrapper (torch
+    2.11's DTensor inputs once went straight into the plan and segfaulted its first oneDNN call)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    calls = []
+
+    def keep(gm, example_inputs):
+        calls.append(ember.backend.ember_backend(gm, example_inputs))
+        return calls[-1]
+
+    fn = torch.compile(lambda x, w: torch.relu(x @ w) + 1, backend=keep)
+    x, w = torch.randn(4, 8), torch.randn(8, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, w), torch.relu(x @ w) + 1)
+        assert type(calls[0]).__name__ == "DirectCall", type(calls[0])
+        with pytest.raises(ember.EmberError, match="tensor subclass"):
+            calls[0](TwoTensor(x, x.clone()), w)
