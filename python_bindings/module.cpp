@@ -60,7 +60,6 @@ struct CarriedObject final : c10::ivalue::PyObjectHolder {
   PyObject* obj;
 };
 
-// Argument `index` of a call, which is graph input `input`; an input of kind Object takes any object.
 // A tensor subclass (a DTensor) reaches a graph only unwrapped, through AOTAutograd's wrapper (backend.py): as
 // it is, the plan would read the wrapper as a plain tensor's memory.
 const at::Tensor& plain_tensor(PyObject* obj, size_t index) {
@@ -71,6 +70,7 @@ const at::Tensor& plain_tensor(PyObject* obj, size_t index) {
   return t;
 }
 
+// Argument `index` of a call, which is graph input `input`; an input of kind Object takes any object.
 c10::IValue to_ivalue(PyObject* obj, size_t index, const CompiledGraph& graph, size_t input) {
   if (THPVariable_Check(obj)) return c10::IValue(plain_tensor(obj, index));
   if (obj == Py_None) return c10::IValue();
