@@ -30,14 +30,14 @@ fused. Not where that loses (pays_in_cpu_training): where concatenations along t
 copies strided rows, and ember writes no input in place into it), or where the weights outweigh the activations
 (each weight is reordered per call).
 
+With the rewrite on, a 1x1 average pool is traced as the mean it is (global_pools_as_means): channels-last, ATen
+restrides that mean, and a training graph's backward paid for the restride.
+
 With a symbolic size, a CUDA eval-mode batch norm is traced as the op it runs (direct_eval_batch_norms): ATen's
 batch_norm routes it to cuDNN's kernel through `input.contiguous(input.suggest_memory_format())`, which for a
 channels_last input of symbolic sizes is a copy (bench/dynamic.py's convnet on an H100: four more traced nodes
-than with the rewrite, a clone before each batch norm). fold_batchnorm folds past such a copy; a batch norm it does
+than with this rewrite, a clone before each batch norm). fold_batchnorm folds past such a copy; a batch norm it does
 not fold would read it.
-
-With the rewrite on, a 1x1 average pool is traced as the mean it is (global_pools_as_means): channels-last, ATen
-restrides that mean, and a training graph's backward paid for the restride.
 """
 
 import torch
