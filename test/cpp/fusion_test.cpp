@@ -874,6 +874,12 @@ TEST(CudaCodegen, EntryPointsPerFamily) {
         EXPECT_EQ(src.text.find("void k_vec_strided(Params p)"), std::string::npos) << label;
         EXPECT_NE(src.strided_text.find("void k_vec_strided(Params p)"), std::string::npos) << label;
         EXPECT_EQ(src.strided_text.find("void k_vec(Params p)"), std::string::npos) << label;
+        // Where the innermost size is a multiple of the vector width, an input read through its strides
+        // takes one offset per vector (a row piece), in 32-bit divisions (below 2^32 elements).
+        if (program.rank >= 1) {
+          EXPECT_NE(src.strided_text.find("const bool rows = p.size["), std::string::npos) << label;
+          EXPECT_NE(src.strided_text.find("{ unsigned rest = (unsigned)(chunk * V);"), std::string::npos) << label;
+        }
       }
       for (const cuda::RowVariant& v : src.rows)
         EXPECT_NE(src.text.find(" " + v.entry + "(Params p)"), std::string::npos) << label;

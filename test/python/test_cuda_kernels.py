@@ -169,6 +169,41 @@ def test_flat_strided_vector_entry_misaligned_one_input(dtype):
     assert kernels >= 1
 
 
+def strided_heads(layout, dtype, b=2, s=12, h=4, d=32):
+    """A [b, h, s, d] view of a [b, s, h * d] projection, as attention heads are (q.view(...).transpose(1, 2)),
+    laid out as `layout` says."""
+    if layout == "heads":  # rows contiguous and aligned: a vector load per row piece
+        return torch.randn(b, s, h * d, device="cuda", dtype=dtype).view(b, s, h, d).transpose(1, 2)
+    if layout == "heads_misaligned":  # the same one element into its storage: one offset, element loads
+        return misaligned(b, s, h * d, dtype=dtype).view(b, s, h, d).transpose(1, 2)
+    if layout == "padded_rows":  # a row pitch of h * d + 1: rows start unaligned
+        return torch.randn(b, s, h * d + 1, device="cuda", dtype=dtype)[..., : h * d].view(b, s, h, d).transpose(1, 2)
+    if layout == "inner_strided":  # the innermost dim strided (s apart)
+        return torch.randn(b, h, d, s, device="cuda", dtype=dtype).transpose(-1, -2)
+    if layout == "odd_rows":  # rows of 30: a vector crosses rows, each element through its strides
+        return torch.randn(b, s, h * 30, device="cuda", dtype=dtype).view(b, s, h, 30).transpose(1, 2)
+    raise ValueError(layout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("layout", ["heads", "heads_misaligned", "padded_rows", "inner_strided", "odd_rows"])
+def test_flat_strided_inputs_read_a_vector_per_row(dtype, layout):
+    """The strided vector entry where the innermost size is a multiple of the vector width: an input read
+    through its strides takes one offset per vector (and a vector load where its rows are contiguous and
+    aligned), beside a broadcast [1, 1, s, d] input and a contiguous one, as in a rotary embedding. Also
+    under dynamic shapes, whose sizes reach the kernel per call."""
+
+    def fn(x, cos, y):
+        return x * cos + y * 0.5
+
+    for dynamic in (False, True):
+        x = strided_heads(layout, dtype)
+        cos = torch.randn(1, 1, *x.shape[2:], device="cuda", dtype=dtype)
+        y = torch.randn(x.shape, device="cuda", dtype=dtype)
+        _, kernels = compare(fn, x, cos, y, dynamic=dynamic)
+        assert kernels >= 1
+
+
 @pytest.mark.parametrize("rows", [1, 3000])
 def test_bf16_stores_round_as_eager(rows):
     """bf16 outputs convert with eager's rounding and eager's NaN (of either sign, any payload, in): a flat
