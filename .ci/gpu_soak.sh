@@ -5,21 +5,10 @@
 #   bash .ci/gpu_soak.sh memcheck         compute-sanitizer memcheck over the CUDA-graph and training tests
 #   bash .ci/gpu_soak.sh train STEPS      BertModel(BertConfig()) trained STEPS steps in reduce-overhead (bench/train_soak.py)
 #   bash .ci/gpu_soak.sh zoo              every bench/zoo.py model trained 20 steps in reduce-overhead
-# ember is installed from .carry/ember-prebuilt.tgz where it matches the tree (.ci/prebuilt.sh), else built.
+# How ember is installed there: .ci/gpu_setup.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/ember_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-for deb in .carry/libdnnl2_*.deb .carry/libdnnl-dev_*.deb .carry/ocl-icd-libopencl1_*.deb .carry/libgtest-dev_*.deb; do
-  [ -f "$deb" ] && dpkg -x "$deb" /tmp/debs
-done
-[ -d /tmp/debs/usr ] && export GTest_ROOT=/tmp/debs/usr dnnl_ROOT=/tmp/debs/usr \
-  LD_LIBRARY_PATH=/tmp/debs/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-if ! bash .ci/prebuilt.sh unpack .carry/ember-prebuilt.tgz; then
-  bash .ci/install.sh > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-  bash .ci/prebuilt.sh pack "$OUT/ember-prebuilt.tgz"
-fi
+source .ci/gpu_setup.sh
 workers=$(( $(nproc) - 2 ))
 case "${1:-}" in
   fuzz)
