@@ -319,8 +319,14 @@ class Printer {
       const std::string last = str(p_.rank - 1);
       o << "  const bool rows = p.size[" << last << "] % V == 0 && p.numel <= 0xffffffffLL;\n";
       for (size_t k = 0; k < p_.inputs.size(); ++k) {
-        o << "  const bool al" << k << " = rows && p.stride[" << k << "][" << last << "] == 1 && ((unsigned long long)p.in[" << k
-          << "] & (" << 4 * words(in_type(k)) << " - 1)) == 0";
+        o << "  const bool al" << k << " = ";
+        // (A vector narrower than its 32-bit words, a 1-byte input beside 8-byte ones, is read element by element.)
+        if (static_cast<size_t>(width_) * c10::elementSize(in_type(k)) != 4 * static_cast<size_t>(words(in_type(k)))) {
+          o << "false;\n";
+          continue;
+        }
+        o << "rows && p.stride[" << k << "][" << last << "] == 1 && ((unsigned long long)p.in[" << k << "] & ("
+          << 4 * words(in_type(k)) << " - 1)) == 0";
         for (size_t d = 0; d + 1 < p_.rank; ++d) o << " && (p.stride[" << k << "][" << d << "] & (V - 1)) == 0";
         o << ";\n";
       }
