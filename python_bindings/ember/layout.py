@@ -125,10 +125,13 @@ def pays_in_cpu_training(gm):
     its gradient back: timm resnet50d at batch 1, 23.5M weights against 10.4M, was 0.94-0.96x eager so against
     1.01-1.02x in NCHW; efficientnet_v2_s, 20.0M against 12.3M, gains).
 
-    Nor where a 1x1 convolution with a stride reads fewer than 8 channels: torch's CPU convolution_backward over a
+    Nor where a 1x1 convolution with a stride reads fewer than 16 channels: torch's CPU convolution_backward over a
     channels_last input corrupts the heap there (torch 2.13, eager as well: Conv2d(5, 4, 1, stride=2) on a
     channels_last [2, 5, 8, 8], one thread: "free(): invalid size" within a few hundred steps; two threads: wrong
-    weight gradients in 15 of 300 steps). Input channels 2-6 failed, 7-16 and 64 did not, nor 3x3 kernels."""
+    weight gradients in 15 of 300 steps). On this project's AVX2 host input channels 2-6 failed, 7-16 and 64 did
+    not, nor 3x3 kernels. oneDNN's issue 6035 describes it: its 1x1 backward-weights kernel writes past a
+    workspace for nhwc sources with a stride when the input channels are fewer than its channel block (8 with
+    AVX2, 16 with AVX-512), hence 16 here."""
     convs = cats = weights = inputs = 0
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -140,7 +143,7 @@ def pays_in_cpu_training(gm):
                 return False  # symbolic sizes: comparing them would guard on them (NCHW, as before)
             stride = _arg(node, 3, "stride")
             strided = any(s != 1 for s in (stride if isinstance(stride, (tuple, list)) else (stride or 1,)))
-            if w.dim() == 4 and tuple(w.shape[2:]) == (1, 1) and strided and w.shape[1] < 8:
+            if w.dim() == 4 and tuple(w.shape[2:]) == (1, 1) and strided and w.shape[1] < 16:
                 return False
             weights += w.numel()
             inputs += x.numel()
