@@ -248,25 +248,22 @@ class Printer {
   }
 
   // Offset of element `index` (an i64 expression) in input k, into `var`: its coordinates in the full
-  // shape, innermost first, times the input's aligned strides.
-  void offset(Source& o, size_t k, const std::string& index, const std::string& var, const std::string& ind) {
+  // shape, innermost first, times the input's aligned strides. `narrow`: in 32-bit divisions, for a kernel
+  // whose numel, hence every index and size, is below 2^32 (the offset itself stays 64-bit).
+  void offset(Source& o, size_t k, const std::string& index, const std::string& var, const std::string& ind,
+              bool narrow = false) {
     o << ind << "i64 " << var << " = 0;\n";
-    o << ind << "{ i64 rest = " << index << ";";
-    for (size_t d = p_.rank; d-- > 0;) {
-      o << " { i64 c = rest % p.size[" << d << "]; rest /= p.size[" << d << "]; " << var << " += c * p.stride[" << str(k) << "]["
-        << d << "]; }";
+    if (narrow) {
+      o << ind << "{ unsigned rest = (unsigned)(" << index << ");";
+      for (size_t d = p_.rank; d-- > 0;)
+        o << " { unsigned n = (unsigned)p.size[" << d << "], c = rest % n; rest /= n; " << var << " += (i64)c * p.stride["
+          << k << "][" << d << "]; }";
+    } else {
+      o << ind << "{ i64 rest = " << index << ";";
+      for (size_t d = p_.rank; d-- > 0;)
+        o << " { i64 c = rest % p.size[" << d << "]; rest /= p.size[" << d << "]; " << var << " += c * p.stride[" << k << "]["
+          << d << "]; }";
     }
-    o << " }\n";
-  }
-
-  // offset() of a vector's first element (flat_vec's row path) in 32-bit divisions: the kernel's numel,
-  // hence every index and size, is below 2^32 there (the offset itself stays 64-bit).
-  void row_offset(Source& o, size_t k, const std::string& index, const std::string& var, const std::string& ind) {
-    o << ind << "i64 " << var << " = 0;\n";
-    o << ind << "{ unsigned rest = (unsigned)(" << index << ");";
-    for (size_t d = p_.rank; d-- > 0;)
-      o << " { unsigned n = (unsigned)p.size[" << d << "], c = rest % n; rest /= n; " << var << " += (i64)c * p.stride[" << k
-        << "][" << d << "]; }";
     o << " }\n";
   }
 
@@ -295,8 +292,10 @@ class Printer {
   // with vector loads (contiguous and aligned: bit in p.vec; contiguous over the trailing p.period[k]
   // elements and repeated over the leading dimensions, a bias: bit in p.inner), by channel (one value
   // per p.span[k] elements, p.period[k] of them repeating: NCHW's per-channel [C, 1, 1]; bit in p.chan),
-  // once (one value for all: bit in p.bcast), or, in the STRIDED entry only, element by element through
-  // its strides. The last numel % V elements run one at a time (tail_element).
+  // once (one value for all: bit in p.bcast), or, in the STRIDED entry only, through its strides: a vector's
+  // elements from one offset where they lie in one row (the innermost size a multiple of V), with a vector load
+  // where that row is contiguous and aligned, else element by element. The last numel % V elements run one at a
+  // time (tail_element).
   //
   // Each thread takes U vectors per iteration, U * blockDim.x apart (each access stays coalesced), and
   // issues every input's loads before any compute: U times the bytes in flight of one vector per thread
@@ -381,7 +380,7 @@ class Printer {
       std::string in = ind;
       if (rows) {
         o << ind << "  if (rows) {\n";
-        row_offset(o, k, "chunk * V", "off", ind + "    ");
+        offset(o, k, "chunk * V", "off", ind + "    ", /*narrow=*/true);
         o << ind << "    if (al" << k << ") ld_words<" << w << ">(" << in_ptr(in_type(k), k) << " + off, " << a << "[u]);\n";
         o << ind << "    else {\n#pragma unroll\n" << ind << "      for (int v = 0; v < V; ++v) set_elem<" << t << ">(" << a
           << "[u], v, " << in_ptr(in_type(k), k) << "[off + v * p.stride[" << k << "][" << (p_.rank - 1) << "]]);\n"

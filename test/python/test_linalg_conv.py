@@ -276,7 +276,7 @@ def test_linalg_ops_with_effect_tokens(device):
     if _get_effect(torch.ops.aten._linalg_check_errors.default) is None:
         # A torch that does not mark the check as an effect (2.11) drops it from every traced graph as dead code:
         # there aot_eager and inductor return NaNs for a singular input as well.
-        return
+        pytest.skip("this torch drops _linalg_check_errors from traced graphs (not an effect)")
     with pytest.raises(torch.linalg.LinAlgError, match="could not be completed"):  # eager's error type
         compiled(torch.zeros(4, 4, device=device, requires_grad=True))
     report = ember.explain(lambda a: torch.linalg.tensorinv(a.reshape(4, 2, 2), ind=1))(a.clone().requires_grad_())
