@@ -327,8 +327,9 @@ class Fuser {
   // same sizes, takes that order: what it writes is then the layout its readers' group iterates in, and the node
   // can join that group (rule 4 keeps one layout per group). LLaMA's rotary embedding adds q * cos, laid out as
   // the permuted projection it reads, and rotate_half(q) * sin, row-major behind the cat: the two multiplies and
-  // the add were three ATen calls per q and k. A node ATen runs instead still writes its own layout, which only
-  // pointwise readers see, through their strides.
+  // the add were three ATen calls per q and k. Walking from the end, a chain takes the order whole (the
+  // rotation that passes/rotate_half.cpp writes as a neg and a where before that multiply). A node ATen runs
+  // instead still writes its own layout, which only pointwise readers see, through their strides.
   void adopt_consumer_layouts() {
     std::unordered_map<const Value*, std::vector<Node*>> readers;
     std::unordered_set<const Value*> outputs;
@@ -337,7 +338,8 @@ class Fuser {
     auto pointwise = [&](const Node& n) {
       return n.group < 0 && n.outputs.size() == 1 && n.outputs[0]->type.is_tensor() && eligible(n) && !is_reduction(n);
     };
-    for (const auto& n : graph_.nodes()) {
+    for (auto it = graph_.nodes().rbegin(); it != graph_.nodes().rend(); ++it) {
+      const auto& n = *it;
       if (!pointwise(*n) || outputs.count(n->outputs[0])) continue;
       TensorType& t = n->outputs[0]->type.tensor;
       auto r = readers.find(n->outputs[0]);
