@@ -1,6 +1,8 @@
 // The pipeline, in one list:
 //
-//   verify (and each node against its op's schema) -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation -> pad_matmul -> linear_chain -> fold_batchnorm -> eliminate_dead_code -> eliminate_common_subexpressions
+//   verify (and each node against its op's schema) -> canonicalize -> fold_batched_matmul -> fuse_addmm_activation
+//          -> pad_matmul -> linear_chain -> fold_batchnorm -> batchnorm_pointwise -> rotate_half
+//          -> eliminate_dead_code -> eliminate_common_subexpressions
 //          -> claim_matmul_epilogues -> fuse -> overlap_collectives              (passes)
 //          -> generate_kernels (one kernel per fusion group; a control flow node is a group of its own, its
 //             kernel running the subgraphs compiled before this graph)        (codegen)
@@ -48,6 +50,7 @@ const std::vector<Pass>& default_passes() {
       {"linear_chain", fuse_linear_chains},  // after addmm_act (whose layers it chains), before dce
       {"fold_batchnorm", fold_batchnorm},
       {"bn_pointwise", batchnorm_pointwise},  // CUDA batch norms the fold left, as pointwise ops for fuse
+      {"rotate_half", rotate_half},           // rotary embeddings' cat as pointwise ops for fuse; before dce
       {"dce", eliminate_dead_code},
       {"cse", eliminate_common_subexpressions},
       {"epilogue", claim_matmul_epilogues},  // before fuse, so that fuse leaves matmul epilogues whole

@@ -11,6 +11,7 @@ void canonicalize(Graph& graph, PassContext& ctx);
 void fold_batched_matmul(Graph& graph, PassContext& ctx);
 void fold_batchnorm(Graph& graph, PassContext& ctx);
 void batchnorm_pointwise(Graph& graph, PassContext& ctx);
+void rotate_half(Graph& graph, PassContext& ctx);
 void eliminate_dead_code(Graph& graph, PassContext& ctx);
 // The nodes eliminate_dead_code removes: nothing reaches a graph output or an effect from them.
 std::unordered_set<const Node*> dead_nodes(const Graph& graph);

@@ -2,6 +2,7 @@
 // rewritten graph computes what the original did.
 #include "ember/compiler.h"
 #include "ember/error.h"
+#include "ember/op_table.h"
 #include "passes/passes.h"
 
 #include <ATen/ATen.h>
@@ -1069,6 +1070,70 @@ TEST(OverlapCollectives, InPlaceWritesGroupsAndOtherCollectivesHoldNodesBack) {
       "  %o: f32[4]{1}@cpu = aten::add.Tensor(%w, %r)\n"
       "  return (%o, %b)\n";
   EXPECT_EQ(run_pass(overlap_collectives, in), expected);
+}
+
+// A rotary embedding as LLaMA's graphs hold it: q a transposed projection, rotate_half(q) a cat of its negated
+// upper half and its lower half.
+std::string rotary_graph() {
+  const std::string q = "f32[1, 2, 3, 8]{48, 8, 16, 1}@cpu", half = "f32[1, 2, 3, 4]{48, 8, 16, 1}@cpu";
+  const std::string row = "f32[1, 2, 3, 8]{48, 24, 8, 1}@cpu", table = "f32[1, 1, 3, 8]{24, 24, 8, 1}@cpu";
+  return "graph(%q: " + q + ", %cos: " + table + ", %sin: " + table + "):\n"
+         "  %lo: " + half + " = aten::slice.Tensor(%q, 3, 0, 4)\n"
+         "  %hi: " + half + " = aten::slice.Tensor(%q, 3, 4, 9223372036854775807)\n"
+         "  %neg: f32[1, 2, 3, 4]{24, 4, 8, 1}@cpu = aten::neg(%hi)\n"
+         "  %cat: " + row + " = aten::cat([%neg, %lo], -1)\n"
+         "  %a: " + q + " = aten::mul.Tensor(%q, %cos)\n"
+         "  %b: " + row + " = aten::mul.Tensor(%cat, %sin)\n"
+         "  %y: " + q + " = aten::add.Tensor(%a, %b)\n"
+         "  return (%y)\n";
+}
+
+TEST(RotateHalf, TheRotationAndItsMultipliesMoveToTheSplitLastDim) {
+  // q's last dim 8 split into [2, 4]: the rotation is where(second half, q's lower half, -(q's upper half)), both
+  // halves spread over the split dim with stride 0; cos, sin and the multiplies and add follow, and the result is
+  // flattened back to q's layout. After fuse, everything but views is one group.
+  const std::string expected =
+      "graph(%q: f32[1, 2, 3, 8]{48, 8, 16, 1}@cpu, %cos: f32[1, 1, 3, 8]{24, 24, 8, 1}@cpu, %sin: f32[1, 1, 3, 8]{24, 24, 8, 1}@cpu):\n"
+      "  %cat_rh0_q_halves: f32[1, 2, 3, 2, 4]{48, 8, 16, 4, 1}@cpu = aten::unflatten.int(%q, -1, [2, 4])\n"
+      "  %cat_rh1_cos_halves: f32[1, 1, 3, 2, 4]{24, 24, 8, 4, 1}@cpu = aten::unflatten.int(%cos, -1, [2, 4])\n"
+      "  %cat_rh2_sin_halves: f32[1, 1, 3, 2, 4]{24, 24, 8, 4, 1}@cpu = aten::unflatten.int(%sin, -1, [2, 4])\n"
+      "  %cat_rh3_half_index: i64[2]{1}@cpu = aten::arange(2, device=cpu)\n"
+      "  %cat_rh4_second_half: b8[2]{1}@cpu = aten::eq.Scalar(%cat_rh3_half_index, 1)\n"
+      "  %cat_rh5_second_half_col: b8[2, 1]{1, 1}@cpu = aten::unsqueeze(%cat_rh4_second_half, 1)\n"
+      "  %cat_rh6_lo: f32[1, 2, 3, 1, 4]{48, 8, 16, 4, 1}@cpu = aten::slice.Tensor(%cat_rh0_q_halves, 3, 0, 1)\n"
+      "  %cat_rh7_lo_spread: f32[1, 2, 3, 2, 4]{48, 8, 16, 0, 1}@cpu = aten::expand(%cat_rh6_lo, [-1, -1, -1, 2, -1])\n"
+      "  %cat_rh8_hi: f32[1, 2, 3, 1, 4]{48, 8, 16, 4, 1}@cpu = aten::slice.Tensor(%cat_rh0_q_halves, 3, 1, 2)\n"
+      "  %cat_rh9_hi_spread: f32[1, 2, 3, 2, 4]{48, 8, 16, 0, 1}@cpu = aten::expand(%cat_rh8_hi, [-1, -1, -1, 2, -1])\n"
+      "  %cat_rh10_hi_neg: f32[1, 2, 3, 2, 4]{48, 24, 8, 4, 1}@cpu = aten::neg(%cat_rh9_hi_spread)\n"
+      "  %cat_rh11_rotated: f32[1, 2, 3, 2, 4]{48, 24, 8, 4, 1}@cpu = aten::where.self(%cat_rh5_second_half_col, %cat_rh7_lo_spread, %cat_rh10_hi_neg)\n"
+      "  %cat_rh12_a: f32[1, 2, 3, 2, 4]{48, 8, 16, 4, 1}@cpu = aten::mul.Tensor(%cat_rh0_q_halves, %cat_rh1_cos_halves)\n"
+      "  %cat_rh13_b: f32[1, 2, 3, 2, 4]{48, 24, 8, 4, 1}@cpu = aten::mul.Tensor(%cat_rh11_rotated, %cat_rh2_sin_halves)\n"
+      "  %cat_rh14_y: f32[1, 2, 3, 2, 4]{48, 8, 16, 4, 1}@cpu = aten::add.Tensor(%cat_rh12_a, %cat_rh13_b)\n"
+      "  %cat_rh15_y_flat: f32[1, 2, 3, 8]{48, 8, 16, 1}@cpu = aten::flatten.using_ints(%cat_rh14_y, -2, -1)\n"
+      "  return (%cat_rh15_y_flat)\n";
+  EXPECT_EQ(run_passes({rotate_half, eliminate_dead_code}, rotary_graph()), expected);
+  Graph g = parse(expected);
+  CompileOptions options;
+  PassContext ctx{options};
+  fuse(g, ctx);
+  std::set<int> groups;
+  for (const auto& n : g.nodes())
+    if (n->outputs[0]->type.tensor.sizes.size() == 5 && op_info(n->op).has(kFusible)) groups.insert(n->group);
+  EXPECT_EQ(groups, std::set<int>{0}) << print(g);
+}
+
+TEST(RotateHalf, ComputesWhatTheCatDid) {
+  const std::string text = rotary_graph();
+  for (int seed = 0; seed < 3; ++seed) {
+    at::manual_seed(seed);
+    at::Tensor q = at::randn({1, 3, 2, 8}).transpose(1, 2), cos = at::randn({1, 1, 3, 8}), sin = at::randn({1, 1, 3, 8});
+    at::Tensor want = q * cos + at::cat({-q.slice(3, 4), q.slice(3, 0, 4)}, -1) * sin;
+    auto with = run_text(text, {q, cos, sin});
+    auto without = run_text(text, {q, cos, sin}, {"rotate_half"});
+    EXPECT_TRUE(at::allclose(with[0].toTensor(), want, 1e-6, 1e-6));
+    EXPECT_TRUE(at::allclose(without[0].toTensor(), want, 1e-6, 1e-6));
+    EXPECT_TRUE(with[0].toTensor().transpose(1, 2).is_contiguous());  // q's layout, as eager's
+  }
 }
 
 }  // namespace

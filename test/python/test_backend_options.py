@@ -245,8 +245,8 @@ PASSES = list(ember._C.pass_names())  # in pipeline order
 
 
 def test_pass_names():
-    assert PASSES[:9] == ["canonicalize", "fold_matmul", "addmm_act", "pad_mm", "linear_chain", "fold_batchnorm",
-                         "bn_pointwise", "dce", "cse"], PASSES
+    assert PASSES[:10] == ["canonicalize", "fold_matmul", "addmm_act", "pad_mm", "linear_chain", "fold_batchnorm",
+                          "bn_pointwise", "rotate_half", "dce", "cse"], PASSES
     assert PASSES.index("epilogue") < PASSES.index("fuse"), PASSES  # fuse leaves claimed epilogues alone
     assert PASSES[-1] == "overlap_comm", PASSES  # moves nodes only around the groups fuse made
 

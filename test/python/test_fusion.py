@@ -635,23 +635,85 @@ def test_silu_backward_fuses(device):
     assert not any(what == "aten::silu_backward" for kind, what in steps), steps
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rotary_embedding_multiplies_and_add_fuse(device):
-    """LLaMA's rotary embedding: q * cos + rotate_half(q) * sin, q a transposed projection and rotate_half a cat.
-    The second product is row-major behind the cat, the rest in q's layout: it takes its reader's layout and the
-    two multiplies and the add are one fused kernel (passes/fuse.cpp, rules 8 and 10); results against eager."""
-    proj = nn.Linear(64, 128, bias=False).to(device)
+def _rotary(device, dtype=torch.float32, heads=4, head_dim=32):
+    """A rotary embedding as Hugging Face's decoders write it, over a transposed projection of h [b, s, 64]."""
+    proj = nn.Linear(64, heads * head_dim, bias=False).to(device, dtype)
+    half = head_dim // 2
 
     def rotate_half(x):
-        return torch.cat((-x[..., 16:], x[..., :16]), dim=-1)
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
     def fn(h, cos, sin):
-        q = proj(h).view(2, 12, 4, 32).transpose(1, 2)
+        q = proj(h).view(h.shape[0], h.shape[1], heads, head_dim).transpose(1, 2)
         return q * cos + rotate_half(q) * sin
 
-    h = torch.randn(2, 12, 64, device=device)
-    cos, sin = torch.randn(1, 1, 12, 32, device=device), torch.randn(1, 1, 12, 32, device=device)
+    return fn
+
+
+def _rotary_inputs(device, dtype=torch.float32, batch=2, seq=12, head_dim=32):
+    h = torch.randn(batch, seq, 64, device=device, dtype=dtype)
+    cos, sin = torch.randn(2, 1, 1, seq, head_dim, device=device, dtype=dtype)
+    return h, cos, sin
+
+
+def _aten_steps():
+    return [what for _, g in EMBER_GRAPHS for kind, what in g.steps() if "fused" not in what]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rotary_embedding_is_one_kernel(device, dtype):
+    """LLaMA's rotary embedding: q * cos + rotate_half(q) * sin, q a transposed projection and rotate_half a cat of
+    its negated upper half and its lower half. passes/rotate_half.cpp writes the rotation as a where over q's last
+    dim split in two, and the fuse pass makes it, the two multiplies and the add one kernel: no neg, cat, multiply
+    or add is left to ATen. Results against eager."""
+    tol = MATMUL_TOL if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     with torch.no_grad():
-        check(fn, h, cos, sin, grad=False, **MATMUL_TOL)
-    steps = [what for _, g in EMBER_GRAPHS for _, what in g.steps()]
-    assert not any(what in ("aten::mul.Tensor", "aten::add.Tensor") for what in steps), steps
+        check(_rotary(device, dtype), *_rotary_inputs(device, dtype), grad=False, **tol)
+    steps = _aten_steps()
+    assert not any(w in ("aten::neg", "aten::cat", "aten::mul.Tensor", "aten::add.Tensor") for w in steps), steps
+    assert fused_kernels() == 1, "\n".join(g.describe() for _, g in EMBER_GRAPHS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_embedding_over_symbolic_lengths(device):
+    """The same over lengths 12, 20 and 7: the second compiles a graph with the length symbolic (automatic
+    dynamic), which serves the third; each against eager, the rotation still in one kernel (its split dim, the
+    head size, stays static)."""
+    fn = _rotary(device)
+    compiled = compile_ember(fn)
+    with torch.no_grad():
+        for i, seq in enumerate((12, 20, 7)):
+            check(fn, *_rotary_inputs(device, seq=seq), grad=False, compiled=compiled, min_graphs=int(i < 2), **MATMUL_TOL)
+    assert len(EMBER_GRAPHS) == 2
+    symbolic = EMBER_GRAPHS[1][1]
+    steps = [what for _, what in symbolic.steps()]
+    assert not any(w in ("aten::neg", "aten::cat") for w in steps), steps
+    assert symbolic.describe().count("fused group") == 1, symbolic.describe()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_embedding_trains(device):
+    """Training: the forward's rotation is rewritten, its cat's backward is not; q's projection, cos and sin get
+    eager's gradients, and the rotated tensor, saved for nothing, is not kept as an output of the forward."""
+    check(_rotary(device), *_rotary_inputs(device), **MATMUL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotations_that_are_not_rotate_half_stay_cats(device):
+    """Near misses keep their cat and eager's results: halves in the other order, the negation on the lower half,
+    slices that do not meet at the middle, and a rotation that is also returned and read by a matmul (flattened
+    back for them)."""
+    x = torch.randn(3, 5, 16, device=device)
+    w = torch.randn(16, 8, device=device)
+
+    def fn(x, w):
+        swapped = torch.cat((x[..., :8], -x[..., 8:]), dim=-1)
+        lower = torch.cat((x[..., 8:], -x[..., :8]), dim=-1)
+        uneven = torch.cat((-x[..., 6:], x[..., :6]), dim=-1)
+        rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+        return swapped * 2 + 1, lower * 3 - x, uneven * x, rotated, (rotated * x + 1) @ w
+
+    with torch.no_grad():
+        check(fn, x, w, grad=False, **MATMUL_TOL)
+    assert _aten_steps().count("aten::cat") == 3, _aten_steps()

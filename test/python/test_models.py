@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import DEVICES, MATMUL_TOL, check, compile_ember
+from helpers import DEVICES, EMBER_GRAPHS, MATMUL_TOL, check, compile_ember
 
 MODEL_TOL = dict(atol=1e-4, rtol=1e-3)
 
@@ -183,3 +183,27 @@ def test_tiny_gpt2(device):
 
     ids = torch.randint(0, 101, (2, 9), device=device)
     check(Logits(model), ids, **MODEL_TOL)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tiny_llama(device):
+    """A LLaMA decoder (grouped-query attention, rotary embeddings), trained one step against eager; its forward
+    graph keeps no neg or cat of the rotary embedding's rotate_half (passes/rotate_half.cpp)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config).to(device)
+
+    class Logits(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            return self.m(input_ids=ids, use_cache=False).logits
+
+    ids = torch.randint(0, 101, (2, 9), device=device)
+    check(Logits(model), ids, **MODEL_TOL)
+    forward = [what for kind, g in EMBER_GRAPHS if kind == "forward" for _, what in g.steps()]
+    assert forward.count("aten::cat") == 1 and "aten::neg" not in forward, forward  # the cat: cos and sin's table
