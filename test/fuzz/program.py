@@ -296,7 +296,12 @@ def gen_op(rng, pool, training):
         d = rng.randrange(t.dim())
         b = _pick(rng, pool, lambda v: v is not a and v.t.dim() == t.dim() and v.t.dtype == t.dtype and all(
             x == y for i, (x, y) in enumerate(zip(v.t.shape, t.shape)) if i != d))
-        op = rng.choice(["cat", "stack", "split"])
+        op = rng.choice(["cat", "stack", "split", "rotate_half"])
+        if op == "rotate_half":  # a rotary embedding's, which passes/rotate_half.cpp rewrites
+            h = t.shape[-1] // 2
+            if t.shape[-1] % 2 or t.dtype in (torch.bool, torch.uint8):
+                return None
+            return op, f"torch.cat((-{{0}}[..., {h}:], {{0}}[..., :{h}]), dim=-1)", [a], a.exact
         if op == "split":
             # At most 8 pieces: Dynamo alone took 24 s to trace a split of 20560 rows into ones (seed 303546).
             n = max(rng.choice([1, 2, 3]), -(-t.shape[d] // 8))
