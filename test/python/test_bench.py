@@ -95,9 +95,10 @@ def test_dynamic_bench_records_sizes_compiles_errors_and_the_serving_run():
     for phase in dynamic.PHASES:
         r.update(dynamic.child("mlp", "ember", "default", phase, "cpu", serve=12, repeat=2))
     sizes = r["sizes"]
-    for name in ("eager_s", "first_call_s", "dynamic_s", "static_s", "dynamic_alt_s", "static_first_call_s", "error"):
+    for name in ("eager_s", "first_call_s", "dynamic_s", "static_s", "dynamic_alt_s", "static_first_call_s", "error",
+                 "static_alone_s", "dynamic_alone_s"):
         assert len(r[name]) == len(sizes), name
-    assert all(t > 0 for t in r["dynamic_s"] + r["static_s"] + r["dynamic_alt_s"] + r["eager_s"])
+    assert all(t > 0 for t in r["dynamic_s"] + r["static_s"] + r["dynamic_alt_s"] + r["eager_s"] + r["static_alone_s"])
     assert r["compiles"] == 2, r  # static at the first size, symbolic at the second, none after
     assert 1 <= r["serve_compiles"] <= 3 and r["serve_s"] > 0
     assert max(r["error"]) < 1e-4, r["error"]
