@@ -1,6 +1,6 @@
 """ember.export -> package file -> ember.load (the C++ loader), against eager on fresh random inputs:
-MLP, a small CNN, resnet18 (torchvision), TransformerEncoderLayer, a dynamic batch; input validation;
-what the package records; the caller's model is left alone."""
+MLP, a small CNN, resnet18 (torchvision), TransformerEncoderLayer, a rotary embedding, a dynamic batch; input
+validation; what the package records; the caller's model is left alone."""
 
 import pytest
 import torch
@@ -58,6 +58,26 @@ def test_transformer_encoder_layer(tmp_path, device):
     layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
     model, loaded = export_and_load(tmp_path, layer, (torch.randn(2, 10, 32),), device)
     check_package(model, loaded, (torch.randn(2, 10, 32, device=device),))
+
+
+class Rotary(nn.Module):
+    """q * cos + rotate_half(q) * sin over a transposed projection, as LLaMA's attention computes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 128, bias=False)
+
+    def forward(self, h, cos, sin):
+        q = self.proj(h).view(h.shape[0], h.shape[1], 4, 32).transpose(1, 2)
+        return q * cos + torch.cat((-q[..., 16:], q[..., :16]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_embedding(tmp_path, device):
+    """The rotate_half pass's views (unflatten, expand, flatten) and mask run in the C++ loader too."""
+    example = (torch.randn(2, 12, 64), torch.randn(1, 1, 12, 32), torch.randn(1, 1, 12, 32))
+    model, loaded = export_and_load(tmp_path, Rotary(), example, device)
+    check_package(model, loaded, tuple(torch.randn_like(x, device=device) for x in example))
 
 
 @pytest.mark.parametrize("device", DEVICES)

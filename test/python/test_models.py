@@ -165,6 +165,17 @@ def test_resnet18(device):
     check(model, x, grad_atol=5e-3, grad_rtol=5e-3, **tol)
 
 
+class Logits(nn.Module):
+    """A Hugging Face causal LM's logits, without its KV cache."""
+
+    def __init__(self, m):
+        super().__init__()
+        self.m = m
+
+    def forward(self, ids):
+        return self.m(input_ids=ids, use_cache=False).logits
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_tiny_gpt2(device):
     transformers = pytest.importorskip("transformers")
@@ -172,15 +183,6 @@ def test_tiny_gpt2(device):
     config = transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     model = transformers.GPT2LMHeadModel(config).to(device).eval()
-
-    class Logits(nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
-
     ids = torch.randint(0, 101, (2, 9), device=device)
     check(Logits(model), ids, **MODEL_TOL)
 
@@ -194,15 +196,6 @@ def test_tiny_llama(device):
     config = transformers.LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     model = transformers.LlamaForCausalLM(config).to(device)
-
-    class Logits(nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, ids):
-            return self.m(input_ids=ids, use_cache=False).logits
-
     ids = torch.randint(0, 101, (2, 9), device=device)
     check(Logits(model), ids, **MODEL_TOL)
     forward = [what for kind, g in EMBER_GRAPHS if kind == "forward" for _, what in g.steps()]
