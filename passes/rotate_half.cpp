@@ -109,6 +109,16 @@ class RotateHalf {
       return false;
     }
     if (!info->has(kFusible) || info->has(kReduction) || info->has(kRandom) || info->has(kMutates)) return false;
+    // Tensors only as whole arguments: the rewrite maps those, not tensors inside lists.
+    auto in_list = [](const Arg& a) {
+      bool found = false;
+      if (a.kind == Arg::Kind::List) a.for_each_value([&](const Value*) { found = true; });
+      return found;
+    };
+    for (const Arg& a : n.args)
+      if (in_list(a)) return false;
+    for (const auto& kv : n.kwargs)
+      if (in_list(kv.second)) return false;
     bool ok = true;
     n.for_each_input([&](const Value* v) {
       if (!v->type.is_tensor()) return;
