@@ -22,8 +22,6 @@
 
 #include "ember/op_table.h"
 
-#include <algorithm>
-#include <limits>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -180,8 +178,7 @@ class RotateHalf {
       else n.for_each_input(visit);
     };
     for (const Node* n : order) view_inputs(*n, true);
-    mask_ = nullptr;
-    mask(seed.outputs[0]->type.tensor.device, &added);
+    Value* second_half = mask(seed.outputs[0]->type.tensor.device, &added);
     if (added) graph_.move_last_before(added, order.front());
 
     std::vector<std::pair<const Value*, Value*>> replace;
@@ -193,7 +190,7 @@ class RotateHalf {
       Value* result = nullptr;
       int64_t hn = 0;
       if (const Value* x = rotated(*n, &hn)) {
-        result = rotation(split.at(x), type, &added);
+        result = rotation(split.at(x), second_half, type, &added);
       } else {
         auto map = [&](const Arg& a) {
           Arg m = a;
@@ -246,7 +243,6 @@ class RotateHalf {
 
   // Rule 2's mask: [2, 1], true in its second row.
   Value* mask(c10::Device device, size_t* added) {
-    if (mask_) return mask_;
     TensorType t;
     t.device = device;
     t.dtype = c10::kLong;
@@ -257,12 +253,11 @@ class RotateHalf {
     Value* second = add("aten::eq.Scalar", {Arg::of(index), Arg::of_int(1)}, {}, "second_half", t, added);
     t.sizes.push_back(Dim::constant(1));
     t.strides.push_back(Dim::constant(1));
-    mask_ = add("aten::unsqueeze", {Arg::of(second), Arg::of_int(1)}, {}, "second_half_col", t, added);
-    return mask_;
+    return add("aten::unsqueeze", {Arg::of(second), Arg::of_int(1)}, {}, "second_half_col", t, added);
   }
 
-  // Rule 2: the rotation of x2 (x split) as a value of type `type`.
-  Value* rotation(Value* x2, const TensorType& type, size_t* added) {
+  // Rule 2: the rotation of x2 (x split) as a value of type `type`, `second_half` the mask.
+  Value* rotation(Value* x2, Value* second_half, const TensorType& type, size_t* added) {
     const TensorType& xt = x2->type.tensor;
     const int64_t two = static_cast<int64_t>(xt.sizes.size()) - 2;
     std::vector<Arg> keep;
@@ -278,7 +273,7 @@ class RotateHalf {
       halves[s] = add("aten::expand", {Arg::of(slice), Arg::of_list(keep)}, {}, name + "_spread", spread, added);
     }
     Value* negated = add("aten::neg", {Arg::of(halves[1])}, {}, "hi_neg", type, added);
-    return add("aten::where.self", {Arg::of(mask(type.device, added)), Arg::of(halves[0]), Arg::of(negated)}, {},
+    return add("aten::where.self", {Arg::of(second_half), Arg::of(halves[0]), Arg::of(negated)}, {},
                "rotated", type, added);
   }
 
@@ -294,7 +289,6 @@ class RotateHalf {
   std::unordered_set<const Node*> moved_;
   std::string base_;
   int fresh_ = 0;
-  Value* mask_ = nullptr;
 };
 
 }  // namespace
