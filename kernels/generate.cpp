@@ -108,7 +108,7 @@ std::unordered_map<int, GroupKernel> generate_kernels(const Graph& graph, const 
       for (const ProgramInput& in : program->inputs) r.kernel.reads.push_back(in.value);
       for (const Value* s : program->scalars) r.kernel.reads.push_back(s);
       for (const ProgramOutput& o : program->outputs) r.kernel.writes.push_back(o.value);
-      if (program->device.is_cpu()) r.kernel.kernel = cpu::make_fused_kernel(std::move(*program), &r.why);
+      if (program->device.is_cpu()) r.kernel.kernel = cpu::make_fused_kernel(std::move(*program), &r.why, tuning);
       else if (program->device.is_cuda()) r.kernel.kernel = cuda::make_fused_kernel(std::move(*program), &r.listing, &r.why,
                                                                  options.kernel_images.get(), tuning);
       else r.why = "no kernel generator for " + program->device.str();

@@ -12,8 +12,9 @@
 
 namespace ember::cpu {
 
-// Null (with the reason in *why_not) when this CPU cannot run it. Picks the widest instruction set.
-std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not);
+// Null (with the reason in *why_not) when this CPU cannot run it. Picks the widest instruction set. Under
+// `tuning.exhaustive` (max-autotune) each call shape's thread count is timed at its first call (thread_tuning.h).
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not, const Tuning& tuning);
 
 // A claimed matmul group as one oneDNN matmul with post-ops (kernels/cpu/matmul_kernel.cpp). Null, with the
 // reason in *why_not, when ember was built without oneDNN or oneDNN rejects it.

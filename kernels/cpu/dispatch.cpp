@@ -10,10 +10,10 @@
 namespace ember::cpu {
 
 namespace avx2 {
-std::shared_ptr<const Kernel> make_fused_kernel(Program program);
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, const Tuning& tuning);
 }
 namespace avx512 {
-std::shared_ptr<const Kernel> make_fused_kernel(Program program);
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, const Tuning& tuning);
 }
 
 namespace {
@@ -45,10 +45,10 @@ void gemv(const MatmulConfig& config, const MatmulCall& call) {
   return avx2::gemv(config, call);
 }
 
-std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not) {
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* why_not, const Tuning& tuning) {
   switch (isa()) {
-    case Isa::Avx512: return avx512::make_fused_kernel(std::move(program));
-    case Isa::Avx2: return avx2::make_fused_kernel(std::move(program));
+    case Isa::Avx512: return avx512::make_fused_kernel(std::move(program), tuning);
+    case Isa::Avx2: return avx2::make_fused_kernel(std::move(program), tuning);
     case Isa::None: break;
   }
   if (why_not) *why_not = "this CPU lacks AVX2/FMA (or ATEN_CPU_CAPABILITY=default)";

@@ -9,8 +9,10 @@
 // Per tile, each register is either a pointer to n floats or one uniform value (constants, row values,
 // broadcast inputs), so broadcasts cost nothing and an instruction on uniform operands runs once.
 // Contiguous float32 inputs are read in place; other dtypes, strides and broadcasts are gathered.
-// Tiles run in parallel with at::parallel_for.
+// Tiles run in parallel with at::parallel_for; under max-autotune each call shape's thread count is timed
+// (thread_tuning.h).
 #include "kernels/cpu/cpu_kernel.h"
+#include "kernels/cpu/thread_tuning.h"
 #include "kernels/iteration_space.h"
 
 #include "ember/error.h"
@@ -25,6 +27,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <memory>
 
 // Built once per instruction set (CMake compiles this file for AVX2 and for AVX-512, with EMBER_CPU_ISA
 // naming the namespace); kernels/cpu/dispatch.cpp picks the widest the CPU runs.
@@ -339,9 +342,32 @@ void store_n(const float* src, const Reg& r, int64_t n, c10::ScalarType dtype, c
   throw Error(std::string("fused CPU kernel: unsupported output dtype ") + c10::toString(dtype));
 }
 
+// How many threads a call's loops take: at most `limit` (0: as many as ATen's parallel_for gives them, the
+// default), and, for the tuner, the most any of its loops could take (thread_tuning.h, point 2).
+struct ThreadCap {
+  int64_t limit = 0;
+  int64_t took = 1;
+  // The grain of a loop over `range` items whose own grain is `grain`: with ATen's OpenMP backend a loop takes
+  // min(threads, ceil(range / grain)) threads, so a grain of at least ceil(range / limit) takes at most `limit`.
+  int64_t grain(int64_t range, int64_t grain) {
+    if (limit > 0) grain = std::max(grain, (range + limit - 1) / limit);
+    took = std::max(took, (range + grain - 1) / grain);
+    return grain;
+  }
+  // The threads a loop that splits its work by the thread count plans for (run_columns).
+  int64_t available() const {
+    const int64_t n = at::get_num_threads();
+    return limit > 0 ? std::min(limit, n) : n;
+  }
+};
+
+// Which of the kernel's loops runs a call (ThreadShape::path).
+enum Path : int64_t { kNothing, kFlat, kRows, kRowBlocks, kColumns };
+
 class FusedCpuKernel final : public Kernel {
  public:
-  explicit FusedCpuKernel(Program program) : p_(std::move(program)) {
+  FusedCpuKernel(Program program, const Tuning& tuning)
+      : p_(std::move(program)), tuner_(tuning.exhaustive ? std::make_unique<ThreadTuner>(tuning) : nullptr) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     assign_slots();
     // A pointwise group whose outputs are dense in another order than row-major (channels_last; passes/fuse.cpp
@@ -387,27 +413,77 @@ class FusedCpuKernel final : public Kernel {
     }
     std::vector<at::Tensor> outs;
     outs.reserve(p_.outputs.size());
+    std::vector<int64_t> permuted;  // a flat group's iteration space in order_ (permute)
     if (order_.size() == full.size() && !full.empty()) {
-      run_permuted(views, scalars, outs, full, numel);
+      permuted = permute(views, outs, full);
     } else {
       for (size_t o = 0; o < p_.outputs.size(); ++o)
         outs.push_back(at::empty(output_shape(p_.outputs[o], full, p_.has_reduction, p_.outer), at::TensorOptions().dtype(out_dtypes_[o])));
-      if (p_.outer > 0) {
-        if (rows > 0) run_columns(views, scalars, outs, full, row_shape, cols, rows);
-      } else if (numel > 0 || (p_.has_reduction && rows > 0)) {
-        if (p_.has_reduction) run_rows(views, scalars, outs, full, rows, cols);
-        else run_flat(views, scalars, outs, full, numel);
-      }
     }
+    const Path path = path_of(views, full, numel, rows, cols);
+    const std::vector<int64_t>& shape = permuted.empty() ? full : permuted;
+    ThreadCap cap;
+    if (tuner_) cap.limit = tuned_limit(path, views, scalars, outs, shape, space);
+    run_path(path, views, scalars, outs, shape, space, cap);
     for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
   }
 
+  std::vector<std::string> tuning() const override {
+    std::vector<std::string> out = tuner_ ? tuner_->lines() : std::vector<std::string>();
+    for (std::string& line : out) line = "cpu fused group " + std::to_string(p_.group) + " " + line;
+    return out;
+  }
+
  private:
-  // A flat group in order_ (see the constructor): the iteration space and every input's strides permuted so
-  // that the outputs' memory order is row-major in it, then the flat path; an input in the outputs' layout is
-  // dense there.
-  void run_permuted(std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
-                    const std::vector<int64_t>& full, int64_t numel) const {
+  // The loop a call takes: short rows run in blocks where every full input is dense or one value (blockable).
+  Path path_of(const std::vector<View>& views, const std::vector<int64_t>& full, int64_t numel, int64_t rows,
+               int64_t cols) const {
+    if (p_.outer > 0) return rows > 0 ? kColumns : kNothing;
+    if (!p_.has_reduction) return numel > 0 ? kFlat : kNothing;
+    if (numel == 0 && rows == 0) return kNothing;
+    return cols >= 2 && cols < kShortRow && rows > 1 && blockable(views, full) ? kRowBlocks : kRows;
+  }
+
+  // Runs the call's loop `path` over `full` (a flat group's permuted space), as many threads as `cap` lets.
+  void run_path(Path path, std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
+                const std::vector<int64_t>& full, const IterationSpace& space, ThreadCap& cap) const {
+    switch (path) {
+      case kFlat: return run_flat(views, scalars, outs, full, space.numel, cap);
+      case kRows: return run_rows(views, scalars, outs, full, space.rows, space.cols, cap);
+      case kRowBlocks: return run_row_blocks(views, scalars, outs, full, space.rows, space.cols, cap);
+      case kColumns: return run_columns(views, scalars, outs, full, space.row_shape, space.cols, space.rows, cap);
+      case kNothing: return;
+    }
+  }
+
+  // Under max-autotune: the thread limit chosen for the call's shape, chosen at its first call by timing the call
+  // on its own buffers (each trial writes `outs`; the caller's run, with the winner, comes last). 0: the default.
+  int64_t tuned_limit(Path path, const std::vector<View>& views, const std::vector<float>& scalars,
+                      std::vector<at::Tensor>& outs, const std::vector<int64_t>& full,
+                      const IterationSpace& space) const {
+    const ThreadShape shape{space.numel, space.rows, space.cols, path, at::get_num_threads()};
+    int64_t limit = tuner_->find(shape);
+    if (limit == ThreadTuner::kUnchosen && path != kNothing && !tuner_->full()) {
+      auto by = [](int64_t a, int64_t b) { return std::to_string(a) + "x" + std::to_string(b); };
+      const std::string what = path == kFlat      ? std::to_string(space.numel) + " elements"
+                               : path == kColumns ? by(space.cols, space.rows) + " columns"
+                               : path == kRows    ? by(space.rows, space.cols) + " rows"
+                                                  : by(space.rows, space.cols) + " rows in blocks";
+      limit = tuner_->choose(shape, what, [&](int64_t trial_limit) {
+        std::vector<View> trial = views;  // run_flat coalesces the views it is given
+        ThreadCap cap{trial_limit};
+        run_path(path, trial, scalars, outs, full, space, cap);
+        return cap.took;
+      });
+    }
+    return std::max<int64_t>(limit, 0);
+  }
+
+  // A flat group in order_ (see the constructor): the outputs laid out so that their memory order is row-major in
+  // the permuted iteration space returned, and every input's strides permuted to it; an input in the outputs'
+  // layout is dense there.
+  std::vector<int64_t> permute(std::vector<View>& views, std::vector<at::Tensor>& outs,
+                               const std::vector<int64_t>& full) const {
     const size_t rank = full.size();
     std::vector<int64_t> shape(rank), strides(rank);
     for (size_t i = 0; i < rank; ++i) shape[i] = full[static_cast<size_t>(order_[i])];
@@ -429,7 +505,7 @@ class FusedCpuKernel final : public Kernel {
       }
       v.dense = dense;
     }
-    if (numel > 0) run_flat(views, scalars, outs, shape, numel);
+    return shape;
   }
 
   // Aligns `t` to `space` (trailing dimensions; a keepdim [..., 1] row input drops its last dim).
@@ -581,7 +657,7 @@ class FusedCpuKernel final : public Kernel {
   // last dimension, so each input is read in place, as one value, or with a fixed stride; short rows with
   // broadcasting fall back to a general gather.
   void run_flat(std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
-                const std::vector<int64_t>& full_shape, int64_t numel) const {
+                const std::vector<int64_t>& full_shape, int64_t numel, ThreadCap& cap) const {
     const std::vector<int64_t> full = coalesce(full_shape, views);
     const int64_t rank = static_cast<int64_t>(full.size());
     std::vector<char> uniform(views.size());
@@ -603,7 +679,7 @@ class FusedCpuKernel final : public Kernel {
     const int64_t tiles = !by_rows ? (numel + kTile - 1) / kTile
                           : rows_per_tile > 1 ? (rows_total + rows_per_tile - 1) / rows_per_tile
                                               : rows_total * chunks_per_row;
-    at::parallel_for(0, tiles, std::max<int64_t>(1, 32768 / kTile), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tiles, cap.grain(tiles, std::max<int64_t>(1, 32768 / kTile)), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(kTile);
       int64_t first_row[kMaxRank];  // multi-index of a tile's first row over the leading dimensions
       for (int64_t t = begin; t < end; ++t) {
@@ -667,15 +743,12 @@ class FusedCpuKernel final : public Kernel {
     });
   }
 
+  // Groups with row reductions, a row at a time (short rows: run_row_blocks).
   void run_rows(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
-                const std::vector<int64_t>& full, int64_t rows, int64_t cols) const {
-    if (cols >= 2 && cols < kShortRow && rows > 1 && blockable(views, full)) {
-      run_row_blocks(views, scalars, outs, full, rows, cols);
-      return;
-    }
+                const std::vector<int64_t>& full, int64_t rows, int64_t cols, ThreadCap& cap) const {
     const int64_t lead = static_cast<int64_t>(full.size()) - 1;
     const int64_t tile = padded(std::max<int64_t>(cols, 1));  // a slot's stride: whole vectors (map_n)
-    at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / tile), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, cap.grain(rows, std::max<int64_t>(1, 32768 / tile)), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(tile);
       for (int64_t row = begin; row < end; ++row) {
         for (size_t i = 0; i < views.size(); ++i) {
@@ -724,14 +797,14 @@ class FusedCpuKernel final : public Kernel {
   }
 
   void run_row_blocks(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
-                      const std::vector<int64_t>& full, int64_t rows, int64_t cols) const {
+                      const std::vector<int64_t>& full, int64_t rows, int64_t cols, ThreadCap& cap) const {
     const int64_t lead = static_cast<int64_t>(full.size()) - 1;
     const int64_t per_block = std::max<int64_t>(1, kBlockValues / cols);
     const int64_t tile = padded(per_block * cols);
     const int64_t blocks = (rows + per_block - 1) / per_block;
     std::vector<char> uniform(views.size());
     for (size_t i = 0; i < views.size(); ++i) uniform[i] = !p_.inputs[i].row && uniform_view(views[i], full);
-    at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / tile), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, blocks, cap.grain(blocks, std::max<int64_t>(1, 32768 / tile)), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(tile);
       for (int64_t block = begin; block < end; ++block) {
         const int64_t row0 = block * per_block, n_rows = std::min(per_block, rows - row0);
@@ -800,9 +873,10 @@ class FusedCpuKernel final : public Kernel {
   // reduced values. Where the chunks are too few to occupy every thread (a bias gradient: C = 10), the rows
   // are split too: tasks write partial results and a second pass combines them per chunk.
   void run_columns(const std::vector<View>& views, const std::vector<float>& scalars, std::vector<at::Tensor>& outs,
-                   const std::vector<int64_t>& full, const std::vector<int64_t>& kept, int64_t R, int64_t C) const {
+                   const std::vector<int64_t>& full, const std::vector<int64_t>& kept, int64_t R, int64_t C,
+                   ThreadCap& cap) const {
     const int64_t k = static_cast<int64_t>(p_.outer);
-    const int64_t threads = at::get_num_threads();
+    const int64_t threads = cap.available();
     const int64_t vec = Vec::size();
     std::vector<int> reductions;  // instruction indices
     for (size_t i = 0; i < p_.code.size(); ++i)
@@ -893,7 +967,7 @@ class FusedCpuKernel final : public Kernel {
 
     if (blocked) {
       const int64_t flush_every = std::max<int64_t>(1, 128 / block_rows);
-      at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, parts, cap.grain(parts, 1), [&](int64_t begin, int64_t end) {
         Scratch& s = scratch(tile);
         thread_local std::vector<float> sums, rows;
         sums.resize(static_cast<size_t>(nred * (w + tile)));
@@ -954,7 +1028,7 @@ class FusedCpuKernel final : public Kernel {
         }
       });
     } else {
-    at::parallel_for(0, chunks * parts, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, chunks * parts, cap.grain(chunks * parts, 1), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(w);
       thread_local std::vector<float> sums;
       sums.resize(static_cast<size_t>(2 * nred * w));
@@ -1005,7 +1079,7 @@ class FusedCpuKernel final : public Kernel {
     });
     }
     if (parts == 1) return;
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, chunks, cap.grain(chunks, 1), [&](int64_t begin, int64_t end) {
       Scratch& s = scratch(w);
       thread_local std::vector<float> sums;
       sums.resize(static_cast<size_t>(nred * w));
@@ -1084,12 +1158,13 @@ class FusedCpuKernel final : public Kernel {
   std::vector<c10::ScalarType> out_dtypes_;
   std::vector<int> slot_;  // scratch slot of each register
   int num_slots_ = 1;
+  std::unique_ptr<ThreadTuner> tuner_;  // max-autotune only
 };
 
 }  // namespace
 
-std::shared_ptr<const Kernel> make_fused_kernel(Program program) {
-  return std::make_shared<FusedCpuKernel>(std::move(program));
+std::shared_ptr<const Kernel> make_fused_kernel(Program program, const Tuning& tuning) {
+  return std::make_shared<FusedCpuKernel>(std::move(program), tuning);
 }
 
 }  // namespace ember::cpu::EMBER_CPU_ISA

@@ -51,8 +51,9 @@ class GraphReport:
     @property
     def tuned(self):
         """What the graph's steps timed to choose, one line per problem (the CUDA GEMMs: kernels/cuda/gemm.cpp; under
-        max-autotune fused CUDA kernels' launches: kernels/cuda/launch_tuning.h), read when asked: the choices are
-        made at a step's first call, after the compile."""
+        max-autotune fused CUDA kernels' launches: kernels/cuda/launch_tuning.h, and fused CPU kernels' threads per
+        call shape: kernels/cpu/thread_tuning.h), read when asked: the choices are made at a step's first call, after
+        the compile."""
         if self.compiled is None or not hasattr(self.compiled, "tuning"):
             return []
         return list(self.compiled.tuning())

@@ -67,7 +67,7 @@ class Kernel {
   // CUDA graph, where run() waits (a graph keeps what it captures); true for good where the compile failed.
   virtual bool compiling() const { return false; }
   // What it timed to choose how it runs, one line per problem (ember.explain; max-autotune's fused CUDA kernels:
-  // kernels/cuda/launch_tuning.h); empty where it timed nothing.
+  // kernels/cuda/launch_tuning.h, fused CPU kernels: kernels/cpu/thread_tuning.h); empty where it timed nothing.
   virtual std::vector<std::string> tuning() const { return {}; }
 };
 
@@ -92,9 +92,10 @@ class FastPath {
 };
 
 // How hard the fast paths and kernels that time their choices at a step's first call (the CUDA GEMMs,
-// kernels/cuda/gemm.cpp; under max-autotune the fused CUDA kernels' launches, kernels/cuda/launch_tuning.h) tune. Default: a few candidates per problem, each problem within a small budget of its
-// own. Exhaustive (mode="max-autotune"): every candidate, while the graph's budget lasts; problems met after it is
-// spent get the default's choice. A plan's steps share one budget.
+// kernels/cuda/gemm.cpp; under max-autotune the fused CUDA kernels' launches, kernels/cuda/launch_tuning.h, and the
+// fused CPU kernels' threads, kernels/cpu/thread_tuning.h) tune. Default: a few candidates per problem, each problem
+// within a small budget of its own. Exhaustive (mode="max-autotune"): every candidate, while the graph's budget
+// lasts; problems met after it is spent get the default's choice. A plan's steps share one budget.
 class TuningBudget {
  public:
   explicit TuningBudget(double seconds) : seconds_(seconds) {}
