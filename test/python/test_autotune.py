@@ -6,7 +6,7 @@ torch.compile takes a mode or options, not both: options={"autotune": True, "aut
 tuning without a mode, and ember.config holds the settings a test needs beside a mode.
 
 Without a GPU: the mode or option and the budget reach the C++ compile, the options are checked, CPU graphs tune
-nothing. With
+no GEMM and no launch. With
 one: tuned graphs give eager's results on fresh inputs (every epilogue, every dtype, symbolic sizes); a second
 process over the same cache folder times nothing and says so in ember.explain, damaged records are timed again, and
 EMBER_CACHE_DIR=off keeps nothing; a spent budget leaves the default's choice; explain lists each problem's
@@ -16,6 +16,11 @@ Fused CUDA kernels' launches (kernels/cuda/launch_tuning.h) are tuned under auto
 kept in <cache_dir>/launch. Tuned graphs of each kernel family (flat, softmax, layer norm, column sums; f32 and bf16)
 give eager's results on fresh inputs, a shape is timed once, a warm start times none, a spent budget keeps plan_call's
 launch, and the default mode times nothing.
+
+Fused CPU kernels' threads (kernels/cpu/thread_tuning.h) are tuned under autotune only, per kernel and call shape, in
+the process: every loop (flat, broadcast, long and short rows, columns) gives eager's results at its first call,
+where it is timed, and later ones; symbolic sizes are timed per size up to 8; a spent budget and the default mode
+time nothing.
 """
 
 import json
@@ -33,7 +38,7 @@ import ember
 import ember._C
 import ember.backend
 from ember import EmberError
-from helpers import MATMUL_TOL, assert_same
+from helpers import EMBER_GRAPHS, MATMUL_TOL, assert_same
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -513,3 +518,130 @@ def test_a_warm_start_tunes_no_launch(tmp_path):
         record.write_bytes(data[: len(data) // 2] if i % 2 else bytes(len(data)))
     damaged = _run_launches(tmp_path)
     assert damaged["stats"]["timed"] >= 8, damaged["stats"]
+
+
+# ---- fused CPU kernels' threads (kernels/cpu/thread_tuning.h)
+
+CPU_AUTOTUNE = {"autotune": True, "fallback": "raise"}
+
+
+def _thread_lines(lines):
+    return [line for line in lines if line.startswith("cpu fused group ")]
+
+
+def _compiled_thread_lines():
+    """The thread lines of every graph compiled in this test (conftest.py's EMBER_GRAPHS), read now."""
+    return _thread_lines(line for _, graph in EMBER_GRAPHS for line in graph.tuning())
+
+
+def _cpu_case(name):
+    """(function, inputs maker, the line's shape, tolerance) of each loop a fused CPU kernel runs: a flat group read
+    in place and one with a broadcast input (whose dims the flat loop merges: [8, 32000]), a softmax over long rows
+    and over short rows (blocks of rows), a column sum. Each is large enough for two threads' work."""
+    cases = {
+        "flat": (lambda x, y: torch.sigmoid(x) * x + y, [(512, 1000), (512, 1000)], "512000 elements", {}),
+        "broadcast": (lambda x, y: torch.sigmoid(x * y) + y, [(8, 64, 500), (64, 500)], "256000 elements", {}),
+        "softmax": (lambda x: torch.softmax(x * 0.125, -1), [(512, 1024)], "512x1024 rows", dict(atol=1e-5, rtol=1e-4)),
+        "short_rows": (lambda x: torch.softmax(x * 2.0, -1), [(20000, 10)], "20000x10 rows in blocks",
+                       dict(atol=1e-5, rtol=1e-4)),
+        "columns": (lambda x: (x * 2.0).sum(0), [(4096, 256)], "4096x256 columns", MATMUL_TOL),
+    }
+    fn, shapes, what, tol = cases[name]
+    return fn, lambda: [torch.randn(*s) for s in shapes], what, tol
+
+
+CPU_CASES = ["flat", "broadcast", "softmax", "short_rows", "columns"]
+
+
+def _assert_timed(line, what):
+    """A line of a shape large enough for several threads: timed where ATen has several, else not."""
+    assert f" {what} on {torch.get_num_threads()} thread" in line, line
+    if torch.get_num_threads() > 1:
+        assert "(max-autotune); timed: default " in line and ", at most 1 thread " in line, line
+    else:
+        assert line.endswith("default (one thread's work: not timed)"), line
+
+
+@pytest.mark.parametrize("case", CPU_CASES)
+def test_cpu_kernels_tuned_for_threads_match_eager(case):
+    """The first call times the kernel's run with 1, 2, 4, ... threads on the call's own buffers, and its results are
+    the run's with the winner; later calls run with the winner and time nothing."""
+    fn, inputs, what, tol = _cpu_case(case)
+    compiled = torch.compile(fn, backend="ember", options=CPU_AUTOTUNE)
+    for call in range(3):
+        args = inputs()
+        torch.testing.assert_close(compiled(*args), fn(*args), **tol)
+        lines = _compiled_thread_lines()
+        assert len(lines) == 1, lines  # one kernel, one shape: timed once
+        if call == 0:
+            first = lines
+    _assert_timed(lines[0], what)
+    assert lines == first
+
+
+def test_cpu_symbolic_sizes_tune_threads_per_size():
+    fn = lambda x: torch.softmax(x * 0.5, -1) + 1.0  # noqa: E731
+    compiled = torch.compile(fn, backend="ember", options=CPU_AUTOTUNE, dynamic=True)
+    sizes = (300, 300, 700, 1100, 700, 300, 1100)
+    for rows in sizes:
+        x = torch.randn(rows, 512)
+        torch.testing.assert_close(compiled(x), fn(x), atol=1e-5, rtol=1e-4)
+    assert len(EMBER_GRAPHS) == 1  # one symbolic graph for every size
+    lines = _compiled_thread_lines()
+    assert len(lines) == 3, lines  # each size timed once, in the order met
+    for line, rows in zip(lines, (300, 700, 1100)):
+        assert line.startswith(f"cpu fused group 0 {rows}x512 rows on "), line
+        _assert_timed(line, f"{rows}x512 rows")
+
+
+def test_cpu_symbolic_sizes_past_eight_run_with_the_default():
+    fn = lambda x: torch.sigmoid(x) * 3.0 - x  # noqa: E731
+    compiled = torch.compile(fn, backend="ember", options=CPU_AUTOTUNE, dynamic=True)
+    sizes = [64 + 8 * i for i in range(12)]
+    for rows in sizes + sizes[::-1]:
+        x = torch.randn(rows, 700)
+        torch.testing.assert_close(compiled(x), fn(x))
+    lines = _compiled_thread_lines()
+    assert [line.split(" on ")[0] for line in lines] == [f"cpu fused group 0 {n * 700} elements" for n in sizes[:8]]
+
+
+def test_explain_lists_a_thread_line_per_cpu_kernel_shape():
+    fn = lambda x: (torch.softmax(x * 2.0, -1), (x * 3.0).sum(0))  # noqa: E731
+    x = torch.randn(2048, 256)
+    report = ember.explain(fn, options=CPU_AUTOTUNE)(x)
+    kernels = [k for g in report.graphs for k in g.kernels]
+    lines = _thread_lines(_tuned_lines(report))
+    assert len(kernels) == 2 and len(lines) == 2, (kernels, lines)
+    _assert_timed(lines[0], "2048x256 rows")
+    _assert_timed(lines[1], "2048x256 columns")
+    assert all(f"    tuned   {line}" in str(report) for line in lines)
+
+
+def test_a_spent_budget_times_no_cpu_threads():
+    options = dict(CPU_AUTOTUNE, autotune_budget_s=0)
+    for case in CPU_CASES:
+        fn, inputs, what, tol = _cpu_case(case)
+        compiled = torch.compile(fn, backend="ember", options=options)
+        for _ in range(2):
+            args = inputs()
+            torch.testing.assert_close(compiled(*args), fn(*args), **tol)
+        report = ember.explain(fn, options=options)(*inputs())
+        lines = _thread_lines(_tuned_lines(report))
+        assert len(lines) == 1 and f" {what} on " in lines[0], lines
+        assert lines[0].endswith(": default (default: budget spent)"), lines  # no "timed:"
+    lines = _compiled_thread_lines()
+    assert len(lines) == 2 * len(CPU_CASES) and all(line.endswith("(default: budget spent)") for line in lines), lines
+
+
+@pytest.mark.parametrize("mode", [None, "default", "reduce-overhead"])
+def test_the_default_mode_times_no_cpu_threads(mode, monkeypatch):
+    monkeypatch.setattr(ember.config, "fallback", "raise")
+    for case in CPU_CASES:
+        fn, inputs, _, tol = _cpu_case(case)
+        compiled = torch.compile(fn, backend="ember", mode=mode)
+        for _ in range(2):
+            args = inputs()
+            torch.testing.assert_close(compiled(*args), fn(*args), **tol)
+        report = ember.explain(fn, mode=mode)(*inputs())
+        assert report.graphs and _tuned_lines(report) == [] and "tuned   " not in str(report)
+    assert len(EMBER_GRAPHS) == 2 * len(CPU_CASES) and _compiled_thread_lines() == []
