@@ -23,6 +23,7 @@
 #include "kernels/cuda/cuda_kernel.h"
 #include "kernels/cuda/driver.h"
 #include "kernels/cuda/gemm_record.h"
+#include "kernels/cpu/choice_record.h"
 #include "kernels/cuda/launch_record.h"
 #include "python_bindings/training_graph.h"
 
@@ -471,6 +472,12 @@ PYBIND11_MODULE(_native, m) {
                                            {"refused", c.refused.load()}, {"over_budget", c.over_budget.load()}};
   }, "What max-autotune's launch tuning of fused CUDA kernels did in this process (kernels/cuda/launch_record.h): "
      "call shapes timed, choices read from disk, records refused, shapes past the autotuning budget.");
+  m.def("cpu_tuning_stats", [] {
+    const cpu::CpuTuningCounters& c = cpu::cpu_tuning_counters();
+    return std::map<std::string, uint64_t>{{"timed", c.timed.load()}, {"from_disk", c.from_disk.load()},
+                                           {"refused", c.refused.load()}};
+  }, "What the CPU timings did in this process (kernels/cpu/choice_record.h: matmul libraries, and fused kernels' "
+     "threads under max-autotune): problems timed, choices read from disk, records refused.");
   m.def("cuda_graphs_supported", &cuda_graphs_supported);
   m.def("warm_up_cuda_compiler", &cuda::warm_up_async,
         "Starts loading NVRTC and its first compile on a thread of its own (see kernels/cuda/driver.h).");

@@ -11,6 +11,7 @@
 // Contiguous float32 inputs are read in place; other dtypes, strides and broadcasts are gathered.
 // Tiles run in parallel with at::parallel_for; under max-autotune each call shape's thread count is timed
 // (thread_tuning.h).
+#include "backend/package/xxhash.h"
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/thread_tuning.h"
 #include "kernels/iteration_space.h"
@@ -26,6 +27,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <memory>
 
@@ -367,7 +369,7 @@ enum Path : int64_t { kNothing, kFlat, kRows, kRowBlocks, kColumns };
 class FusedCpuKernel final : public Kernel {
  public:
   FusedCpuKernel(Program program, const Tuning& tuning)
-      : p_(std::move(program)), tuner_(tuning.exhaustive ? std::make_unique<ThreadTuner>(tuning) : nullptr) {
+      : p_(std::move(program)), tuner_(tuning.exhaustive ? std::make_unique<ThreadTuner>(tuning, identity(p_)) : nullptr) {
     for (const ProgramOutput& o : p_.outputs) out_dtypes_.push_back(o.value->type.tensor.dtype);
     assign_slots();
     // A pointwise group whose outputs are dense in another order than row-major (channels_last; passes/fuse.cpp
@@ -426,6 +428,15 @@ class FusedCpuKernel final : public Kernel {
     if (tuner_) cap.limit = tuned_limit(path, views, scalars, outs, shape, space);
     run_path(path, views, scalars, outs, shape, space, cap);
     for (size_t o = 0; o < outs.size(); ++o) buffers[writes[o]] = std::move(outs[o]);
+  }
+
+  // The thread tuner's name for this kernel in disk records: the instruction set and the program's text.
+  static std::string identity(const Program& p) {
+    const std::string text = p.text();
+    char hash[20];
+    std::snprintf(hash, sizeof hash, "%016llx", static_cast<unsigned long long>(
+                      xxh64(reinterpret_cast<const uint8_t*>(text.data()), text.size(), 0)));
+    return std::string(EMBER_CPU_ISA_NAME " ") + hash + " " + std::to_string(text.size());
   }
 
   std::vector<std::string> tuning() const override {

@@ -34,6 +34,7 @@
 //     4 MiB 1.04 / 1.83 ms, 16 MiB 3.3 / 5.0, 64 MiB 16 / 38 (oneDNN with its add post-op: 29 ms at 64 MiB).
 //     Below 1 MiB the two are within noise of each other ([49, 768] rows: 0.79 / 0.71 ms).
 #include "kernels/cpu/cpu_kernel.h"
+#include "kernels/cpu/choice_record.h"
 #include "ember/config.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
@@ -303,6 +304,9 @@ class MatmulKernel final : public Kernel {
     auto it = chosen().find(key);
     if (it != chosen().end()) {
       library = it->second;
+    } else if (std::optional<Library> stored = stored_library(c, packing, src, weights)) {
+      library = *stored;
+      chosen().try_emplace(key, library);
     } else {
       lock.unlock();  // the timing runs outside the lock: other threads' kernels go on
       // The others' first runs untimed (their first results' pages are new; torch's makes its primitive),
@@ -346,6 +350,11 @@ class MatmulKernel final : public Kernel {
       std::snprintf(line, sizeof line, "%lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s",
                     static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
                     text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text, library_name(library));
+      cpu_tuning_counters().timed.fetch_add(1);
+      ChoiceRecord record{record_key(c, packing), static_cast<int64_t>(library), {{"onednn", float(onednn_us / 1000)},
+                                                                                 {"aten", float(aten_us / 1000)}}};
+      if (torch) record.timings.emplace_back("torch", float(torch_us / 1000));
+      choice_record_store(record);
       lock.lock();
       const auto [kept, fresh] = chosen().try_emplace(key, library);
       if (fresh) timings().emplace_back(line);
@@ -366,6 +375,42 @@ class MatmulKernel final : public Kernel {
 
   // Whether torch's call (point 6) takes these operands: weights in nn.Linear's layout and a contiguous source
   // (run_onednn checked the rest: a contiguous bias, contiguous addends of the result's size).
+  // Point 5's disk record (choice_record.h): the key names the problem as chosen() does, and the host.
+  std::string record_key(const onednn::MatmulCall& c, uint64_t packing) const {
+    char problem[160];
+    std::snprintf(problem, sizeof problem, "matmul %lld %lld %lld src %lld %lld weights %lld %lld%s ",
+                  static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
+                  static_cast<long long>(c.src_stride[0]), static_cast<long long>(c.src_stride[1]),
+                  static_cast<long long>(c.weights_stride[0]), static_cast<long long>(c.weights_stride[1]),
+                  packing ? " packed" : "");
+    return choice_record_host() + problem + text_;
+  }
+
+  // The library an earlier process chose for this problem, where it can run this call (under chosen_mutex; its
+  // line goes to timings() as the timing's would).
+  std::optional<Library> stored_library(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src,
+                                        const at::Tensor& weights) const {
+    if (forced_) return std::nullopt;
+    const std::optional<ChoiceRecord> r = choice_record_find(record_key(c, packing));
+    if (!r) return std::nullopt;
+    const int64_t n = r->choice;
+    if (n != int64_t(Library::OneDnn) && n != int64_t(Library::Aten) && !(n == int64_t(Library::Torch) && torch_takes(src, weights))) {
+      cpu_tuning_counters().refused.fetch_add(1);
+      return std::nullopt;
+    }
+    const Library library = static_cast<Library>(n);
+    std::string line = std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + " " + text_ +
+                       (packing ? " (packed)" : "") + ":";
+    for (size_t i = 0; i < r->timings.size(); ++i) {
+      char time[96];
+      std::snprintf(time, sizeof time, "%s %s %.0f us", i ? "," : "", r->timings[i].first.c_str(), r->timings[i].second * 1000.0);
+      line += time;
+    }
+    timings().emplace_back(line + " -> " + library_name(library) + " (from disk)");
+    cpu_tuning_counters().from_disk.fetch_add(1);
+    return library;
+  }
+
   bool torch_takes(const at::Tensor& src, const at::Tensor& weights) const {
     const bool linear_layout = weights.stride(0) == 1 && (weights.size(1) == 1 || weights.stride(1) == weights.size(0));
     return torch_ && !torch_failed_ && linear_layout && src.is_contiguous();

@@ -1,9 +1,13 @@
 // max-autotune's timing of fused CPU kernels' thread counts (thread_tuning.h).
 #include "kernels/cpu/thread_tuning.h"
 
+#include "kernels/cpu/choice_record.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <optional>
 
 namespace ember::cpu {
 namespace {
@@ -30,7 +34,14 @@ std::string micros(double ms) {
 
 }  // namespace
 
-ThreadTuner::ThreadTuner(Tuning tuning) : tuning_(std::move(tuning)) {}
+ThreadTuner::ThreadTuner(Tuning tuning, std::string identity)
+    : tuning_(std::move(tuning)), identity_(std::move(identity)) {}
+
+std::string ThreadTuner::record_key(const ThreadShape& s) const {
+  return choice_record_host() + "fused kernel threads " + identity_ + "\nshape " + std::to_string(s.numel) + " " +
+         std::to_string(s.rows) + " " + std::to_string(s.cols) + " path " + std::to_string(s.path) + " threads " +
+         std::to_string(s.threads);
+}
 
 int64_t ThreadTuner::find(const ThreadShape& shape) const {
   const size_t n = count_.load(std::memory_order_acquire);
@@ -67,6 +78,19 @@ int64_t ThreadTuner::choose(const ThreadShape& shape, const std::string& what,
   Report report;
   report.what = what;
   report.threads = shape.threads;
+  const std::string key = identity_.empty() ? std::string() : record_key(shape);
+  if (std::optional<ChoiceRecord> r = key.empty() ? std::nullopt : choice_record_find(key)) {
+    if (r->choice >= 0 && r->choice < shape.threads && static_cast<size_t>(r->timings.size()) <= 64) {
+      cpu_tuning_counters().from_disk.fetch_add(1);
+      report.how = "max-autotune, from disk";
+      for (const auto& [name, ms] : r->timings) {
+        if (name == "most") report.most = static_cast<int64_t>(ms);
+        else report.timings.push_back({std::atoll(name.c_str()), ms, 0});
+      }
+      return keep(shape, r->choice, std::move(report));
+    }
+    cpu_tuning_counters().refused.fetch_add(1);
+  }
   if (!tuning_.budget || !tuning_.budget->left()) {
     report.how = "default: budget spent";
     return keep(shape, 0, std::move(report));
@@ -118,8 +142,17 @@ int64_t ThreadTuner::choose(const ThreadShape& shape, const std::string& what,
     best_ms = std::min(best_ms, t.ms);
   }
   charge();
-  report.how = cut_short ? "max-autotune, cut short by the budget" : "max-autotune";
-  return keep(shape, winner(report.timings), std::move(report));
+  const int64_t cap = winner(report.timings);
+  cpu_tuning_counters().timed.fetch_add(1);
+  if (cut_short || key.empty()) {
+    report.how = cut_short ? "max-autotune, cut short by the budget" : "max-autotune";  // a later process times
+  } else {                                                                                  // a cut short one whole
+    report.how = "max-autotune";
+    ChoiceRecord record{key, cap, {{"most", float(most)}}};
+    for (const ThreadTiming& t : report.timings) record.timings.emplace_back(std::to_string(t.cap), float(t.ms));
+    choice_record_store(record);
+  }
+  return keep(shape, cap, std::move(report));
 }
 
 std::vector<std::string> ThreadTuner::lines() const {

@@ -17,7 +17,9 @@
 //  5. Per call: find() compares the call's shape (numel, rows, cols, the kernel's path, ATen's thread count) with
 //     those chosen for, without a lock or an allocation. Up to kMaxShapes shapes per kernel are chosen for (a
 //     symbolic graph meets several sizes); later shapes run with the default. Choosing takes a mutex.
-//  6. Nothing is kept on disk (launches are): a choice lasts as long as its kernel, and a new process times again.
+//  6. Each timed choice goes to <cache dir>/cpu (choice_record.h), keyed by the host, the kernel (`identity`: its
+//     instruction set and program) and the shape; a later process reads it instead of timing, and uses it only
+//     where the cap is one this call could time (below ATen's thread count).
 // Built once, not per instruction set as interpreter.cpp is: nothing here is inline, so that no copy built for
 // AVX-512 can be the one an AVX2 host links to.
 #pragma once
@@ -54,7 +56,9 @@ class ThreadTuner {
   static constexpr double kMinGain = 0.03;
   static constexpr int64_t kUnchosen = -1;
 
-  explicit ThreadTuner(Tuning tuning);
+  // `identity` names the kernel in disk records (choice_record.h): its instruction set and program text; empty:
+  // none are read or written.
+  ThreadTuner(Tuning tuning, std::string identity);
 
   // The cap chosen for `shape` (0: the default), or kUnchosen.
   int64_t find(const ThreadShape& shape) const;
@@ -82,8 +86,10 @@ class ThreadTuner {
     std::vector<ThreadTiming> timings;
   };
   int64_t keep(const ThreadShape& shape, int64_t cap, Report report);
+  std::string record_key(const ThreadShape& shape) const;
 
   const Tuning tuning_;
+  const std::string identity_;
   std::array<ThreadShape, kMaxShapes> shapes_;  // [0, count_) written once each, before count_ counts them
   std::array<int64_t, kMaxShapes> caps_{};
   std::atomic<size_t> count_{0};

@@ -1,11 +1,18 @@
 // max-autotune's thread tuning of fused CPU kernels (kernels/cpu/thread_tuning.h), its logic alone: the winner
 // rule, which caps are timed, the budget, and the table of shapes full at kMaxShapes. The kernels' results under
-// it are checked against eager in test/python/test_autotune.py.
+// it are checked against eager in test/python/test_autotune.py. And the records of CPU choices on disk
+// (kernels/cpu/choice_record.h), read back exactly under their own key while no truncated, flipped or re-checksummed
+// mutated file is read as a record of another key.
 #include "kernels/cpu/thread_tuning.h"
+
+#include "backend/package/xxhash.h"
+#include "kernels/cpu/choice_record.h"
 
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
@@ -32,7 +39,7 @@ TEST(ThreadTuning, TheFastestWinsOnlyByThreePercent) {
 }
 
 TEST(ThreadTuning, TimesTheDefaultFirstThenPowersOfTwoBelowWhatItTakes) {
-  ThreadTuner tuner(with_budget(30));
+  ThreadTuner tuner(with_budget(30), "");
   const ThreadShape shape = shape_of(1 << 20);
   std::vector<int64_t> caps;
   auto run = [&](int64_t cap) {
@@ -63,7 +70,7 @@ TEST(ThreadTuning, TimesTheDefaultFirstThenPowersOfTwoBelowWhatItTakes) {
 }
 
 TEST(ThreadTuning, ATenThreadCountBoundsTheCandidates) {
-  ThreadTuner tuner(with_budget(30));
+  ThreadTuner tuner(with_budget(30), "");
   std::vector<int64_t> caps;
   tuner.choose(shape_of(4096, 2), "4096 elements", [&](int64_t cap) {
     caps.push_back(cap);
@@ -74,7 +81,7 @@ TEST(ThreadTuning, ATenThreadCountBoundsTheCandidates) {
 }
 
 TEST(ThreadTuning, OneThreadsWorkIsNotTimed) {
-  ThreadTuner tuner(with_budget(30));
+  ThreadTuner tuner(with_budget(30), "");
   int runs = 0;
   EXPECT_EQ(tuner.choose(shape_of(100), "100 elements", [&](int64_t) { return ++runs, int64_t{1}; }), 0);
   EXPECT_EQ(runs, 1);  // the default's warm-up, which tells
@@ -84,7 +91,7 @@ TEST(ThreadTuning, OneThreadsWorkIsNotTimed) {
 
 TEST(ThreadTuning, ASpentBudgetKeepsTheDefaultUntimedAndTheTableHoldsEightShapes) {
   for (Tuning tuning : {with_budget(0), Tuning{true, nullptr}}) {
-    ThreadTuner tuner(tuning);
+    ThreadTuner tuner(tuning, "");
     int runs = 0;
     auto run = [&](int64_t) { return ++runs, int64_t{8}; };
     for (size_t i = 0; i < ThreadTuner::kMaxShapes; ++i) {
@@ -105,7 +112,7 @@ TEST(ThreadTuning, ASpentBudgetKeepsTheDefaultUntimedAndTheTableHoldsEightShapes
 }
 
 TEST(ThreadTuning, ABudgetSpentWhileTimingKeepsTheBestSoFar) {
-  ThreadTuner tuner(with_budget(0.001));
+  ThreadTuner tuner(with_budget(0.001), "");
   std::vector<int64_t> caps;
   const int64_t chosen = tuner.choose(shape_of(1 << 20), "1048576 elements", [&](int64_t cap) {
     caps.push_back(cap);
@@ -118,6 +125,61 @@ TEST(ThreadTuning, ABudgetSpentWhileTimingKeepsTheBestSoFar) {
   const std::string line = tuner.lines()[0];
   EXPECT_NE(line.find(": default 8 threads (max-autotune, cut short by the budget); timed: default 8 threads "),
             std::string::npos) << line;
+}
+
+ChoiceRecord sample_record() {
+  ChoiceRecord r;
+  r.key = choice_record_host() + "fused kernel threads avx2 0123456789abcdef 812\nshape 1048576 1 1048576 path 1 threads 16";
+  r.choice = 4;
+  r.timings = {{"most", 16.f}, {"0", 0.25f}, {"1", 1.9f}, {"2", 0.98f}, {"4", 0.21f}, {"8", 0.23f}};
+  return r;
+}
+
+// `bytes` with its trailing checksum recomputed: a mutation the checksum cannot catch, for the parser itself.
+std::string rechecksummed(std::string bytes) {
+  if (bytes.size() < 8) return bytes;
+  const uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size() - 8, 0);
+  std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
+  return bytes;
+}
+
+TEST(ChoiceRecord, RoundTripsUnderItsOwnKeyOnly) {
+  const ChoiceRecord r = sample_record();
+  const std::string bytes = choice_record_bytes(r);
+  const std::optional<ChoiceRecord> back = parse_choice_record(bytes, r.key);
+  ASSERT_TRUE(back.has_value());
+  EXPECT_EQ(back->key, r.key);
+  EXPECT_EQ(back->choice, r.choice);
+  EXPECT_EQ(back->timings, r.timings);
+  EXPECT_FALSE(parse_choice_record(bytes, r.key + " "));
+  EXPECT_FALSE(parse_choice_record(bytes, ""));
+  std::string launch = bytes;  // another record kind's magic
+  std::memcpy(&launch[0], "EMBERLCH", 8);
+  EXPECT_FALSE(parse_choice_record(rechecksummed(launch), r.key));
+}
+
+TEST(ChoiceRecord, DamagedBytesAreMissesAndNeverAnotherKey) {
+  const ChoiceRecord r = sample_record();
+  const std::string good = choice_record_bytes(r);
+  for (size_t n = 0; n < good.size(); ++n) EXPECT_FALSE(parse_choice_record(good.substr(0, n), r.key)) << n;
+  for (size_t bit = 0; bit < good.size() * 8; ++bit) {
+    std::string flipped = good;
+    flipped[bit / 8] ^= static_cast<char>(1 << (bit % 8));
+    EXPECT_FALSE(parse_choice_record(flipped, r.key)) << "bit " << bit;
+  }
+  std::mt19937_64 rng(61);
+  for (int trial = 0; trial < 20000; ++trial) {
+    std::string bytes = good;
+    const size_t at = rng() % (bytes.size() - 8);
+    switch (rng() % 4) {
+      case 0: bytes[at] = static_cast<char>(rng()); break;
+      case 1: std::memset(&bytes[at], 0xff, std::min<size_t>(8, bytes.size() - 8 - at)); break;  // a huge length
+      case 2: bytes.erase(at, 1 + rng() % 16); break;
+      default: bytes.insert(at, std::string(1 + rng() % 16, static_cast<char>(rng())));
+    }
+    const std::optional<ChoiceRecord> back = parse_choice_record(rechecksummed(bytes), r.key);
+    if (back) EXPECT_EQ(back->key, r.key);  // a changed choice is possible: its users check it before use
+  }
 }
 
 }  // namespace

@@ -525,6 +525,13 @@ def test_a_warm_start_tunes_no_launch(tmp_path):
 CPU_AUTOTUNE = {"autotune": True, "fallback": "raise"}
 
 
+@pytest.fixture(autouse=True)
+def _cache_of_its_own(tmp_path, monkeypatch):
+    """Every test here keeps its timed choices in a folder of its own: CPU choices, like GEMM ones, are read back
+    from <cache_dir> by any later kernel of the same program and shape, in this process or another."""
+    monkeypatch.setattr(ember.config, "cache_dir", str(tmp_path / "cache"))
+
+
 def _thread_lines(lines):
     return [line for line in lines if line.startswith("cpu fused group ")]
 
@@ -645,3 +652,62 @@ def test_the_default_mode_times_no_cpu_threads(mode, monkeypatch):
         report = ember.explain(fn, mode=mode)(*inputs())
         assert report.graphs and _tuned_lines(report) == [] and "tuned   " not in str(report)
     assert len(EMBER_GRAPHS) == 2 * len(CPU_CASES) and _compiled_thread_lines() == []
+
+
+# ---- CPU choices on disk, across processes (kernels/cpu/choice_record.h)
+
+_CPU_SCRIPT = textwrap.dedent("""
+    import json, sys, torch, ember
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 512)
+    fn = lambda x: torch.softmax(linear(x), -1) * 3.0 + 1.0
+    options = {"autotune": True, "fallback": "raise"}
+    with torch.no_grad():
+        report = ember.explain(fn, options=options)(torch.randn(2048, 256))
+        compiled = torch.compile(fn, backend="ember", options=options)
+        error = 0.0
+        for _ in range(3):
+            x = torch.randn(2048, 256)
+            error = max(error, (compiled(x) - fn(x)).abs().max().item())
+    lines = [line for g in report.graphs for line in g.tuned]
+    print("RESULT", json.dumps({"stats": ember._C.cpu_tuning_stats(), "error": error, "lines": lines,
+                                "matmuls": ember._C.cpu_matmul_timings()}))
+""")
+
+
+def _run_cpu(cache):
+    env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
+    run = subprocess.run([sys.executable, "-c", _CPU_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    assert result["error"] < 1e-5, result
+    return result
+
+
+def test_a_warm_start_times_no_cpu_choice(tmp_path):
+    """A CPU matmul's library and, under max-autotune, a fused kernel's threads are timed once per host: a later
+    process reads them from <cache_dir>/cpu. A damaged record is a miss, timed again."""
+    several = torch.get_num_threads() > 1  # with one thread, a fused kernel has no count to choose
+    cold = _run_cpu(tmp_path)
+    # explain's compile times (and writes); the compile after it, in the same process, reads the kernel's record
+    assert cold["stats"]["timed"] == 1 + several and cold["stats"]["from_disk"] == several, cold
+    assert not any("from disk" in line for line in cold["matmuls"] + cold["lines"]), cold
+    records = sorted((tmp_path / "cpu").glob("*.bin"))
+    assert len(records) == 1 + several
+    warm = _run_cpu(tmp_path)
+    assert warm["stats"]["timed"] == 0 and warm["stats"]["refused"] == 0, warm
+    assert warm["stats"]["from_disk"] == 1 + 2 * several, warm
+    assert len(warm["matmuls"]) == 1 and warm["matmuls"][0].endswith("(from disk)"), warm["matmuls"]
+    if several:
+        assert sum("(max-autotune, from disk)" in line for line in warm["lines"]) == 1, warm["lines"]
+    for i, record in enumerate(records):
+        data = record.read_bytes()
+        record.write_bytes(data[: len(data) // 2] if i % 2 else bytes(len(data)))
+    damaged = _run_cpu(tmp_path)
+    assert damaged["stats"]["timed"] == 1 + several and damaged["stats"]["from_disk"] == several, damaged
+
+
+def test_the_cache_off_keeps_no_cpu_choice():
+    for _ in range(2):
+        result = _run_cpu("off")
+        assert result["stats"]["from_disk"] == 0 and result["stats"]["timed"] >= 1, result

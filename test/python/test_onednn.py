@@ -252,13 +252,15 @@ def test_batch_one_mlp_first_call_then_packed(threads):
 
 @needs_onednn
 @pytest.mark.parametrize("library", ["timed", "onednn", "aten", "torch"])
-def test_large_problems_match_eager_through_either_library(library, monkeypatch):
+def test_large_problems_match_eager_through_either_library(library, monkeypatch, tmp_path):
     """Problems of 2^22 multiply-adds or more run through whichever of oneDNN, ATen and torch's own oneDNN
     (mkldnn::_linear_pointwise) was fastest when timed (kernels/cpu/matmul_kernel.cpp, points 5 and 6);
     EMBER_CPU_MATMUL forces one. Each way, with a bias and GELU, a bias, ReLU and a residual add, a bias and a
     residual add (torch's .binary form), or a scale, packed parameter weights and weights passed in, every call
     matches eager, the call that times included. A problem is timed once per process, so two kernels of the
-    same problem time it once (ember._C.cpu_matmul_timings()), and a weight changed in place is still read."""
+    same problem time it once (ember._C.cpu_matmul_timings()), and a weight changed in place is still read. The
+    cache folder is the test's own: a choice timed by an earlier process would be read from it instead."""
+    monkeypatch.setattr(ember.config, "cache_dir", str(tmp_path))
     if library != "timed":
         monkeypatch.setattr(ember.config, "cpu_matmul", library)
     timed_before = len(ember._C.cpu_matmul_timings())
