@@ -162,14 +162,14 @@ SETTINGS = {s.name: s for s in (
     Setting("autotune", bool, None,
             'time every candidate of each CUDA GEMM, and every launch configuration of each fused CUDA kernel, at '
             "its first call, within autotune_budget_s (and run CUDA convolutions with cuDNN's benchmark search, time "
-            "every CPU matmul's libraries); None: on in "
+            "every CPU matmul's libraries and each fused CPU kernel's thread count); None: on in "
             'mode="max-autotune" and "max-autotune-no-cudagraphs" (torch.compile takes a mode or options, not both), '
             "off otherwise", USER, option=True),
     Setting("autotune_budget_s", int, 30,
-            "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates and fused "
-            "kernels' launches; problems met after it is spent get the default mode's choice; 0: none tuned beyond "
-            "it. Timed GEMM choices, in every mode, are kept in <cache_dir>/gemm for later processes, timed launches "
-            "in <cache_dir>/launch",
+            "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates, fused CUDA "
+            "kernels' launches and fused CPU kernels' threads; problems met after it is spent get the default mode's "
+            "choice; 0: none tuned beyond it. Timed GEMM choices, in every mode, are kept in <cache_dir>/gemm for "
+            "later processes, timed launches in <cache_dir>/launch, timed CPU choices in <cache_dir>/cpu",
             USER, option=True, minimum=0),
     Setting("parameter_cache", bool, True,
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms; without CUDA "
@@ -186,7 +186,8 @@ SETTINGS = {s.name: s for s in (
             "with pad_to_buckets: the input dims whose symbolic size is padded (every input and output of that size "
             "follows it); 0: the batch dim", USER, option=True),
     Setting("cache_dir", str, "",
-            'the directory of the disk caches (CUDA kernels, timed GEMM choices, whole compiles); empty: '
+            'the directory of the disk caches (CUDA kernels, timed GEMM, launch and CPU choices, whole compiles); '
+            'empty: '
             '~/.cache/ember; "off": none', USER,
             cpp=True),
     Setting("compile_cache", bool, True,
