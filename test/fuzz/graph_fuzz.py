@@ -178,7 +178,8 @@ def main(argv=None):
     ap.add_argument("--count", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--mode", choices=("default", "reduce-overhead"), default="default")
+    ap.add_argument("--mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                    default="default", help="torch.compile's mode for ember (the max-autotune ones tune at first calls)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before it counts as a hang")
     ap.add_argument("--out", default=os.path.join(HERE, "repros"), help="folder for the reproducer files")
@@ -194,8 +195,8 @@ def main(argv=None):
         if not torch.cuda.is_available():
             print("fuzz: --device cuda asked for, but this machine has no CUDA device; nothing run")
             return 0
-    elif args.mode == "reduce-overhead":
-        print("fuzz: note: reduce-overhead captures CUDA graphs; on CPU it checks repeated calls only")
+    elif args.mode in ("reduce-overhead", "max-autotune"):
+        print(f"fuzz: note: {args.mode} captures CUDA graphs; on CPU it checks repeated calls only")
     start = time.time()
     counts, failures, refusals = fuzz(args.count, args.seed, args.device, args.mode, args.workers, args.out,
                                       args.timeout, not args.no_shrink, time_budget=args.time_budget,
