@@ -3,8 +3,8 @@
 // another key or makes the reader run past its bytes.
 #include "kernels/cuda/gemm_record.h"
 
-#include "backend/package/xxhash.h"
 #include "kernels/cuda/disk_cache.h"
+#include "test/cpp/record_bytes.h"
 
 #include <gtest/gtest.h>
 
@@ -42,13 +42,7 @@ void expect_same(const GemmRecord& a, const GemmRecord& b) {
   EXPECT_EQ(a.timings, b.timings);
 }
 
-// `bytes` with its trailing checksum recomputed: a mutation the checksum cannot catch, for the parser itself.
-std::string rechecksummed(std::string bytes) {
-  if (bytes.size() < 8) return bytes;
-  const uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size() - 8, 0);
-  std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
-  return bytes;
-}
+using test::rechecksummed;
 
 TEST(GemmRecord, RoundTripsUnderItsOwnKeyOnly) {
   const GemmRecord r = sample();

@@ -9,7 +9,7 @@
 #include "kernels/cuda/launch_record.h"
 #include "kernels/program.h"
 #include "passes/passes.h"
-#include "backend/package/xxhash.h"
+#include "test/cpp/record_bytes.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -282,13 +282,7 @@ void expect_same(const cuda::LaunchRecord& a, const cuda::LaunchRecord& b) {
   EXPECT_EQ(a.timings, b.timings);
 }
 
-// `bytes` with its trailing checksum recomputed: a mutation the checksum cannot catch, for the parser itself.
-std::string rechecksummed(std::string bytes) {
-  if (bytes.size() < 8) return bytes;
-  const uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size() - 8, 0);
-  std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
-  return bytes;
-}
+using test::rechecksummed;
 
 TEST(LaunchRecord, RoundTripsUnderItsOwnKeyOnly) {
   const cuda::LaunchRecord r = sample();

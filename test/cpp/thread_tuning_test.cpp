@@ -5,8 +5,8 @@
 // mutated file is read as a record of another key.
 #include "kernels/cpu/thread_tuning.h"
 
-#include "backend/package/xxhash.h"
 #include "kernels/cpu/choice_record.h"
+#include "test/cpp/record_bytes.h"
 
 #include <gtest/gtest.h>
 
@@ -135,13 +135,7 @@ ChoiceRecord sample_record() {
   return r;
 }
 
-// `bytes` with its trailing checksum recomputed: a mutation the checksum cannot catch, for the parser itself.
-std::string rechecksummed(std::string bytes) {
-  if (bytes.size() < 8) return bytes;
-  const uint64_t sum = xxh64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size() - 8, 0);
-  std::memcpy(&bytes[bytes.size() - 8], &sum, 8);
-  return bytes;
-}
+using test::rechecksummed;
 
 TEST(ChoiceRecord, RoundTripsUnderItsOwnKeyOnly) {
   const ChoiceRecord r = sample_record();

@@ -624,16 +624,22 @@ def test_explain_lists_a_thread_line_per_cpu_kernel_shape():
     assert all(f"    tuned   {line}" in str(report) for line in lines)
 
 
+def _two_calls_then_explain(case, **how):
+    """Two calls of `case` compiled as `how` says (mode= or options=), each against eager, then explain's report of
+    the same compile afresh."""
+    fn, inputs, _, tol = _cpu_case(case)
+    compiled = torch.compile(fn, backend="ember", **how)
+    for _ in range(2):
+        args = inputs()
+        torch.testing.assert_close(compiled(*args), fn(*args), **tol)
+    return ember.explain(fn, **how)(*inputs())
+
+
 def test_a_spent_budget_times_no_cpu_threads():
     options = dict(CPU_AUTOTUNE, autotune_budget_s=0)
     for case in CPU_CASES:
-        fn, inputs, what, tol = _cpu_case(case)
-        compiled = torch.compile(fn, backend="ember", options=options)
-        for _ in range(2):
-            args = inputs()
-            torch.testing.assert_close(compiled(*args), fn(*args), **tol)
-        report = ember.explain(fn, options=options)(*inputs())
-        lines = _thread_lines(_tuned_lines(report))
+        what = _cpu_case(case)[2]
+        lines = _thread_lines(_tuned_lines(_two_calls_then_explain(case, options=options)))
         assert len(lines) == 1 and f" {what} on " in lines[0], lines
         assert lines[0].endswith(": default (default: budget spent)"), lines  # no "timed:"
     lines = _compiled_thread_lines()
@@ -644,12 +650,7 @@ def test_a_spent_budget_times_no_cpu_threads():
 def test_the_default_mode_times_no_cpu_threads(mode, monkeypatch):
     monkeypatch.setattr(ember.config, "fallback", "raise")
     for case in CPU_CASES:
-        fn, inputs, _, tol = _cpu_case(case)
-        compiled = torch.compile(fn, backend="ember", mode=mode)
-        for _ in range(2):
-            args = inputs()
-            torch.testing.assert_close(compiled(*args), fn(*args), **tol)
-        report = ember.explain(fn, mode=mode)(*inputs())
+        report = _two_calls_then_explain(case, mode=mode)
         assert report.graphs and _tuned_lines(report) == [] and "tuned   " not in str(report)
     assert len(EMBER_GRAPHS) == 2 * len(CPU_CASES) and _compiled_thread_lines() == []
 
