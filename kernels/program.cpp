@@ -149,6 +149,19 @@ class Lowering {
     return emit(common == c10::kHalf ? OpCode::RoundHalf : OpCode::RoundBFloat16, o);
   }
 
+  // An operand of a 16-bit add, sub or rsub: one held wider (a float32 0-dim tensor, a Python number) is rounded
+  // to the result's dtype first, as torch's add kernel reads such a scalar (TensorIterator's scalar_value, on the CPU
+  // and CUDA alike); mul and div read its unrounded value (original_scalar_value), so they take it as it is. A
+  // bfloat16 x - s with s a float32 sum near 262.6 subtracts 262 in eager; unrounded, a softmax over two such
+  // differences gave 0.5 where eager gives 0.119 (fuzz seed 1800875).
+  Operand added(const Node& n, const char* name) {
+    const int index = std::string(name) == "self" ? 0 : 1;
+    Operand o = operand(*n.arg(index, name), n);
+    const c10::ScalarType result = n.outputs[0]->type.tensor.dtype;
+    if (result != c10::kHalf && result != c10::kBFloat16) return o;
+    return round_to(o, operand_dtype(*n.arg(index, name)), result);
+  }
+
   // A node is a row node when its output has fewer elements per row than the full shape: it follows
   // a reduction and works on reduced values only. A keepdim-shaped output ([..., 1], or [1, ..., 1, kept...]
   // for columns) is a row unless the full shape has that shape too; then it is one only where it reads rows.
@@ -270,16 +283,16 @@ class Lowering {
     }
 
     if (op == "aten::add.Tensor" || op == "aten::add.Scalar" || op == "aten::sub.Tensor" || op == "aten::sub.Scalar") {
-      Operand b = x(1, "other");
+      Operand a = added(n, "self"), b = added(n, "other");
       double alpha = arg_number(n, 2, "alpha", 1.0);
       if (alpha != 1.0) b = emit(OpCode::Mul, b, Operand::constant(static_cast<float>(alpha)));
-      return out(emit(op[6] == 'a' ? OpCode::Add : OpCode::Sub, x(0, "self"), b));
+      return out(emit(op[6] == 'a' ? OpCode::Add : OpCode::Sub, a, b));
     }
     if (op == "aten::rsub.Scalar") {
-      Operand a = x(0, "self");
+      Operand a = added(n, "self");
       double alpha = arg_number(n, 2, "alpha", 1.0);
       if (alpha != 1.0) a = emit(OpCode::Mul, a, Operand::constant(static_cast<float>(alpha)));
-      return out(emit(OpCode::Sub, x(1, "other"), a));
+      return out(emit(OpCode::Sub, added(n, "other"), a));
     }
     if (op == "aten::mul.Tensor" || op == "aten::mul.Scalar") return out(emit(OpCode::Mul, x(0, "self"), x(1, "other")));
     if (op == "aten::div.Tensor" || op == "aten::div.Scalar") {

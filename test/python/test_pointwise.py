@@ -164,6 +164,22 @@ def test_comparison_with_a_wider_scalar_runs_in_the_tensors_dtype(device, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_sums_with_a_wider_scalar_round_it_as_eager_does(device, dtype):
+    """x + s, x - s and s - x for a 16-bit x and a wider s (a float32 0-dim tensor, a Python float, an int) round s
+    to x's dtype first, as torch's add kernel does; x * s and x / s take s unrounded, as torch's mul and div do
+    (fuzz seed 1800875). Every result is exact (a product by 2, an abs, a neg), so the bits must be eager's."""
+    x = (torch.randn(4, 999, device=device) * 3).to(dtype)
+    s = torch.tensor(262.59, device=device)
+
+    def f(x, s):
+        return ((x - s) * 2.0, (x + s).abs(), -(s - x), (x + 0.1) * 2.0, (1.3 - x) * 2.0, (x + 257).neg(),
+                torch.add(x, s, alpha=2).abs(), (x * s) * 2.0, (x / s).neg())
+
+    check(f, x, s, grad=False, options={"fallback": "raise"}, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
 def test_division_by_powers_of_two_is_exact(device, dtype):
     """A division by a power of two runs as a product by its reciprocal (kernels/program.cpp): the same bits
