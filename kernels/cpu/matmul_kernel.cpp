@@ -304,59 +304,14 @@ class MatmulKernel final : public Kernel {
     auto it = chosen().find(key);
     if (it != chosen().end()) {
       library = it->second;
-    } else if (std::optional<Library> stored = stored_library(c, packing, src, weights)) {
-      library = *stored;
-      chosen().try_emplace(key, library);
     } else {
-      lock.unlock();  // the timing runs outside the lock: other threads' kernels go on
-      // The others' first runs untimed (their first results' pages are new; torch's makes its primitive),
-      // then each twice in turns, the faster run of each counting: single runs on a busy 2-core host were off
-      // by up to 1.6x. Torch's call is a candidate where it takes the operands and runs (it rejects bf16
-      // on hosts without bf16 instructions).
-      double onednn_us = 1e300, aten_us = 1e300, torch_us = 1e300;
-      bool torch = torch_takes(src, weights);
-      try {
-        run_aten(src, weights, bias, addends);
-      } catch (const std::exception&) {
-        return;  // none is chosen; the next call times again
-      }
-      try {
-        if (torch) run_torch(src, weights, bias, addends);
-      } catch (const std::exception&) {
-        torch = false;
-      }
-      try {
-        for (int round = 0; round < 2; ++round) {
-          auto start = std::chrono::steady_clock::now();
-          run_library(c, packing, dst, addends, out);
-          onednn_us = std::min(onednn_us, elapsed_us(start));
-          start = std::chrono::steady_clock::now();
-          run_aten(src, weights, bias, addends);
-          aten_us = std::min(aten_us, elapsed_us(start));
-          if (!torch) continue;
-          start = std::chrono::steady_clock::now();
-          run_torch(src, weights, bias, addends);
-          torch_us = std::min(torch_us, elapsed_us(start));
-        }
-      } catch (const std::exception&) {
-        return;
-      }
-      // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
-      const double best = std::min(aten_us, torch_us);
-      if (best < 0.9 * onednn_us) library = torch_us < aten_us ? Library::Torch : Library::Aten;
-      char torch_text[48] = "";
-      if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
-      char line[256];
-      std::snprintf(line, sizeof line, "%lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s",
-                    static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
-                    text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text, library_name(library));
-      cpu_tuning_counters().timed.fetch_add(1);
-      ChoiceRecord record{record_key(c, packing), static_cast<int64_t>(library), {{"onednn", float(onednn_us / 1000)},
-                                                                                 {"aten", float(aten_us / 1000)}}};
-      if (torch) record.timings.emplace_back("torch", float(torch_us / 1000));
-      choice_record_store(record);
+      lock.unlock();  // the record is read, or the libraries timed, outside the lock: other kernels go on
+      std::string line;
+      std::optional<Library> found = stored_library(c, packing, src, weights, &line);
+      if (!found) found = time_libraries(c, packing, src, weights, bias, addends, dst, out, &line);
+      if (!found) return;  // none is chosen; the next call times again
       lock.lock();
-      const auto [kept, fresh] = chosen().try_emplace(key, library);
+      const auto [kept, fresh] = chosen().try_emplace(key, *found);
       if (fresh) timings().emplace_back(line);
       library = kept->second;
     }
@@ -365,6 +320,63 @@ class MatmulKernel final : public Kernel {
     if (libraries_.size() >= kMaxShapes) libraries_.erase(libraries_.begin());  // a stream of new shapes
     libraries_.push_back({c.M, c.N, c.K, {c.src_stride[0], c.src_stride[1]}, {c.weights_stride[0], c.weights_stride[1]},
                           packing != 0, library});
+  }
+
+  // Point 5's timing of the libraries on this call's operands (oneDNN's runs write the call's result again: dst,
+  // then *out), its choice kept on disk; in *line what timings() lists. Null where a library failed to run.
+  std::optional<Library> time_libraries(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src,
+                                        const at::Tensor& weights, const at::Tensor& bias,
+                                        const std::vector<at::Tensor>& addends, const at::Tensor& dst, at::Tensor* out,
+                                        std::string* line) const {
+    // The others' first runs untimed (their first results' pages are new; torch's makes its primitive),
+    // then each twice in turns, the faster run of each counting: single runs on a busy 2-core host were off
+    // by up to 1.6x. Torch's call is a candidate where it takes the operands and runs (it rejects bf16
+    // on hosts without bf16 instructions).
+    Library library = Library::OneDnn;
+    double onednn_us = 1e300, aten_us = 1e300, torch_us = 1e300;
+    bool torch = torch_takes(src, weights);
+    try {
+      run_aten(src, weights, bias, addends);
+    } catch (const std::exception&) {
+      return std::nullopt;  // none is chosen; the next call times again
+    }
+    try {
+      if (torch) run_torch(src, weights, bias, addends);
+    } catch (const std::exception&) {
+      torch = false;
+    }
+    try {
+      for (int round = 0; round < 2; ++round) {
+        auto start = std::chrono::steady_clock::now();
+        run_library(c, packing, dst, addends, out);
+        onednn_us = std::min(onednn_us, elapsed_us(start));
+        start = std::chrono::steady_clock::now();
+        run_aten(src, weights, bias, addends);
+        aten_us = std::min(aten_us, elapsed_us(start));
+        if (!torch) continue;
+        start = std::chrono::steady_clock::now();
+        run_torch(src, weights, bias, addends);
+        torch_us = std::min(torch_us, elapsed_us(start));
+      }
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).
+    const double best = std::min(aten_us, torch_us);
+    if (best < 0.9 * onednn_us) library = torch_us < aten_us ? Library::Torch : Library::Aten;
+    char torch_text[48] = "";
+    if (torch) std::snprintf(torch_text, sizeof torch_text, ", torch %.0f us", torch_us);
+    char text[256];
+    std::snprintf(text, sizeof text, "%lldx%lldx%lld %s%s: onednn %.0f us, aten %.0f us%s -> %s",
+                  static_cast<long long>(c.M), static_cast<long long>(c.N), static_cast<long long>(c.K),
+                  text_.c_str(), packing ? " (packed)" : "", onednn_us, aten_us, torch_text, library_name(library));
+    cpu_tuning_counters().timed.fetch_add(1);
+    ChoiceRecord record{record_key(c, packing), static_cast<int64_t>(library), {{"onednn", float(onednn_us / 1000)},
+                                                                               {"aten", float(aten_us / 1000)}}};
+    if (torch) record.timings.emplace_back("torch", float(torch_us / 1000));
+    choice_record_store(record);
+    *line = text;
+    return library;
   }
 
   at::Tensor run_aten(const at::Tensor& src, const at::Tensor& weights, const at::Tensor& bias,
@@ -386,10 +398,10 @@ class MatmulKernel final : public Kernel {
     return choice_record_host() + problem + text_;
   }
 
-  // The library an earlier process chose for this problem, where it can run this call (under chosen_mutex; its
-  // line goes to timings() as the timing's would).
+  // The library an earlier process chose for this problem, where it can run this call, and in *line what
+  // timings() lists for it.
   std::optional<Library> stored_library(const onednn::MatmulCall& c, uint64_t packing, const at::Tensor& src,
-                                        const at::Tensor& weights) const {
+                                        const at::Tensor& weights, std::string* line) const {
     if (forced_) return std::nullopt;
     const std::optional<ChoiceRecord> r = choice_record_find(record_key(c, packing));
     if (!r) return std::nullopt;
@@ -399,14 +411,14 @@ class MatmulKernel final : public Kernel {
       return std::nullopt;
     }
     const Library library = static_cast<Library>(n);
-    std::string line = std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + " " + text_ +
-                       (packing ? " (packed)" : "") + ":";
+    *line = std::to_string(c.M) + "x" + std::to_string(c.N) + "x" + std::to_string(c.K) + " " + text_ +
+            (packing ? " (packed)" : "") + ":";
     for (size_t i = 0; i < r->timings.size(); ++i) {
       char time[96];
       std::snprintf(time, sizeof time, "%s %s %.0f us", i ? "," : "", r->timings[i].first.c_str(), r->timings[i].second * 1000.0);
-      line += time;
+      *line += time;
     }
-    timings().emplace_back(line + " -> " + library_name(library) + " (from disk)");
+    *line += std::string(" -> ") + library_name(library) + " (from disk)";
     cpu_tuning_counters().from_disk.fetch_add(1);
     return library;
   }
