@@ -289,13 +289,20 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode, cache):
+def _run_script(script, cache, max_error, *args, timeout=300):
+    """`script` run in a fresh process over the cache folder `cache` (whole compiles off): its RESULT line, whose
+    error against eager must be below `max_error`."""
     env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
-    run = subprocess.run([sys.executable, "-c", _SCRIPT, mode], env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                         timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.split("RESULT ", 1)[1])
-    assert result["error"] < 1e-3, result
+    assert result["error"] < max_error, result
     return result
+
+
+def _run(mode, cache):
+    return _run_script(_SCRIPT, cache, 1e-3, mode)
 
 
 @cuda
@@ -494,12 +501,7 @@ _LAUNCH_SCRIPT = textwrap.dedent("""
 
 
 def _run_launches(cache):
-    env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
-    run = subprocess.run([sys.executable, "-c", _LAUNCH_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.split("RESULT ", 1)[1])
-    assert result["error"] < 1e-2, result
-    return result
+    return _run_script(_LAUNCH_SCRIPT, cache, 1e-2, timeout=600)
 
 
 @cuda
@@ -677,12 +679,7 @@ _CPU_SCRIPT = textwrap.dedent("""
 
 
 def _run_cpu(cache):
-    env = dict(os.environ, EMBER_CACHE_DIR=str(cache), EMBER_COMPILE_CACHE="0")
-    run = subprocess.run([sys.executable, "-c", _CPU_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.split("RESULT ", 1)[1])
-    assert result["error"] < 1e-5, result
-    return result
+    return _run_script(_CPU_SCRIPT, cache, 1e-5)
 
 
 def test_a_warm_start_times_no_cpu_choice(tmp_path):
