@@ -324,18 +324,7 @@ TEST(LaunchRecord, MutatedBytesWithAValidChecksumNeverMisread) {
   const std::string good = cuda::launch_record_bytes(r);
   std::mt19937_64 rng(61);
   for (int trial = 0; trial < 20000; ++trial) {
-    std::string bytes = good;
-    const int edits = 1 + static_cast<int>(rng() % 4);
-    for (int e = 0; e < edits; ++e) {
-      const size_t at = rng() % (bytes.size() - 8);
-      switch (rng() % 4) {
-        case 0: bytes[at] = static_cast<char>(rng()); break;
-        case 1: std::memset(&bytes[at], 0xff, std::min<size_t>(8, bytes.size() - 8 - at)); break;  // a huge length
-        case 2: bytes.erase(at, 1 + rng() % 16); break;
-        default: bytes.insert(at, std::string(1 + rng() % 16, static_cast<char>(rng())));
-      }
-      if (bytes.size() < 16) break;
-    }
+    const std::string bytes = test::mutated(good, rng);
     const std::optional<cuda::LaunchRecord> back = cuda::parse_launch_record(rechecksummed(bytes), r.key);
     if (!back) continue;
     EXPECT_EQ(back->key, r.key);  // a changed launch is possible; the tuner takes only one of the call's candidates

@@ -163,14 +163,7 @@ TEST(ChoiceRecord, DamagedBytesAreMissesAndNeverAnotherKey) {
   }
   std::mt19937_64 rng(61);
   for (int trial = 0; trial < 20000; ++trial) {
-    std::string bytes = good;
-    const size_t at = rng() % (bytes.size() - 8);
-    switch (rng() % 4) {
-      case 0: bytes[at] = static_cast<char>(rng()); break;
-      case 1: std::memset(&bytes[at], 0xff, std::min<size_t>(8, bytes.size() - 8 - at)); break;  // a huge length
-      case 2: bytes.erase(at, 1 + rng() % 16); break;
-      default: bytes.insert(at, std::string(1 + rng() % 16, static_cast<char>(rng())));
-    }
+    const std::string bytes = test::mutated(good, rng);
     const std::optional<ChoiceRecord> back = parse_choice_record(rechecksummed(bytes), r.key);
     if (back) EXPECT_EQ(back->key, r.key);  // a changed choice is possible: its users check it before use
   }
