@@ -139,11 +139,15 @@ class Lowering {
     if (a.kind == Arg::Kind::Int || k == Type::Kind::Int) return c10::kLong;
     return c10::kFloat;
   }
+  // `v` rounded to the 16-bit `t`.
+  static float rounded(float v, c10::ScalarType t) {
+    return t == c10::kHalf ? static_cast<float>(c10::Half(v)) : static_cast<float>(c10::BFloat16(v));
+  }
   // An operand held in a wider dtype than `common` takes `common`'s rounding (a constant is rounded now).
   Operand round_to(Operand o, c10::ScalarType held, c10::ScalarType common) {
     if (held == common || held == c10::kBool) return o;
     if (o.kind == Operand::Kind::Imm) {
-      o.imm = common == c10::kHalf ? static_cast<float>(c10::Half(o.imm)) : static_cast<float>(c10::BFloat16(o.imm));
+      o.imm = rounded(o.imm, common);
       return o;
     }
     return emit(common == c10::kHalf ? OpCode::RoundHalf : OpCode::RoundBFloat16, o);
@@ -154,8 +158,7 @@ class Lowering {
   // and CUDA alike); mul and div read its unrounded value (original_scalar_value), so they take it as it is. A
   // bfloat16 x - s with s a float32 sum near 262.6 subtracts 262 in eager; unrounded, a softmax over two such
   // differences gave 0.5 where eager gives 0.119 (fuzz seed 1800875).
-  Operand added(const Node& n, const char* name) {
-    const int index = std::string(name) == "self" ? 0 : 1;
+  Operand added(const Node& n, size_t index, const char* name) {
     Operand o = operand(*n.arg(index, name), n);
     const c10::ScalarType result = n.outputs[0]->type.tensor.dtype;
     if (result != c10::kHalf && result != c10::kBFloat16) return o;
@@ -169,10 +172,8 @@ class Lowering {
   // they take these numbers was not checked there.
   double cpu_scalar(const Node& n, double v) const {
     const c10::ScalarType result = n.outputs[0]->type.tensor.dtype;
-    if (!program_.device.is_cpu()) return v;
-    if (result == c10::kHalf) return static_cast<float>(c10::Half(static_cast<float>(v)));
-    if (result == c10::kBFloat16) return static_cast<float>(c10::BFloat16(static_cast<float>(v)));
-    return v;
+    if (!program_.device.is_cpu() || (result != c10::kHalf && result != c10::kBFloat16)) return v;
+    return rounded(static_cast<float>(v), result);
   }
 
   // A node is a row node when its output has fewer elements per row than the full shape: it follows
@@ -296,16 +297,16 @@ class Lowering {
     }
 
     if (op == "aten::add.Tensor" || op == "aten::add.Scalar" || op == "aten::sub.Tensor" || op == "aten::sub.Scalar") {
-      Operand a = added(n, "self"), b = added(n, "other");
+      Operand a = added(n, 0, "self"), b = added(n, 1, "other");
       double alpha = cpu_scalar(n, arg_number(n, 2, "alpha", 1.0));
       if (alpha != 1.0) b = emit(OpCode::Mul, b, Operand::constant(static_cast<float>(alpha)));
       return out(emit(op[6] == 'a' ? OpCode::Add : OpCode::Sub, a, b));
     }
     if (op == "aten::rsub.Scalar") {
-      Operand a = added(n, "self");
+      Operand a = added(n, 0, "self");
       double alpha = cpu_scalar(n, arg_number(n, 2, "alpha", 1.0));
       if (alpha != 1.0) a = emit(OpCode::Mul, a, Operand::constant(static_cast<float>(alpha)));
-      return out(emit(OpCode::Sub, added(n, "other"), a));
+      return out(emit(OpCode::Sub, added(n, 1, "other"), a));
     }
     if (op == "aten::mul.Tensor" || op == "aten::mul.Scalar") return out(emit(OpCode::Mul, x(0, "self"), x(1, "other")));
     if (op == "aten::div.Tensor" || op == "aten::div.Scalar") {

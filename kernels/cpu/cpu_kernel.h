@@ -22,7 +22,8 @@ std::shared_ptr<const Kernel> make_fused_kernel(Program program, std::string* wh
 std::shared_ptr<const Kernel> make_matmul_kernel(const EpilogueGroup& group, std::string* why_not,
                                                 bool exhaustive = false);
 // One line per problem the matmul kernels timed, in order: "72x232x264 matmul f32 +bias gelu (packed): onednn
-// 41 us, aten 48 us, torch 45 us -> onednn". A problem is timed once per process; tests read which ran.
+// 41 us, aten 48 us, torch 45 us -> onednn". A problem is timed once per process, or read from <cache_dir>/cpu
+// where an earlier process timed it (its line then ends "(from disk)"); tests read which ran.
 std::vector<std::string> cpu_matmul_timings();
 // The same for a claimed 2-D convolution group (kernels/cpu/conv_kernel.cpp).
 std::shared_ptr<const Kernel> make_conv2d_kernel(const EpilogueGroup& group, std::string* why_not);

@@ -15,7 +15,8 @@
 //     oneDNN 2.6 runs f32 matmuls on an AVX2-only host as `gemm:jit`, which took 12.4-12.9 ms for
 //     [197, 768] @ [768, 3072] on the 2-core Zen host where ATen's addmm took 6.8-8.5 ms (bench/zoo.py's
 //     4-layer ViT at batch 1 ran 0.87-0.99x of eager). The choice is process-wide by shape, layout and
-//     epilogue; per call a kernel looks it up in its own short list.
+//     epilogue, and kept in <cache_dir>/cpu (choice_record.h) for later processes, which read it instead of
+//     timing; per call a kernel looks it up in its own short list.
 //     EMBER_CPU_MATMUL=onednn|aten|torch, read when a plan is made, takes that library for every size oneDNN
 //     would run, untimed (tests run each; torch where the call takes the operands, else oneDNN);
 //     cpu_matmul_timings() (ember._C.cpu_matmul_timings) lists what each timing saw.

@@ -80,7 +80,7 @@ int64_t ThreadTuner::choose(const ThreadShape& shape, const std::string& what,
   report.threads = shape.threads;
   const std::string key = identity_.empty() ? std::string() : record_key(shape);
   if (std::optional<ChoiceRecord> r = key.empty() ? std::nullopt : choice_record_find(key)) {
-    if (r->choice >= 0 && r->choice < shape.threads && static_cast<size_t>(r->timings.size()) <= 64) {
+    if (r->choice >= 0 && r->choice < shape.threads) {
       cpu_tuning_counters().from_disk.fetch_add(1);
       report.how = "max-autotune, from disk";
       for (const auto& [name, ms] : r->timings) {
@@ -144,10 +144,8 @@ int64_t ThreadTuner::choose(const ThreadShape& shape, const std::string& what,
   charge();
   const int64_t cap = winner(report.timings);
   cpu_tuning_counters().timed.fetch_add(1);
-  if (cut_short || key.empty()) {
-    report.how = cut_short ? "max-autotune, cut short by the budget" : "max-autotune";  // a later process times
-  } else {                                                                                  // a cut short one whole
-    report.how = "max-autotune";
+  report.how = cut_short ? "max-autotune, cut short by the budget" : "max-autotune";
+  if (!cut_short && !key.empty()) {  // one cut short is timed whole by a later process
     ChoiceRecord record{key, cap, {{"most", float(most)}}};
     for (const ThreadTiming& t : report.timings) record.timings.emplace_back(std::to_string(t.cap), float(t.ms));
     choice_record_store(record);
