@@ -211,38 +211,40 @@ def route_attention(gm):
     return routed
 
 
-def _kernel_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
-    """'cudnn', 'flash', 'efficient' or None (the op as it is), from what ATen's kernels accept."""
+def _kernels_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
+    """The kernels of 'cudnn', 'flash', 'efficient' that take these operands, from what ATen's kernels accept, in
+    the default mode's order of preference (max-autotune times them all: attention_tuning.py)."""
     tensors = (query, key, value)
     if enable_gqa or not isinstance(dropout_p, float) or dropout_p != 0.0:
-        return None
+        return []
     if any(t.dim() != 4 or not t.is_cuda or t.dtype != query.dtype or t.stride(-1) != 1 for t in tensors):
-        return None
+        return []
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None
+        return []
     head, value_head = query.shape[-1], value.shape[-1]
     if key.shape[-1] != head or head % 8 != 0 or value_head % 8 != 0 or head > 256 or value_head > 256:
-        return None
+        return []
     if query.shape[0] != key.shape[0] or query.shape[1] != key.shape[1] or key.shape[:3] != value.shape[:3]:
-        return None
+        return []
     if is_causal and (attn_mask is not None or query.shape[2] != key.shape[2]):
-        return None
+        return []
+    kernels = []
     if _cudnn_usable(query, head, value_head, attn_mask):
-        return "cudnn"
+        kernels.append("cudnn")
     if attn_mask is None and query.dtype != torch.float32 and head == value_head:
         if torch.cuda.get_device_capability(query.device) >= (8, 0):
-            return "flash"
+            kernels.append("flash")
     if attn_mask is not None:
         # A symbolic key length (a KV cache under dynamic shapes) is not known to be a multiple of 16: the op
         # stays as it is rather than guarding on it (a recompile each time the length crosses a multiple).
         if (attn_mask.dtype not in (torch.bool, query.dtype) or attn_mask.dim() > 4
                 or not statically_known_true(key.shape[2] % 16 == 0)):
-            return None
+            return kernels
         if attn_mask.device != query.device:
-            return None
+            return kernels
     if head > 128 or value_head > 128:
-        return None
-    return "efficient"
+        return kernels
+    return kernels + ["efficient"]
 
 
 def _cudnn_usable(query, head, value_head, attn_mask):
@@ -268,9 +270,16 @@ def _aligned_bias(bias):
     return bias.clone(memory_format=torch.contiguous_format)
 
 
-def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """F.scaled_dot_product_attention through ATen's cuDNN / flash / memory-efficient kernel where they apply."""
-    kernel = _kernel_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                    kernel=None):
+    """F.scaled_dot_product_attention through ATen's cuDNN / flash / memory-efficient kernel where they apply.
+    `kernel`: the one max-autotune timed fastest (attention_tuning.py), or "math" (two matmuls and a softmax);
+    where it does not take these operands, the default's."""
+    kernels = _kernels_for(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+    if kernel == "math" and kernels:
+        return torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                                 scale=scale)[0]
+    kernel = kernel if kernel in kernels else (kernels[0] if kernels else None)
     if kernel is None:
         return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa)

@@ -889,7 +889,10 @@ def _compile_graph(gm, example_inputs, config, built=None):
     if ember_config.fused_attention and any(getattr(x, "is_cuda", False) for x in example_inputs):
         from .attention import route_attention
 
-        route_attention(gm)  # CUDA attention to the flash / memory-efficient kernel (see attention.py)
+        if route_attention(gm) and config.autotune:  # CUDA attention to cuDNN's, flash or memory-efficient kernel
+            from .attention_tuning import tune_attention
+
+            tune_attention(gm, config.autotune_budget_s)  # each call's fastest kernel, timed (attention_tuning.py)
     if ember_config.conv_channels_last:
         from .layout import (channels_last_convolutions, direct_eval_batch_norms, global_pools_as_means,
                              pays_in_cpu_training)

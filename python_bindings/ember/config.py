@@ -161,15 +161,17 @@ SETTINGS = {s.name: s for s in (
             "warning", USER, option=True, minimum=1),
     Setting("autotune", bool, None,
             'time every candidate of each CUDA GEMM, and every launch configuration of each fused CUDA kernel, at '
-            "its first call, within autotune_budget_s (and run CUDA convolutions with cuDNN's benchmark search, time "
+            "its first call, and each CUDA attention call's kernels at compile time, within autotune_budget_s (and "
+            "run CUDA convolutions with cuDNN's benchmark search, time "
             "every CPU matmul's libraries and each fused CPU kernel's thread count); None: on in "
             'mode="max-autotune" and "max-autotune-no-cudagraphs" (torch.compile takes a mode or options, not both), '
             "off otherwise", USER, option=True),
     Setting("autotune_budget_s", int, 30,
             "with autotune: seconds each compiled graph may spend timing its CUDA GEMMs' candidates, fused CUDA "
-            "kernels' launches and fused CPU kernels' threads; problems met after it is spent get the default mode's "
-            "choice; 0: none tuned beyond it. Timed GEMM choices, in every mode, are kept in <cache_dir>/gemm for "
-            "later processes, timed launches in <cache_dir>/launch, timed CPU choices in <cache_dir>/cpu",
+            "kernels' launches, attention kernels and fused CPU kernels' threads; problems met after it is spent get "
+            "the default mode's choice; 0: none tuned beyond it. Timed GEMM choices, in every mode, are kept in "
+            "<cache_dir>/gemm for later processes, timed launches in <cache_dir>/launch, attention kernels in "
+            "<cache_dir>/attention, timed CPU choices in <cache_dir>/cpu",
             USER, option=True, minimum=0),
     Setting("parameter_cache", bool, True,
             "inference graphs run their steps over parameters alone (weight layouts, folded batch norms; without CUDA "

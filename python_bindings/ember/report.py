@@ -91,6 +91,7 @@ class ExplainReport:
         self.as_is = []  # what graphs with nothing to compile did (views, detach): they run as Dynamo traced them
         self.masks = [0, 0]  # attention masks read at compile time: dropped, made is_causal (attention.py)
         self.flex = []  # per flex_attention call: None (ember's CUDA kernel) or why it runs dense (flex.py)
+        self.attention = []  # max-autotune's attention kernel choices, a line each (attention_tuning.py)
         self.cache_hits = 0  # Dynamo graphs whose compile came from the compile cache (cache.py)
         self.total_s = 0.0
         self.backend_s = 0.0  # inside ember's compilers
@@ -139,6 +140,8 @@ class ExplainReport:
             dense = [why for why in self.flex if why is not None]
             lines.append(f"- flex_attention: {len(self.flex) - len(dense)} call(s) as ember's CUDA kernel, "
                          f"{len(dense)} as dense ATen ops" + (f" ({'; '.join(sorted(set(dense)))})" if dense else ""))
+        for line in self.attention:
+            lines.append(f"- tuned {line}")
         passes = collections.defaultdict(float)
         lower = 0.0
         for g in self.graphs:
@@ -190,6 +193,11 @@ def record_masks(dropped, causal):
 def record_flex(why):
     if _active:
         _active[-1].flex.append(why)
+
+
+def record_attention(line):
+    if _active:
+        _active[-1].attention.append(line)
 
 
 def record_fallback(kind, reason):

@@ -709,3 +709,144 @@ def test_the_cache_off_keeps_no_cpu_choice():
     for _ in range(2):
         result = _run_cpu("off")
         assert result["stats"]["from_disk"] == 0 and result["stats"]["timed"] >= 1, result
+
+
+# ---- attention kernels (attention_tuning.py)
+
+def _attention_stats():
+    from ember import attention_tuning
+
+    return dict(attention_tuning.stats)
+
+
+ATTENTION_CASES = {  # (q / k / v sizes, mask sizes or None, is_causal)
+    "plain": ((2, 8, 256, 64), None, False),
+    "bool mask": ((2, 8, 256, 64), (2, 1, 256, 256), False),
+    "causal": ((2, 4, 384, 128), None, True),
+}
+
+
+def _attention_args(case, dtype, training):
+    sizes, mask, _ = ATTENTION_CASES[case]
+    qkv = [torch.randn(*sizes, device="cuda", dtype=dtype, requires_grad=training) for _ in range(3)]
+    masks = [torch.rand(*mask, device="cuda") > 0.2] if mask else []
+    return qkv + masks
+
+
+def _attention_fn(case):
+    causal = ATTENTION_CASES[case][2]
+
+    def fn(q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, is_causal=causal) * 2.0
+
+    return fn
+
+
+@cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_attention_kernels_are_timed_and_match_eager(case, dtype, training, settings):
+    """Each kernel that takes the call is timed once; the compiled graph, whichever won, gives eager's results."""
+    fn = _attention_fn(case)
+    before = _attention_stats()
+    compiled = torch.compile(fn, backend="ember", mode="max-autotune-no-cudagraphs")
+    tol = dict(atol=1e-3, rtol=1e-3) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    for _ in range(2):
+        args = _attention_args(case, dtype, training)
+        with torch.set_grad_enabled(training):
+            got = compiled(*args)
+            expected = fn(*args)
+        assert_same(got, expected, **tol)
+        if training:
+            grad = torch.randn_like(got)
+            got_grads = torch.autograd.grad(got, args[:3], grad)
+            expected_grads = torch.autograd.grad(expected, args[:3], grad)
+            assert_same(got_grads, expected_grads, what="gradient", **tol)
+    timed = _attention_stats()["timed"] - before["timed"]
+    assert timed == 1, _attention_stats()
+
+
+@cuda
+def test_explain_lists_the_attention_candidates_and_the_winner(settings):
+    args = _attention_args("bool mask", torch.bfloat16, False)
+    with torch.no_grad():
+        report = ember.explain(_attention_fn("bool mask"), mode="max-autotune-no-cudagraphs")(*args)
+    assert len(report.attention) == 1, str(report)
+    line = report.attention[0]
+    assert line.startswith("attention (2, 8, 256, 64) bfloat16, mask (2, 1, 256, 256) bool: "), line
+    assert "(max-autotune)" in line and "efficient" in line and "math" in line, line
+    assert f"- tuned {line}" in str(report)
+
+
+@cuda
+def test_a_spent_budget_keeps_the_default_attention_kernel(settings):
+    args = _attention_args("plain", torch.bfloat16, False)
+    before = _attention_stats()
+    with torch.no_grad():
+        report = ember.explain(_attention_fn("plain"), options={"autotune": True, "autotune_budget_s": 0})(*args)
+    assert _attention_stats()["timed"] == before["timed"], _attention_stats()
+    assert len(report.attention) == 1 and report.attention[0].endswith("(default: budget spent)"), report.attention
+
+
+def test_cpu_graphs_tune_no_attention(settings):
+    q, k, v = (torch.randn(2, 4, 32, 16) for _ in range(3))
+    before = _attention_stats()
+    compiled = torch.compile(F.scaled_dot_product_attention, backend="ember", mode="max-autotune-no-cudagraphs")
+    with torch.no_grad():
+        assert_same(compiled(q, k, v), F.scaled_dot_product_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    assert _attention_stats() == before
+
+
+def test_attention_records_round_trip_and_damage_is_a_miss(settings):
+    from ember import attention_tuning
+
+    key, candidates = repr(("attention", "a signature")), ["cudnn", "efficient", "math"]
+    assert attention_tuning._read_record(key, candidates) is None
+    attention_tuning._write_record(key, "efficient", {"cudnn": 0.02, "efficient": 0.01, "math": -1.0})
+    assert attention_tuning._read_record(key, candidates) == "efficient"
+    assert attention_tuning._read_record(key, ["cudnn", "math"]) is None  # a winner that is no candidate now
+    assert attention_tuning._read_record(repr(("attention", "another")), candidates) is None
+    path = attention_tuning._record_path(key)
+    assert path.startswith(str(settings / "attention"))
+    data = open(path, "rb").read()
+    for damaged in (data[: len(data) // 2], bytes(len(data)), data.replace(key.encode(), b"x")):
+        with open(path, "wb") as f:
+            f.write(damaged)
+        assert attention_tuning._read_record(key, candidates) is None
+
+
+_ATTENTION_SCRIPT = textwrap.dedent("""
+    import json, torch, ember, torch.nn.functional as F
+    from ember import attention_tuning
+    ember.config.fallback = "raise"
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    error, lines = 0.0, []
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(2, 8, 256, 64, device="cuda", dtype=dtype) for _ in range(3))
+            mask = torch.rand(2, 1, 256, 256, device="cuda") > 0.2
+            lines += ember.explain(fn, mode="max-autotune-no-cudagraphs")(q, k, v, mask).attention
+            compiled = torch.compile(fn, backend="ember", mode="max-autotune-no-cudagraphs")
+            for got, expected in zip(compiled(q, k, v, mask), fn(q, k, v, mask)):
+                error = max(error, (got.float() - expected.float()).abs().max().item())
+    print("RESULT", json.dumps({"stats": attention_tuning.stats, "error": error, "lines": lines}))
+""")
+
+
+@cuda
+def test_a_warm_start_times_no_attention(tmp_path):
+    cold = _run_script(_ATTENTION_SCRIPT, tmp_path, 5e-2)
+    # explain's compile times each of the 4 calls; the compile after it reads their records
+    assert cold["stats"]["timed"] == 4 and cold["stats"]["from_disk"] >= 4, cold
+    records = sorted((tmp_path / "attention").glob("*.json"))
+    assert len(records) == 4
+    warm = _run_script(_ATTENTION_SCRIPT, tmp_path, 5e-2)
+    assert warm["stats"]["timed"] == 0 and warm["stats"]["from_disk"] >= 8, warm
+    assert all(line.endswith("(from disk)") for line in warm["lines"]), warm["lines"]
+    for i, record in enumerate(records):
+        data = record.read_bytes()
+        record.write_bytes(data[: len(data) // 2] if i % 2 else bytes(len(data)))
+    damaged = _run_script(_ATTENTION_SCRIPT, tmp_path, 5e-2)
+    assert damaged["stats"]["timed"] == 4, damaged
