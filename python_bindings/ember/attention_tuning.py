@@ -37,7 +37,7 @@ _log = logging.getLogger("ember")
 
 MIN_GAIN = 0.03
 RUNS = 10
-_GIVE_UP_MS = 50.0  # a first run slower than this is not repeated
+_GIVE_UP_MS = 50.0  # a first timed run slower than this is not repeated
 _ENABLED = {"cudnn": "cudnn_sdp_enabled", "flash": "flash_sdp_enabled", "efficient": "mem_efficient_sdp_enabled",
             "math": "math_sdp_enabled"}
 _SIGNATURE = inspect.signature(fused_attention)
@@ -88,7 +88,7 @@ def _candidates(call):
                          call["is_causal"], call["enable_gqa"])
     if not fused:
         return []
-    return fused[:1] + [k for k in fused[1:] + ["math"] if getattr(torch.backends.cuda, _ENABLED[k], bool)()]
+    return fused[:1] + [k for k in fused[1:] + ["math"] if getattr(torch.backends.cuda, _ENABLED[k], lambda: True)()]
 
 
 def _choose(call, candidates, deadline):
@@ -195,7 +195,8 @@ def _flush_bytes(device):
 
 
 def _time(kernel, tensors, call, flush):
-    """Milliseconds per run of `kernel` on `tensors` (the median), or -1 where it raises."""
+    """Milliseconds per run of `kernel` on `tensors` (the median after an untimed run: cuDNN builds its plan at the
+    first), or -1 where it raises."""
     inputs = [t for t in (tensors["query"], tensors["key"], tensors["value"], tensors["attn_mask"])
               if t is not None and t.requires_grad]
 
@@ -208,17 +209,16 @@ def _time(kernel, tensors, call, flush):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     try:
-        for i in range(RUNS + 1):
+        run()
+        for _ in range(RUNS):
             flush.zero_()
             start.record()
             run()
             end.record()
             end.synchronize()
-            ms = start.elapsed_time(end)
-            if i == 0 and ms > _GIVE_UP_MS:
-                return ms
-            if i:
-                times.append(ms)
+            times.append(start.elapsed_time(end))
+            if times[0] > _GIVE_UP_MS:
+                break
     except Exception as e:  # a kernel that does not take these operands after all: not a candidate
         _log.debug("ember: attention kernel %s could not run (%s: %s)", kernel, type(e).__name__, e)
         return -1.0
