@@ -113,10 +113,16 @@ class RotateHalf {
       if (a.kind == Arg::Kind::List) a.for_each_value([&](const Value*) { found = true; });
       return found;
     };
+    // A memory format other than contiguous or preserve names a layout of the original rank (channels_last's 4-D,
+    // a clone for a convolution): the split space has one dim more (fuzz seed 1911335).
+    auto rank_bound = [](const Arg& a) {
+      return a.kind == Arg::Kind::MemoryFormat && a.i != static_cast<int64_t>(c10::MemoryFormat::Preserve) &&
+             a.i != static_cast<int64_t>(c10::MemoryFormat::Contiguous);
+    };
     for (const Arg& a : n.args)
-      if (in_list(a)) return false;
+      if (in_list(a) || rank_bound(a)) return false;
     for (const auto& kv : n.kwargs)
-      if (in_list(kv.second)) return false;
+      if (in_list(kv.second) || rank_bound(kv.second)) return false;
     bool ok = true;
     n.for_each_input([&](const Value* v) {
       if (!v->type.is_tensor()) return;

@@ -1136,5 +1136,27 @@ TEST(RotateHalf, ComputesWhatTheCatDid) {
   }
 }
 
+TEST(RotateHalf, AChannelsLastCloneStaysInTheOriginalRank) {
+  // A channels_last clone (what a CPU convolution's input gets) names a 4-D layout: it does not move to the 5-D
+  // split space, and the rotation it reads is flattened back for it (fuzz seed 1911335).
+  const std::string in =
+      "graph(%x: f32[2, 2, 3, 4]{24, 12, 4, 1}@cpu):\n"
+      "  %lo: f32[2, 2, 3, 2]{24, 12, 4, 1}@cpu = aten::slice.Tensor(%x, 3, 0, 2)\n"
+      "  %hi: f32[2, 2, 3, 2]{24, 12, 4, 1}@cpu = aten::slice.Tensor(%x, 3, 2, 9223372036854775807)\n"
+      "  %neg: f32[2, 2, 3, 2]{12, 6, 2, 1}@cpu = aten::neg(%hi)\n"
+      "  %cat: f32[2, 2, 3, 4]{24, 12, 4, 1}@cpu = aten::cat([%neg, %lo], -1)\n"
+      "  %c: f32[2, 2, 3, 4]{24, 1, 8, 2}@cpu = aten::clone(%cat, memory_format=channels_last)\n"
+      "  return (%c)\n";
+  const std::string out = run_passes({rotate_half, eliminate_dead_code}, in);
+  EXPECT_NE(out.find("= aten::clone(%cat_rh"), std::string::npos) << out;
+  EXPECT_EQ(out.find("f32[2, 2, 3, 2, 2]{24, 1, 8"), std::string::npos) << out;  // no 5-D channels_last clone
+  at::manual_seed(0);
+  at::Tensor x = at::randn({2, 2, 3, 4});
+  auto got = run_text(in, {x});
+  at::Tensor want = at::cat({-x.slice(3, 2), x.slice(3, 0, 2)}, -1).contiguous(at::MemoryFormat::ChannelsLast);
+  EXPECT_TRUE(at::allclose(got[0].toTensor(), want, 0, 0));
+  EXPECT_TRUE(got[0].toTensor().is_contiguous(at::MemoryFormat::ChannelsLast));
+}
+
 }  // namespace
 }  // namespace ember
