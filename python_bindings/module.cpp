@@ -320,6 +320,16 @@ PYBIND11_MODULE(_native, m) {
       PyErr_SetString(ember_error_type.ptr(), e.what());
     }
   });
+  // A failed ATen call that ember handles itself may have come through Python: its error goes into the exception
+  // (python_error::persist), which then drops it, rather than staying set (ember/error.h).
+  set_exception_handled([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (python_error& e) {
+      e.persist();
+    } catch (...) {
+    }
+  });
   if (PyType_Ready(&direct_call_type) < 0) throw py::error_already_set();
   Py_INCREF(&direct_call_type);
   m.add_object("DirectCall", reinterpret_cast<PyObject*>(&direct_call_type));

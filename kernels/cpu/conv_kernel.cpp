@@ -34,6 +34,7 @@
 //     (WeightsPacking, as for matmuls).
 //  3. Anything oneDNN does not take (other dtypes, an addend laid out unlike the result, a padding oneDNN
 //     rejects) runs the same computation through ATen.
+#include "ember/error.h"
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/epilogue_support.h"
 
@@ -181,6 +182,7 @@ class Conv2dKernel final : public Kernel {
       if (t.fused < ops_.size()) *out = apply_epilogue_with_aten(std::move(*out), ops_, g.addends, addend_is_row_, t.fused);
       return true;
     } catch (const std::exception&) {  // e.g. bf16 on a CPU without it: ATen from now on
+      exception_handled();
       failed_.store(true, std::memory_order_relaxed);
       return false;
     }

@@ -37,6 +37,7 @@
 #include "kernels/cpu/cpu_kernel.h"
 #include "kernels/cpu/choice_record.h"
 #include "ember/config.h"
+#include "ember/error.h"
 #include "kernels/cpu/epilogue_support.h"
 #include "kernels/cpu/gemv.h"
 
@@ -256,6 +257,7 @@ class MatmulKernel final : public Kernel {
         *out = run_torch(src, weights, bias, addends);
         return true;
       } catch (const std::exception&) {  // (oneDNN's own errors come through as they are, not as c10::Error)
+        exception_handled();
         torch_failed_ = true;  // for good: a rejected problem would be rejected again
         return false;          // the ATen path computes the same thing, and raises what it raises
       }
@@ -339,11 +341,13 @@ class MatmulKernel final : public Kernel {
     try {
       run_aten(src, weights, bias, addends);
     } catch (const std::exception&) {
+      exception_handled();
       return std::nullopt;  // none is chosen; the next call times again
     }
     try {
       if (torch) run_torch(src, weights, bias, addends);
     } catch (const std::exception&) {
+      exception_handled();
       torch = false;
     }
     try {
@@ -360,6 +364,7 @@ class MatmulKernel final : public Kernel {
         torch_us = std::min(torch_us, elapsed_us(start));
       }
     } catch (const std::exception&) {
+      exception_handled();
       return std::nullopt;
     }
     // Another library only where clearly faster: oneDNN keeps ties (its epilogue reads the result once).

@@ -2,6 +2,7 @@
 // launch tuning (launch_tuning.h, in every build) times the same way: registered with it here, at load time.
 #include "kernels/cuda/timing.h"
 
+#include "ember/error.h"
 #include "kernels/cuda/launch_tuning.h"
 
 #include <cuda_runtime_api.h>
@@ -33,6 +34,7 @@ float time_runs(const std::function<bool()>& launch_or_throw, void* stream_handl
     try {
       return launch_or_throw();
     } catch (const std::exception&) {  // e.g. ATen refusing the candidate's call: not a candidate then
+      exception_handled();
       return false;
     }
   };
