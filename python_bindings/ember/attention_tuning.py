@@ -10,7 +10,9 @@ into the call.
    as it is.
 3. Timing: on random operands of the call's sizes, strides and dtypes (a symbolic size at its hint), the L2
    cleared before each run, the median of several runs after a warm-up; forward and backward where the call
-   needs gradients. The winner must be at least 3% faster than the default kernel, so that the choice does not
+   needs gradients. Each run is queued behind a GPU wait long enough for Python to queue all its launches, so
+   the time is the GPU's (as the compiled graph's C++ calls or CUDA graphs see it), not this file's Python
+   launching the math form's several kernels. The winner must be at least 3% faster than the default kernel, so that the choice does not
    flip between processes on noise.
 4. The timing's wall time counts against autotune_budget_s, per Dynamo graph; once it is spent the calls left
    keep the default kernel.
@@ -38,6 +40,7 @@ _log = logging.getLogger("ember")
 MIN_GAIN = 0.03
 RUNS = 10
 _GIVE_UP_MS = 50.0  # a first timed run slower than this is not repeated
+_QUEUE_CYCLES = 2_000_000  # the GPU's wait before each run, about 1 ms: longer than queuing the run takes
 _ENABLED = {"cudnn": "cudnn_sdp_enabled", "flash": "flash_sdp_enabled", "efficient": "mem_efficient_sdp_enabled",
             "math": "math_sdp_enabled"}
 _SIGNATURE = inspect.signature(fused_attention)
@@ -211,6 +214,7 @@ def _time(kernel, tensors, call, flush):
     try:
         run()
         for _ in range(RUNS):
+            torch.cuda._sleep(_QUEUE_CYCLES)
             flush.zero_()
             start.record()
             run()
