@@ -111,7 +111,7 @@ def _choose(call, candidates, deadline):
         report.record_attention(f"{shape}: {candidates[0]} (default: budget spent)")
         return candidates[0]
     timings = {}
-    with cache._outside_tracing():
+    with cache._outside_tracing(), torch.cuda.device(call["query"].device):  # the events time that device's stream
         tensors = _real_operands(operands, call)
         flush = torch.empty(_flush_bytes(tensors["query"].device), dtype=torch.uint8, device=tensors["query"].device)
         for kernel in candidates:
