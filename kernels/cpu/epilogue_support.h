@@ -79,11 +79,15 @@ inline onednn::DType onednn_dtype(c10::ScalarType t) {
 // oneDNN's convolutions also map NaN to 0 through a sigmoid (its exp clamps the input first): Debian's 2.6
 // always, torch 2.13's own where the convolution pads (their matmuls, and ATen's sigmoid, keep NaN). There a
 // sigmoid stops the chain too, and so does a clamp (relu6), which oneDNN's clip maps NaN to its lower bound.
+// A second scale-and-shift (eltwise_linear) stops it as well: Debian's oneDNN 2.6 applied the first one's alpha
+// and beta again in its place (x * 0.5, tanh, * 3 came out as tanh(x * 0.5) * 0.5; fuzz seed 1943321). Adjacent
+// scales are one op by then (lowering merges them).
 inline size_t library_exact_ops(const EpilogueGroup& g) {
-  size_t i = 0;
+  size_t i = 0, linears = 0;
   for (; i < g.ops.size(); ++i) {
     const EpilogueOp::Kind k = g.ops[i].kind;
     if (k == EpilogueOp::Kind::Relu || k == EpilogueOp::Kind::Clamp || (k == EpilogueOp::Kind::Sigmoid && g.kind == EpilogueGroup::Kind::Conv2d)) break;
+    if (k == EpilogueOp::Kind::Linear && linears++) break;
   }
   return i;
 }

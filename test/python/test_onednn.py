@@ -112,6 +112,24 @@ def test_residual_scale_and_row_epilogues(case):
 
 
 @needs_onednn
+@pytest.mark.parametrize("library", ["onednn", "torch", "aten", None])
+@pytest.mark.parametrize("act", ["tanh", "silu", "gelu", "sigmoid"])
+def test_two_scales_around_an_activation(act, library, monkeypatch):
+    """x @ w * 0.5, an activation, * 3 + 1: two scale-and-shift post-ops in one chain, where Debian's oneDNN 2.6
+    applied the first one's numbers in the second's place (fuzz seed 1943321); the second now runs through ATen.
+    Weights made in the graph (plain) and passed in (packed from their second call)."""
+    if library:
+        monkeypatch.setattr(ember.config, "cpu_matmul", library)
+    f = {"tanh": torch.tanh, "silu": F.silu, "gelu": F.gelu, "sigmoid": torch.sigmoid}[act]
+    w = torch.randn(64, 32) * 0.3
+    made = lambda x: f(torch.mm(x, (torch.arange(64 * 32.0).reshape(64, 32) % 7 - 3) * 0.1) * 0.5) * 3.0 + 1.0
+    passed = lambda x, w: f(torch.mm(x, w) * 0.5) * 3.0 + 1.0
+    with torch.no_grad():
+        check_calls(made, torch.randn(13, 64), grad=False, **MATMUL_TOL)
+        check_calls(passed, torch.randn(13, 64), w, grad=False, **MATMUL_TOL)
+
+
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7])
 @pytest.mark.parametrize("k,n", [(1, 5), (15, 3), (16, 4), (17, 9), (300, 129), (1030, 70)])
 def test_few_rows_against_weights_that_change_every_call(rows, k, n):
@@ -187,7 +205,7 @@ def test_matmul_epilogues_keep_nan(library, epilogue, monkeypatch):
     through ATen after the library call (kernels/cpu/epilogue_support.h, library_exact_ops). NaN and Inf in the
     source reach the result through rows of the product, on packed parameter weights, weights passed in, and
     few rows (ember's loop)."""
-    monkeypatch.setenv("EMBER_CPU_MATMUL", library)
+    monkeypatch.setattr(ember.config, "cpu_matmul", library)
     lin = nn.Linear(24, 40).eval()
     w = torch.randn(24, 40)
     tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
@@ -214,7 +232,7 @@ def test_conv2d_epilogues_keep_nan(route, epilogue, monkeypatch):
     if route == "onednn":
         if not _onednn_built():
             pytest.skip("ember was built without oneDNN")
-        monkeypatch.setenv("EMBER_ONEDNN_CONV", "1")
+        monkeypatch.setattr(ember.config, "onednn_conv", True)
     conv = nn.Conv2d(4, 6, 3, padding=1).eval()
     tails = {"relu": lambda y, r: torch.relu(y), "add_relu": lambda y, r: torch.relu(y + r),
              "sigmoid": lambda y, r: torch.sigmoid(y), "relu6": lambda y, r: F.relu6(y),
